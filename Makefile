@@ -1,0 +1,31 @@
+# `make run` and `make test` do their own set-up on a fresh machine: a .venv, the CPU torch wheel, kvtier.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: run test bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH)"
+	touch $@
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvtier run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_manager.py
+	$(BIN)/python bench/bench_tiers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,523 @@
+"""The manager decides; it never moves a byte.
+
+It owns the block index, one free list, eviction policy and admission rule per tier, and the
+watermarks. Every public verb returns a plan (plain data: which slot of which tier to write, read
+or move); the transfer engine executes plans and the runtime reports back through the matching
+`complete_*` verb. Blocks in flight are explicit in the index (`WRITING`, `readers`), so what is
+being written is never served and what is being read is never evicted.
+
+Not thread-safe: the runtime serialises calls under one lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.config import CacheMode
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.index import BlockEntry, BlockIndex, Copy, CopyState, SlotAllocator
+from kvtier.policy.admission import AdmissionKind, AdmissionRule
+from kvtier.policy.base import EvictionPolicy
+from kvtier.stats import DropReason, Stats
+from kvtier.tiers.base import TierKind
+
+
+class MoveReason(enum.Enum):
+    DEMOTE = "demote"  # eviction from a tier into a lower one
+    PROMOTE = "promote"  # a load hit below `promote_to`
+    PREFETCH = "prefetch"  # an engine hint
+
+
+@dataclass(frozen=True, slots=True)
+class TierSlots:
+    """What the manager needs to know of one tier: no bytes, only slots and rules."""
+
+    kind: TierKind
+    num_slots: int
+    policy: EvictionPolicy
+    admission: AdmissionRule = AdmissionRule(AdmissionKind.ALL)
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Write the block `key` into `slot` of `tier`."""
+
+    key: Hashable
+    tier: TierKind
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy block `key` from one tier's slot to another's; `id` names it while in flight."""
+
+    id: int
+    key: Hashable
+    src: TierKind
+    src_slot: int
+    dst: TierKind
+    dst_slot: int
+    reason: MoveReason
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSource:
+    """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands."""
+
+    key: Hashable
+    tier: TierKind
+    slot: int
+    after_move: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    placements: tuple[Placement, ...]
+    present: tuple[Hashable, ...]  # already stored or being stored: nothing to do
+    rejected: tuple[Hashable, ...]  # no tier had room: counted as dropped
+    moves: tuple[Move, ...]  # demotions this store triggered
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    sources: tuple[LoadSource, ...]
+    missing: tuple[Hashable, ...]
+    moves: tuple[Move, ...]  # promotions (and the demotions they triggered)
+
+
+class TierManager:
+    """Block index, placement, eviction and movement decisions for up to four tiers.
+
+    Args:
+        tiers: the tiers present, any order; at most one per kind.
+        mode: exclusive (one copy per block) or inclusive (stores write through to lower tiers).
+        promote_to: a load served from below this tier also promotes the block into it.
+        stats: counters to update.
+    Raises:
+        ConfigError: duplicate tiers, no tiers, or a bad watermark pair.
+    """
+
+    def __init__(self, tiers: Sequence[TierSlots], *, mode: CacheMode = CacheMode.EXCLUSIVE,
+                 promote_to: TierKind | None = TierKind.DRAM, stats: Stats | None = None) -> None:
+        kinds = [t.kind for t in tiers]
+        if not tiers or len(set(kinds)) != len(kinds):
+            raise ConfigError(f"tiers: need one or more distinct tiers, got {[k.name for k in kinds]}")
+        self._tiers = {t.kind: t for t in sorted(tiers, key=lambda t: t.kind)}
+        for t in tiers:
+            if not 0 < t.low_watermark <= t.high_watermark <= 1:
+                raise ConfigError(f"tiers.{t.kind.name.lower()}: need 0 < low_watermark <= high_watermark <= 1")
+        self.order = tuple(self._tiers)
+        self.mode = mode
+        self.promote_to = promote_to if promote_to in self._tiers else None
+        self.stats = stats or Stats()
+        self.index = BlockIndex()
+        self._slots = {k: SlotAllocator(k, t.num_slots) for k, t in self._tiers.items()}
+        self._owner: dict[TierKind, dict[int, Hashable]] = {k: {} for k in self._tiers}
+        self._moves: dict[int, Move] = {}
+        self._inbound: dict[Hashable, Move] = {}  # key -> promotion/prefetch in flight
+        self._outgoing = dict.fromkeys(self._tiers, 0)  # demotions in flight, per source tier
+        self._new_moves: list[Move] = []
+        self._ids = itertools.count(1)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def lookup(self, keys: Iterable[Hashable]) -> int:
+        """Length of the longest prefix of `keys` whose blocks are READY in some tier."""
+        n = 0
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is None or entry.best_ready() is None:
+                break
+            n += 1
+        return n
+
+    def where(self, key: Hashable) -> TierKind | None:
+        """The fastest tier holding a READY copy of `key`, or None."""
+        entry = self.index.get(key)
+        return entry.best_ready() if entry else None
+
+    def touch(self, keys: Iterable[Hashable]) -> None:
+        """Marks `keys` as just used in the tier that would serve them."""
+        for key in keys:
+            entry = self.index.get(key)
+            tier = entry.best_ready() if entry else None
+            if tier is not None:
+                self._tiers[tier].policy.touch(key)
+
+    def num_used(self, tier: TierKind) -> int:
+        return self._slots[tier].num_used
+
+    def num_slots(self, tier: TierKind) -> int:
+        return self._slots[tier].num_slots
+
+    def owner(self, tier: TierKind, slot: int) -> Hashable | None:
+        """The key whose copy occupies `slot` of `tier`, or None if the slot is free."""
+        return self._owner[tier].get(slot)
+
+    def moves_in_flight(self) -> list[Move]:
+        return list(self._moves.values())
+
+    # ---- pins ----------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[Hashable]) -> int:
+        """Protects stored `keys` from eviction in every tier; returns how many were pinned."""
+        n = 0
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.live_copies():
+                entry.pins += 1
+                n += 1
+        return n
+
+    def unpin(self, keys: Iterable[Hashable]) -> tuple[Move, ...]:
+        """Undoes one `pin` of each key; returns demotions that are now possible.
+
+        Raises:
+            KVTierError: a key that is not pinned.
+        """
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is None or entry.pins == 0:
+                raise KVTierError(f"unpin of block {_short(key)} that is not pinned")
+            entry.pins -= 1
+        self._rebalance()
+        return self._drain()
+
+    # ---- store ---------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Iterable[Hashable], target: TierKind | None = None) -> StorePlan:
+        """Chooses where new blocks go: `target` (default the top tier) or, if full, the next below.
+
+        Inclusive mode adds a write-through placement in every lower tier that admits the block.
+        """
+        start = self.order.index(target) if target is not None else 0
+        placements: list[Placement] = []
+        present: list[Hashable] = []
+        rejected: list[Hashable] = []
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.live_copies():
+                present.append(key)
+                continue
+            placed = self._place_new(key, self.order[start:])
+            placements += placed
+            if not placed:
+                rejected.append(key)
+                self.stats.dropped[DropReason.NO_SPACE] += 1
+        return StorePlan(tuple(placements), tuple(present), tuple(rejected), self._drain())
+
+    def complete_store(self, plan: StorePlan, failed: Iterable[tuple[Hashable, TierKind]] = (),
+                       checksums: dict[Hashable, tuple[int, ...]] | None = None) -> tuple[Move, ...]:
+        """Applies a finished store: written copies become READY, failed ones are freed.
+
+        Returns the demotions this triggered.
+        """
+        failed = set(failed)
+        for p in plan.placements:
+            entry = self.index.get(p.key)
+            if (p.key, p.tier) in failed:
+                self.stats.io_errors += 1
+                self._free_copy(entry, p.tier)
+                self._drop_if_empty(entry, DropReason.STORE_FAILED)
+                continue
+            self._make_ready(entry, p.tier)
+            self.stats.stores[p.tier] += 1
+            if checksums and p.key in checksums and entry.checksums is None:
+                entry.checksums = checksums[p.key]
+        self._rebalance()
+        return self._drain()
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Iterable[Hashable]) -> LoadPlan:
+        """Where to read each block from. Leases the source copies until `complete_load`.
+
+        A block below `promote_to` is promoted there, and read from the promoted copy once the
+        move lands; a block already on its way up (promotion or prefetch) joins that move instead
+        of issuing a second read.
+        """
+        sources: list[LoadSource] = []
+        missing: list[Hashable] = []
+        for key in keys:
+            entry = self.index.get(key)
+            tier = entry.best_ready() if entry else None
+            if tier is None:
+                missing.append(key)
+                self.stats.misses += 1
+                continue
+            sources.append(self._load_source(entry, tier))
+        return LoadPlan(tuple(sources), tuple(missing), self._drain())
+
+    def complete_load(self, plan: LoadPlan, failed: dict[Hashable, str] | None = None) -> tuple[Move, ...]:
+        """Releases a load's leases. `failed` maps keys whose read failed to a `DropReason`.
+
+        A copy that failed its checksum or could not be read is discarded (a counted drop if it
+        was the last copy); the caller treats those blocks as misses.
+        """
+        failed = failed or {}
+        for src in plan.sources:
+            entry = self.index.get(src.key)
+            copy = entry.copies.get(src.tier) if entry else None
+            if copy is None or copy.slot != src.slot:
+                continue  # the copy was already discarded by a failed move it had joined
+            copy.readers -= 1
+            reason = failed.get(src.key)
+            if reason in (DropReason.CHECKSUM, DropReason.READ_FAILED):
+                self._count_bad_read(reason)
+                self._discard(entry, src.tier, reason)
+            else:
+                self._settle(entry, src.tier)
+        self._rebalance()
+        return self._drain()
+
+    # ---- prefetch ------------------------------------------------------------------------
+
+    def prepare_prefetch(self, keys: Iterable[Hashable], target: TierKind, budget_blocks: int) -> tuple[Move, ...]:
+        """Moves up to `budget_blocks` of `keys`, in order, into `target`. Never evicts pinned blocks.
+
+        Blocks already at or above `target`, missing, or already moving up are skipped.
+        """
+        if target not in self._tiers:
+            raise KVTierError(f"prefetch target tier {target.name} is not configured")
+        moves: list[Move] = []
+        for key in keys:
+            if len(moves) >= budget_blocks:
+                break
+            entry = self.index.get(key)
+            tier = entry.best_ready() if entry else None
+            if tier is None or tier <= target or key in self._inbound or target in entry.copies:
+                continue
+            slot = self._free_slot(target, demoted=False, hits=entry.hits)
+            if slot is None:
+                break
+            moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
+        self.stats.prefetch_issued += len(moves)
+        return tuple(moves) + self._drain()
+
+    # ---- moves ---------------------------------------------------------------------------
+
+    def complete_move(self, move_id: int, ok: bool, checksums: tuple[int, ...] | None = None,
+                      failure: str | None = None) -> tuple[Move, ...]:
+        """Applies a finished, failed or cancelled move; returns the demotions it triggered.
+
+        On success the destination copy becomes READY; a demotion's source is freed, and so is a
+        promotion's source in exclusive mode. On failure the destination is freed, and `failure`
+        says why: a bad source (`DropReason.CHECKSUM`, `READ_FAILED`) is discarded; a demotion
+        that could not be written drops its block (it was already evicted from above); None
+        (cancelled) leaves the source as it was.
+        """
+        move = self._moves.pop(move_id)
+        entry = self.index.get(move.key)
+        if move.reason is MoveReason.DEMOTE:
+            self._outgoing[move.src] -= 1
+        else:
+            self._inbound.pop(move.key, None)
+        entry.copies[move.src].readers -= 1
+        if ok:
+            self._finish_move(entry, move, checksums)
+        else:
+            self._fail_move(entry, move, failure)
+        self._rebalance()
+        return self._drain()
+
+    def _finish_move(self, entry: BlockEntry, move: Move, checksums: tuple[int, ...] | None) -> None:
+        self._make_ready(entry, move.dst)
+        if checksums is not None and entry.checksums is None:
+            entry.checksums = checksums
+        pair = (move.src, move.dst)
+        (self.stats.demotions if move.reason is MoveReason.DEMOTE else self.stats.promotions)[pair] += 1
+        if move.reason is MoveReason.DEMOTE or self.mode is CacheMode.EXCLUSIVE:
+            self._retire(entry, move.src)
+        else:
+            self._settle(entry, move.src)
+
+    def _fail_move(self, entry: BlockEntry, move: Move, failure: str | None) -> None:
+        self._free_copy(entry, move.dst)
+        if failure in (DropReason.CHECKSUM, DropReason.READ_FAILED):
+            self._count_bad_read(failure)
+            self._discard(entry, move.src, failure)
+        elif failure is not None and move.reason is MoveReason.DEMOTE:
+            self.stats.io_errors += 1
+            self._retire(entry, move.src)
+            self._drop_if_empty(entry, failure)
+        else:
+            self.stats.io_errors += failure is not None
+            self._settle(entry, move.src)
+
+    def _count_bad_read(self, reason: str) -> None:
+        if reason == DropReason.CHECKSUM:
+            self.stats.checksum_errors += 1
+        else:
+            self.stats.io_errors += 1
+
+    # ---- internals: placement and eviction ----------------------------------------------
+
+    def _place_new(self, key: Hashable, tiers: Sequence[TierKind]) -> list[Placement]:
+        placements: list[Placement] = []
+        entry = self.index.get(key)
+        for tier in tiers:
+            if entry is not None and tier in entry.copies:
+                continue  # a copy of an earlier life is still leaving this tier
+            slot = self._free_slot(tier, demoted=False, hits=0)
+            if slot is None:
+                continue
+            entry = entry or self.index.get_or_create(key)
+            self._claim(entry, tier, slot)
+            placements.append(Placement(key, tier, slot))
+            if self.mode is CacheMode.EXCLUSIVE:
+                break
+        return placements
+
+    def _free_slot(self, tier: TierKind, *, demoted: bool, hits: int) -> int | None:
+        """A free slot of `tier` for a block it admits, evicting one victim if that frees one now."""
+        spec = self._tiers[tier]
+        if not spec.admission.admits(demoted=demoted, hits=hits):
+            return None
+        slot = self._slots[tier].allocate()
+        if slot is not None:
+            return slot
+        victims = spec.policy.evict(1, lambda k: not self._evictable(k, tier))
+        if victims:
+            self._evict(self.index.get(victims[0]), tier)
+        return self._slots[tier].allocate()
+
+    def _evictable(self, key: Hashable, tier: TierKind) -> bool:
+        entry = self.index.get(key)
+        return entry is not None and entry.pins == 0 and entry.copies[tier].evictable
+
+    def _evict(self, entry: BlockEntry, tier: TierKind) -> None:
+        """Evicts `entry`'s copy from `tier` (already gone from its policy): release, demote or drop."""
+        self.stats.evictions[tier] += 1
+        others = [t for t, c in entry.copies.items() if t != tier and c.state is not CopyState.FREEING]
+        if others:
+            self._release(entry, tier)
+            return
+        refused = False
+        for lower in self.order[self.order.index(tier) + 1:]:
+            if lower in entry.copies:
+                continue
+            refused |= not self._tiers[lower].admission.admits(demoted=True, hits=entry.hits)
+            slot = self._free_slot(lower, demoted=True, hits=entry.hits)
+            if slot is not None:
+                self._start_move(entry, tier, lower, slot, MoveReason.DEMOTE)
+                return
+        last = tier == self.order[-1]
+        reason = DropReason.EVICTED if last else DropReason.ADMISSION if refused else DropReason.LOWER_FULL
+        self._release(entry, tier)
+        self._drop_if_empty(entry, reason)
+
+    def _rebalance(self) -> None:
+        """Demotes from every tier above its high watermark down to its low watermark."""
+        for tier, spec in self._tiers.items():
+            slots = self._slots[tier]
+            used = slots.num_used - self._outgoing[tier]
+            if used <= spec.high_watermark * slots.num_slots:
+                continue
+            target = math.floor(spec.low_watermark * slots.num_slots)
+            while used > target:
+                victims = spec.policy.evict(1, lambda k, t=tier: not self._evictable(k, t))
+                if not victims:
+                    break
+                self._evict(self.index.get(victims[0]), tier)
+                used = self._slots[tier].num_used - self._outgoing[tier]
+
+    def _load_source(self, entry: BlockEntry, tier: TierKind) -> LoadSource:
+        entry.hits += 1
+        self.stats.hits[tier] += 1
+        self._tiers[tier].policy.touch(entry.key)
+        inbound = self._inbound.get(entry.key)
+        if inbound is not None:
+            if inbound.reason is MoveReason.PREFETCH:
+                self.stats.prefetch_used += 1
+            return self._lease_inbound(entry, inbound)
+        up = self.promote_to
+        if up is not None and tier > up and up not in entry.copies:
+            slot = self._free_slot(up, demoted=False, hits=entry.hits)
+            if slot is not None:
+                return self._lease_inbound(entry, self._start_move(entry, tier, up, slot, MoveReason.PROMOTE))
+        copy = entry.copies[tier]
+        copy.readers += 1
+        return LoadSource(entry.key, tier, copy.slot)
+
+    def _lease_inbound(self, entry: BlockEntry, move: Move) -> LoadSource:
+        entry.copies[move.dst].readers += 1
+        return LoadSource(entry.key, move.dst, move.dst_slot, after_move=move.id)
+
+    def _start_move(self, entry: BlockEntry, src: TierKind, dst: TierKind, slot: int, reason: MoveReason) -> Move:
+        move = Move(next(self._ids), entry.key, src, entry.copies[src].slot, dst, slot, reason)
+        entry.copies[src].readers += 1
+        self._claim(entry, dst, slot)
+        self._moves[move.id] = move
+        if reason is MoveReason.DEMOTE:
+            self._outgoing[src] += 1
+        else:
+            self._inbound[entry.key] = move
+        self._new_moves.append(move)
+        return move
+
+    def _drain(self) -> tuple[Move, ...]:
+        moves, self._new_moves = tuple(self._new_moves), []
+        return moves
+
+    # ---- internals: copy lifecycle -------------------------------------------------------
+
+    def _claim(self, entry: BlockEntry, tier: TierKind, slot: int) -> None:
+        if tier in entry.copies:
+            raise KVTierError(f"block {_short(entry.key)} already has a copy in {tier.name}")
+        entry.copies[tier] = Copy(slot)
+        self._owner[tier][slot] = entry.key
+
+    def _make_ready(self, entry: BlockEntry, tier: TierKind) -> None:
+        copy = entry.copies[tier]
+        if copy.state is not CopyState.WRITING:
+            raise KVTierError(f"block {_short(entry.key)} in {tier.name} completed twice")
+        copy.state = CopyState.READY
+        self._tiers[tier].policy.insert(entry.key)
+
+    def _release(self, entry: BlockEntry, tier: TierKind) -> None:
+        """Frees a copy already out of its policy, now or when its last reader ends."""
+        copy = entry.copies[tier]
+        copy.state = CopyState.FREEING
+        self._settle(entry, tier)
+
+    def _retire(self, entry: BlockEntry, tier: TierKind) -> None:
+        """Takes a copy out of service: out of its policy, freed once unread."""
+        if entry.copies[tier].state is CopyState.READY:
+            self._tiers[tier].policy.remove(entry.key)
+        self._release(entry, tier)
+
+    def _free_copy(self, entry: BlockEntry, tier: TierKind) -> None:
+        """Frees a copy that never became READY (a failed write), once unread."""
+        entry.copies[tier].state = CopyState.FREEING
+        self._settle(entry, tier)
+
+    def _settle(self, entry: BlockEntry, tier: TierKind) -> None:
+        copy = entry.copies[tier]
+        if copy.state is CopyState.FREEING and copy.readers == 0:
+            del entry.copies[tier]
+            del self._owner[tier][copy.slot]
+            self._slots[tier].release(copy.slot)
+            if not entry.copies:
+                self.index.discard(entry.key)
+
+    def _discard(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
+        self._retire(entry, tier)
+        self._drop_if_empty(entry, reason)
+
+    def _drop_if_empty(self, entry: BlockEntry, reason: str) -> None:
+        """Counts `entry` as dropped when no live copy is left."""
+        if entry.live_copies() == 0:
+            self.stats.dropped[reason] += 1
+            entry.pins = 0
+            if not entry.copies:
+                self.index.discard(entry.key)
+
+
+def _short(key: Hashable) -> str:
+    return key.hex()[:16] if isinstance(key, bytes) else repr(key)

@@ -1,0 +1,49 @@
+"""The `EvictionPolicy` interface: who leaves a tier when it must make room.
+
+Policies are pure bookkeeping over opaque hashable keys: no I/O, no clocks, no knowledge of tiers.
+They are atomic: `evict(n, protected)` returns exactly `n` victims or None, and on None nothing
+changed. Every implementation passes `tests/test_policy_contract.py` unchanged.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys resident in one tier by how much they deserve to stay."""
+
+    @abstractmethod
+    def insert(self, key: Hashable) -> None:
+        """Records that `key` became resident.
+
+        Raises:
+            KeyError: `key` is already tracked.
+        """
+
+    @abstractmethod
+    def touch(self, key: Hashable) -> None:
+        """Records an access to a resident `key`. Unknown keys are ignored (a miss is not an error)."""
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None:
+        """Forgets `key` (it left the tier for a reason other than eviction). Unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses `n` victims, none for which `protected(key)` is true, and forgets them.
+
+        Args:
+            n: number of victims wanted (>= 0).
+            protected: keys that must stay (pinned, being read or written).
+        Returns:
+            Exactly `n` victims in eviction order, or None when fewer than `n` unprotected keys
+            exist; on None the policy's state is unchanged.
+        """
+
+    @abstractmethod
+    def __contains__(self, key: Hashable) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...

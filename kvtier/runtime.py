@@ -1,0 +1,287 @@
+"""`KVTier`: what an inference engine holds — the manager and the transfer engine, wired.
+
+The engine sees four verbs (see DESIGN.md): `lookup`, `load`, `store`, `prefetch`. Each asks the
+manager for a plan under one lock, hands the plan to the transfer engine, and applies the
+completion when the transfer reports back. The lock is never held while bytes move.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import KVTierConfig, TierConfig, load_config
+from kvtier.errors import ConfigError, KVTierError, TierIOError
+from kvtier.handle import Stage, TransferHandle
+from kvtier.layout import BlockLayout
+from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
+from kvtier.policy import make_policy
+from kvtier.stats import DropReason, Stats
+from kvtier.tiers.base import Medium, Tier, TierKind
+from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+
+_BELOW_DRAM = (Medium.REMOTE, Medium.DISK)
+_READ_FAILURES = {Stage.VERIFY: DropReason.CHECKSUM, Stage.READ: DropReason.READ_FAILED}
+
+
+def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
+    """The tier a config section describes.
+
+    Raises:
+        ConfigError: the tier kind has no local implementation.
+        CapacityError, TierIOError: as the tier's constructor.
+    """
+    if cfg.kind is TierKind.HBM:
+        from kvtier.tiers.hbm import HBMTier
+        return HBMTier(cfg.capacity_bytes, slot_bytes, device=cfg.device)
+    if cfg.kind is TierKind.DRAM:
+        from kvtier.tiers.dram import DRAMTier
+        return DRAMTier(cfg.capacity_bytes, slot_bytes)
+    if cfg.kind is TierKind.SSD:
+        from kvtier.tiers.ssd import SSDTier
+        try:
+            cfg.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TierIOError(f"tiers.ssd.path {cfg.path}: cannot create the directory: {e.strerror}") from None
+        return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct)
+    raise ConfigError(f"tiers.{cfg.kind.name.lower()}: this tier is not available in this build")
+
+
+@dataclass
+class Prefetch:
+    """A prefetch in flight. `cancel()` stops the blocks no load has joined yet."""
+
+    handle: TransferHandle
+    moves: tuple[Move, ...]
+    _runtime: "KVTier"
+
+    def cancel(self) -> None:
+        self._runtime._cancel_prefetch(self)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.handle.wait(timeout_s)
+
+
+class KVTier:
+    """A tiered KV-cache store of fixed-size blocks.
+
+    Args:
+        config: tiers, policies and modes.
+        layout: the block layout (default: from `config.model` and `config.block_tokens`).
+        tiers: already-built tiers by kind (tests inject instrumented ones); the rest are built
+            from `config`.
+        stats: counters to update (default: a new `Stats`).
+    """
+
+    def __init__(self, config: KVTierConfig, *, layout: BlockLayout | None = None,
+                 tiers: Mapping[TierKind, Tier] | None = None, stats: Stats | None = None) -> None:
+        self.config = config
+        self.layout = layout or _layout_from_model(config)
+        self.stats = stats or Stats()
+        self.tiers: dict[TierKind, Tier] = dict(tiers or {})
+        try:
+            for cfg in config.tiers:
+                if cfg.kind not in self.tiers:
+                    self.tiers[cfg.kind] = build_tier(cfg, self.layout.block_bytes)
+        except BaseException:
+            self._close_tiers()
+            raise
+        self.manager = TierManager(
+            [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
+            promote_to=config.promote_to, stats=self.stats)
+        self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers, stats=self.stats)
+        self._lock = threading.RLock()
+        self._move_handles: dict[int, TransferHandle] = {}
+        self._closed = False
+
+    @classmethod
+    def from_config_file(cls, path: str | None = None, **kwargs) -> "KVTier":
+        return cls(load_config(path), **kwargs)
+
+    # ---- the engine's verbs ----------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """Number of leading `keys` whose blocks are stored and ready in some tier."""
+        with self._lock:
+            return self.manager.lookup(keys)
+
+    def store(self, keys: Sequence[Hashable], blocks: torch.Tensor | Sequence[torch.Tensor],
+              target: TierKind | None = None) -> TransferHandle:
+        """Saves blocks asynchronously; blocks already stored are skipped.
+
+        Args:
+            keys: one key per block.
+            blocks: `[len(keys), block_bytes]` uint8 (any device), or one 1-D tensor per block.
+                The caller keeps them unchanged until the handle is done.
+            target: the tier to write into (default the fastest); a full tier spills downward.
+        Returns:
+            A handle; blocks that could not be stored anywhere are in `handle.failed`.
+        """
+        buffers = self._check_blocks(keys, blocks, "blocks")
+        with self._lock:
+            plan = self.manager.prepare_store(keys, target)
+            ops = [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
+                          checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
+            self._submit_moves(plan.moves)
+            handle = TransferHandle(keys, self.layout.num_layers)
+            for key in plan.rejected:
+                handle.fail(key, Stage.WRITE, 0, "no tier had room for the block")
+            return self.engine.submit(ops, lambda h: self._on_stored(plan, h), handle=handle)
+
+    def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor]) -> TransferHandle:
+        """Copies stored blocks into the caller's buffers, layer by layer.
+
+        `handle.wait_layer(l)` returns once layer `l` of every block is in place. A block that is
+        not stored, or fails on the way (I/O error, checksum mismatch), is in `handle.failed` and
+        its buffer content is undefined: treat it as a miss.
+        """
+        buffers = self._check_blocks(keys, into, "into")
+        with self._lock:
+            plan = self.manager.prepare_load(keys)
+            self._submit_moves(plan.moves)
+            ops = [CopyOp(s.key, self._end(s.tier, s.slot), Endpoint(buffer=buffers[s.key]),
+                          verify=self._verify(s.key, s.tier),
+                          after=self._move_handles.get(s.after_move)) for s in plan.sources]
+            handle = TransferHandle(keys, self.layout.num_layers)
+            for key in plan.missing:
+                handle.fail(key, Stage.READ, 0, "not stored")
+            return self.engine.submit(ops, lambda h: self._on_loaded(plan, h), handle=handle)
+
+    def prefetch(self, keys: Sequence[Hashable], target: TierKind | None = None,
+                 budget_bytes: int | None = None) -> Prefetch:
+        """Moves blocks toward `target` (default the configured prefetch target), in order,
+        within `budget_bytes`. Pinned blocks are never evicted to make room."""
+        target = self.config.prefetch.target if target is None else target
+        budget = self.config.prefetch.budget_bytes if budget_bytes is None else budget_bytes
+        with self._lock:
+            moves = self.manager.prepare_prefetch(keys, target, budget // self.layout.block_bytes)
+            handle = self._submit_moves(moves)
+        return Prefetch(handle, moves, self)
+
+    def pin(self, keys: Sequence[Hashable]) -> int:
+        with self._lock:
+            return self.manager.pin(keys)
+
+    def unpin(self, keys: Sequence[Hashable]) -> None:
+        with self._lock:
+            self._submit_moves(self.manager.unpin(keys))
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier: slots used and total."""
+        with self._lock:
+            return {k.name.lower(): {"used": self.manager.num_used(k), "slots": self.manager.num_slots(k)}
+                    for k in self.manager.order}
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {"usage": self.usage(), **self.stats.snapshot()}
+
+    def describe(self) -> dict[str, object]:
+        return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
+                "num_layers": self.layout.num_layers, "mode": self.config.mode.value,
+                "tiers": [self.tiers[k].describe() for k in self.manager.order]}
+
+    def close(self) -> None:
+        """Waits for transfers in flight, then releases every tier. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
+            self._close_tiers()
+
+    def __enter__(self) -> "KVTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _slots(self, cfg: TierConfig) -> TierSlots:
+        tier = self.tiers[cfg.kind]
+        return TierSlots(cfg.kind, tier.num_slots, make_policy(cfg.policy, tier.num_slots),
+                         cfg.admission, cfg.high_watermark, cfg.low_watermark)
+
+    def _end(self, tier: TierKind, slot: int) -> Endpoint:
+        return Endpoint(self.tiers[tier], slot)
+
+    def _verify(self, key: Hashable, tier: TierKind) -> tuple[int, ...] | None:
+        if self.tiers[tier].medium not in _BELOW_DRAM:
+            return None
+        entry = self.manager.index.get(key)
+        if entry is None or entry.checksums is None:
+            raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
+        return entry.checksums
+
+    def _submit_moves(self, moves: Sequence[Move]) -> TransferHandle:
+        """Starts `moves` as one batch; caller holds the lock."""
+        ops = []
+        for m in moves:
+            needs_sum = self.tiers[m.dst].medium in _BELOW_DRAM and self.manager.index.get(m.key).checksums is None
+            ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), self._end(m.dst, m.dst_slot),
+                              verify=self._verify(m.key, m.src), checksum=needs_sum))
+        handle = self.engine.submit(ops, lambda h: self._on_moved(moves, h)) if ops else _done_handle(self.layout)
+        for m in moves:
+            self._move_handles[m.id] = handle
+        return handle
+
+    def _on_stored(self, plan: StorePlan, h: TransferHandle) -> None:
+        failed = [(p.key, p.tier) for p in plan.placements if p.key in h.failed]
+        sums = {k: tuple(v) for k, v in h.checksums.items() if k not in h.failed}
+        with self._lock:
+            self._submit_moves(self.manager.complete_store(plan, failed, sums))
+
+    def _on_loaded(self, plan: LoadPlan, h: TransferHandle) -> None:
+        failed = {k: _READ_FAILURES.get(f.stage, f.stage) for k, f in h.failed.items()}
+        with self._lock:
+            self._submit_moves(self.manager.complete_load(plan, failed))
+
+    def _on_moved(self, moves: Sequence[Move], h: TransferHandle) -> None:
+        with self._lock:
+            follow: list[Move] = []
+            for m in moves:
+                self._move_handles.pop(m.id, None)
+                f = h.failed.get(m.key)
+                failure = None if f is None or f.stage == Stage.CANCELLED else _READ_FAILURES.get(
+                    f.stage, DropReason.DEMOTION_FAILED)
+                if f is not None and f.stage == Stage.CANCELLED:
+                    self.stats.prefetch_cancelled += 1
+                sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
+                follow += self.manager.complete_move(m.id, f is None, sums, failure)
+            self._submit_moves(follow)
+
+    def _cancel_prefetch(self, prefetch: Prefetch) -> None:
+        with self._lock:
+            idle = [m.key for m in prefetch.moves if m.id in self._move_handles
+                    and self.manager.index.get(m.key).copies[m.dst].readers == 0]
+            prefetch.handle.cancel(idle)
+
+    def _check_blocks(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, torch.Tensor]:
+        bufs = list(blocks) if not isinstance(blocks, torch.Tensor) else [blocks[i] for i in range(blocks.shape[0])]
+        if len(bufs) != len(keys):
+            raise ValueError(f"{what}: {len(bufs)} blocks for {len(keys)} keys")
+        n = self.layout.block_bytes
+        for i, b in enumerate(bufs):
+            if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != n or not b.is_contiguous():
+                raise ValueError(f"{what}[{i}]: expected a contiguous uint8 tensor of {n} bytes, "
+                                 f"got {b.dtype} {tuple(b.shape)}")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{what}: duplicate keys in one call")
+        return dict(zip(keys, bufs))
+
+    def _close_tiers(self) -> None:
+        for tier in self.tiers.values():
+            tier.close()
+
+
+def _done_handle(layout: BlockLayout) -> TransferHandle:
+    h = TransferHandle((), layout.num_layers)
+    h.finish()
+    return h
+
+
+def _layout_from_model(config: KVTierConfig) -> BlockLayout:
+    from kvtier.catalog import resolve_model
+    return resolve_model(config.model, kv_dtype=config.kv_dtype).block_layout(config.block_tokens)

@@ -1,0 +1,76 @@
+"""Counters the manager and the transfer engine update; read by `kvtier info`, the demo and metrics.
+
+One `Stats` object is created by whoever owns the runtime and passed in; there are no globals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvtier.tiers.base import TierKind
+
+
+class DropReason:
+    """Why a block left the cache entirely (strings so they print and export as labels)."""
+
+    EVICTED = "evicted_from_last_tier"
+    ADMISSION = "admission_rejected"
+    LOWER_FULL = "lower_tiers_full"
+    NO_SPACE = "no_space"  # a store found no room in any tier
+    STORE_FAILED = "store_io_error"
+    DEMOTION_FAILED = "demotion_io_error"
+    CHECKSUM = "checksum_error"
+    READ_FAILED = "read_io_error"
+
+
+@dataclass
+class Stats:
+    """Event counts. Mutated under the runtime's lock; `snapshot()` copies them for readers."""
+
+    hits: Counter = field(default_factory=Counter)  # TierKind -> blocks served from that tier
+    misses: int = 0
+    stores: Counter = field(default_factory=Counter)  # TierKind -> blocks written by a store
+    evictions: Counter = field(default_factory=Counter)  # TierKind -> copies evicted
+    demotions: Counter = field(default_factory=Counter)  # (src, dst) -> completed demotions
+    promotions: Counter = field(default_factory=Counter)  # (src, dst) -> completed promotions
+    dropped: Counter = field(default_factory=Counter)  # DropReason -> blocks lost
+    checksum_errors: int = 0
+    io_errors: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_cancelled: int = 0
+    bytes_moved: Counter = field(default_factory=Counter)  # (src, dst) -> bytes
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_bytes(self, src: str, dst: str, num_bytes: int) -> None:
+        with self._lock:
+            self.bytes_moved[(src, dst)] += num_bytes
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def snapshot(self) -> dict[str, object]:
+        """A JSON-ready copy of every counter."""
+        def tiers(c: Counter) -> dict[str, int]:
+            return {TierKind(k).name.lower(): v for k, v in sorted(c.items())}
+
+        def pairs(c: Counter) -> dict[str, int]:
+            return {f"{_name(a)}->{_name(b)}": v for (a, b), v in sorted(c.items(), key=str)}
+
+        with self._lock:
+            return {
+                "hits": tiers(self.hits), "misses": self.misses, "stores": tiers(self.stores),
+                "evictions": tiers(self.evictions), "demotions": pairs(self.demotions),
+                "promotions": pairs(self.promotions), "dropped": dict(self.dropped),
+                "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
+                "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
+                             "cancelled": self.prefetch_cancelled},
+                "bytes_moved": pairs(self.bytes_moved),
+            }
+
+
+def _name(x: object) -> str:
+    return TierKind(x).name.lower() if isinstance(x, int) else str(x)

@@ -1,0 +1,1 @@
+"""kvtier tiers: HBM, DRAM, pool and SSD implementations of `Tier`."""

@@ -1,0 +1,151 @@
+"""The `Tier` interface: where bytes live.
+
+A tier is a slab of `num_slots` fixed-size slots of `slot_bytes` each. It knows nothing of keys,
+recency or free lists: the manager decides which slot holds what; a tier only reads and writes
+byte ranges of slots. Every implementation passes `tests/test_tier_contract.py` unchanged.
+
+Buffers are 1-D contiguous `torch.uint8` tensors. A memory tier (HBM, DRAM) also offers `view`, a
+zero-copy tensor over a slot range, which the transfer engine uses to copy without staging.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class TierKind(enum.IntEnum):
+    """The four tiers, ordered from fastest (0) to slowest; demotion goes to a larger value."""
+
+    HBM = 0
+    DRAM = 1
+    POOL = 2
+    SSD = 3
+
+
+class Medium(enum.Enum):
+    """What a tier's bytes physically are; the transfer engine routes copies by (src, dst) medium."""
+
+    DEVICE = "device"  # GPU memory (or the CPU tensor standing in for it)
+    HOST = "host"  # host DRAM, pinned when CUDA is present
+    REMOTE = "remote"  # a memory pool node reached over RDMA or TCP
+    DISK = "disk"  # NVMe SSD files
+
+
+@dataclass(frozen=True, slots=True)
+class SlotIO:
+    """One range of one slot and the buffer it is read into or written from."""
+
+    slot: int
+    buffer: torch.Tensor
+    offset: int = 0
+
+
+class Tier(ABC):
+    """A fixed array of equal slots holding block bytes.
+
+    Subclasses set `kind`, `medium`, `slot_bytes` and `num_slots` in their constructor.
+    Reads and writes of different slots may run concurrently from several threads; the manager
+    guarantees no two transfers touch the same slot at once.
+    """
+
+    kind: TierKind
+    medium: Medium
+    slot_bytes: int
+    num_slots: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    @abstractmethod
+    def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
+        """Writes all of `src` into `slot` starting at byte `offset`.
+
+        Args:
+            slot: slot index in `[0, num_slots)`.
+            src: 1-D contiguous uint8 tensor; `offset + src.numel() <= slot_bytes`.
+            offset: byte offset inside the slot.
+        Raises:
+            IndexError: slot or byte range out of bounds.
+            TierIOError: the medium failed (e.g. the disk is full); the slot's content is undefined.
+        """
+
+    @abstractmethod
+    def read(self, slot: int, dst: torch.Tensor, offset: int = 0) -> None:
+        """Reads `dst.numel()` bytes of `slot` starting at byte `offset` into `dst`.
+
+        Raises:
+            IndexError: slot or byte range out of bounds.
+            TierIOError: the medium failed or returned fewer bytes than asked.
+        """
+
+    def view(self, slot: int, offset: int, length: int) -> torch.Tensor | None:
+        """A zero-copy uint8 tensor over a slot range, or None where the medium has no such view."""
+        return None
+
+    def write_many(self, ios: Iterable[SlotIO]) -> None:
+        """Batched `write`; the default writes one by one. Raises as `write` on the first failure."""
+        for io in ios:
+            self.write(io.slot, io.buffer, io.offset)
+
+    def read_many(self, ios: Iterable[SlotIO]) -> None:
+        """Batched `read`; the default reads one by one. Raises as `read` on the first failure."""
+        for io in ios:
+            self.read(io.slot, io.buffer, io.offset)
+
+    def describe(self) -> dict[str, object]:
+        """Facts for `kvtier info`: kind, medium, capacity, and anything a user should know."""
+        return {
+            "tier": self.kind.name.lower(),
+            "medium": self.medium.value,
+            "slot_bytes": self.slot_bytes,
+            "num_slots": self.num_slots,
+            "capacity_bytes": self.capacity_bytes,
+        }
+
+    def close(self) -> None:
+        """Releases the tier's memory or files. Idempotent."""
+
+    def _check_range(self, slot: int, offset: int, length: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"{self.kind.name} slot {slot} out of range [0, {self.num_slots})")
+        if offset < 0 or length < 0 or offset + length > self.slot_bytes:
+            raise IndexError(
+                f"{self.kind.name} slot {slot}: range [{offset}, {offset + length}) "
+                f"outside slot of {self.slot_bytes} bytes"
+            )
+
+
+def as_byte_buffer(t: torch.Tensor, what: str) -> torch.Tensor:
+    """Checks that `t` is a 1-D contiguous uint8 tensor; returns it.
+
+    Raises:
+        TypeError: naming `what` and the offending dtype or shape.
+    """
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise TypeError(f"{what} must be a 1-D contiguous uint8 tensor, got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
+def slots_needed(capacity_bytes: int, slot_bytes: int, tier: str) -> int:
+    """Number of whole slots that fit in `capacity_bytes`.
+
+    Raises:
+        CapacityError: fewer than one slot fits.
+    """
+    from kvtier.errors import CapacityError
+
+    n = capacity_bytes // slot_bytes
+    if n < 1:
+        raise CapacityError(
+            f"tier {tier}: capacity {capacity_bytes} bytes is smaller than one block of {slot_bytes} bytes"
+        )
+    return n
+
+
+__all__: Sequence[str] = ("Medium", "SlotIO", "Tier", "TierKind", "as_byte_buffer", "slots_needed")

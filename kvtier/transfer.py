@@ -1,0 +1,268 @@
+"""The transfer engine moves bytes; it decides nothing.
+
+It executes batches of `CopyOp`s between endpoints — a slot of a tier, or a caller's buffer —
+layer by layer, and reports per-layer progress and per-block failures on a `TransferHandle`.
+The route of each copy follows the media of its two ends:
+
+- memory ↔ memory (HBM, DRAM, caller buffers): `Tensor.copy_`; where either end is on a CUDA
+  device the copy runs on the engine's own CUDA stream and the layer completes on a CUDA event;
+- disk/remote ↔ anything: the tier's `read`/`write`, run on the I/O worker pool so the blocks of
+  one layer are in flight together (queue depth = workers), staged through host buffers where the
+  other end is a device or another non-memory tier.
+
+Bytes read from a tier below DRAM are checked against their per-layer checksums (xxh3-64) before
+they are delivered; bytes written below DRAM get their checksums computed on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvtier.errors import IntegrityError
+from kvtier.handle import Failure, Stage, TransferHandle
+from kvtier.layout import BlockLayout
+from kvtier.stats import Stats
+from kvtier.tiers.base import Medium, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One end of a copy: `slot` of `tier`, or a caller's `buffer` holding one whole block."""
+
+    tier: Tier | None = None
+    slot: int = -1
+    buffer: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tier.kind.name.lower() if self.tier is not None else f"buffer:{self.buffer.device.type}"
+
+    def view(self, offset: int, length: int) -> torch.Tensor | None:
+        if self.buffer is not None:
+            return self.buffer[offset: offset + length]
+        return self.tier.view(self.slot, offset, length)
+
+    @property
+    def below_dram(self) -> bool:
+        return self.tier is not None and self.tier.medium in (Medium.REMOTE, Medium.DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy block `key` from `src` to `dst`.
+
+    Attributes:
+        verify: expected per-layer checksums of the source bytes, checked after each layer's read.
+        checksum: compute per-layer checksums of the bytes (into `handle.checksums`).
+        after: a transfer that writes `src` (a move this copy joined); layer `l` is read only after
+            `after` has finished layer `l`, and the copy fails if `after` failed this key.
+    """
+
+    key: Hashable
+    src: Endpoint
+    dst: Endpoint
+    verify: tuple[int, ...] | None = None
+    checksum: bool = False
+    after: TransferHandle | None = None
+
+
+def layer_checksum(host_bytes: torch.Tensor) -> int:
+    """xxh3-64 of a CPU uint8 tensor's bytes."""
+    return xxhash.xxh3_64_intdigest(host_bytes.numpy())
+
+
+class TransferEngine:
+    """Runs batches of copies on worker threads.
+
+    Args:
+        layout: the block layout every copy follows.
+        io_workers: threads for disk/remote I/O (the queue depth of one layer's batch).
+        job_workers: batches that may run at once.
+        stats: receives bytes moved per (source, destination).
+    """
+
+    def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
+                 stats: Stats | None = None) -> None:
+        self.layout = layout
+        self.stats = stats or Stats()
+        self._jobs = ThreadPoolExecutor(job_workers, thread_name_prefix="kvtier-job")
+        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-io")
+        self._local = threading.local()
+        self._cuda = _CudaCopier() if torch.cuda.is_available() else None
+        self._closed = False
+
+    def submit(self, ops: Sequence[CopyOp], on_done: Callable[[TransferHandle], None] | None = None,
+               layers: Sequence[int] | None = None, handle: TransferHandle | None = None) -> TransferHandle:
+        """Starts copying `ops`; returns at once.
+
+        Jobs start in submission order, and a copy only waits (`after`) on transfers submitted
+        before it, so waiting never deadlocks the worker pool.
+
+        Args:
+            ops: the copies, one per block.
+            on_done: called on a worker thread once every layer is done, before `wait()` returns.
+            layers: copy only these layers (default: all, in order).
+            handle: report on this handle (it may carry more keys than `ops`, e.g. misses
+                already marked failed); default a new one for the ops' keys.
+        """
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
+        self._jobs.submit(self._run, list(ops), handle, on_done, layers)
+        return handle
+
+    def close(self) -> None:
+        """Waits for running transfers, then stops the workers. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+
+    # ---- execution -----------------------------------------------------------------------
+
+    def _run(self, ops: list[CopyOp], handle: TransferHandle, on_done, layers) -> None:
+        error: BaseException | None = None
+        try:
+            for layer in layers if layers is not None else range(self.layout.num_layers):
+                self._run_layer(ops, handle, layer)
+                handle.layer_done(layer)
+            if on_done is not None:
+                on_done(handle)
+        except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
+            log.exception("transfer of %d blocks failed", len(ops))
+            error = e
+        handle.finish(error)
+
+    def _run_layer(self, ops: list[CopyOp], handle: TransferHandle, layer: int) -> None:
+        live = [op for op in ops if self._still_live(op, handle, layer)]
+        slow = [op for op in live if op.src.below_dram or op.dst.below_dram]
+        futures = [self._io.submit(self._copy_guarded, op, handle, layer) for op in slow]
+        for op in live:
+            if not (op.src.below_dram or op.dst.below_dram):
+                self._copy_guarded(op, handle, layer)
+        wait(futures)
+        if self._cuda is not None:
+            self._cuda.sync()
+
+    def _still_live(self, op: CopyOp, handle: TransferHandle, layer: int) -> bool:
+        if op.key in handle.failed:
+            return False
+        if handle.is_cancelled(op.key):
+            handle.fail(op.key, Stage.CANCELLED, layer, "cancelled")
+            return False
+        if op.after is not None:
+            op.after.wait_layer(layer)
+            if op.key in op.after.failed:
+                handle.fail(op.key, Stage.DEPENDENCY, layer, op.after.failed[op.key].error)
+                return False
+        return True
+
+    def _copy_guarded(self, op: CopyOp, handle: TransferHandle, layer: int) -> None:
+        try:
+            checksum = self._copy_layer(op, layer)
+        except _StageError as e:
+            handle.fail(op.key, e.stage, layer, e.cause)
+            return
+        if checksum is not None:
+            handle.checksums.setdefault(op.key, []).append(checksum)
+        self.stats.add_bytes(op.src.name, op.dst.name, self.layout.layer_bytes[layer])
+
+    def _copy_layer(self, op: CopyOp, layer: int) -> int | None:
+        """Copies one layer of one block; returns its checksum when asked to compute one."""
+        offset, length = self.layout.layer_range(layer)
+        src, dst = op.src.view(offset, length), op.dst.view(offset, length)
+        host = _host(src)
+        if src is None:  # disk or remote: read into host memory (the destination itself if it can)
+            host = _host(dst) if dst is not None and _host(dst) is not None else self._staging(length, 0)
+            _stage(Stage.READ, op.src.tier.read, op.src.slot, host, offset)
+        if op.verify is not None and layer_checksum(host) != op.verify[layer]:
+            raise _StageError(Stage.VERIFY, IntegrityError(
+                f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: checksum mismatch"))
+        if host is None and (op.checksum or dst is None):  # a device source bound for a checksum or a disk
+            host = self._staging(length, 1)
+            self._cuda.copy(host, src, blocking=True)
+        checksum = layer_checksum(host) if op.checksum else None
+        if dst is None:
+            _stage(Stage.WRITE, op.dst.tier.write, op.dst.slot, host, offset)
+        elif host is not dst:
+            self._copy_tensor(dst, host if host is not None else src, staged=host is not None and src is None)
+        return checksum
+
+    def _copy_tensor(self, dst: torch.Tensor, src: torch.Tensor, staged: bool) -> None:
+        if dst.is_cuda or src.is_cuda:
+            self._cuda.copy(dst, src, blocking=staged)  # a staging buffer is reused at once: wait
+        else:
+            dst.copy_(src)
+
+    def _staging(self, length: int, which: int) -> torch.Tensor:
+        """A per-thread host buffer (pinned with CUDA) of at least `length` bytes."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [torch.empty(0, dtype=torch.uint8)] * 2
+        if bufs[which].numel() < length:
+            bufs[which] = torch.empty(length, dtype=torch.uint8, pin_memory=self._cuda is not None)
+        return bufs[which][:length]
+
+
+class _StageError(Exception):
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(f"{stage}: {cause}")
+        self.stage, self.cause = stage, cause
+
+
+def _stage(stage: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except (OSError, IndexError, IntegrityError) as e:
+        raise _StageError(stage, e) from e
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is not None and not t.is_cuda else None
+
+
+def _short(key: Hashable) -> str:
+    return key.hex()[:16] if isinstance(key, bytes) else repr(key)
+
+
+class _CudaCopier:
+    """Device↔host and device↔device copies on a dedicated CUDA stream per worker thread.
+
+    A layer's copies are queued asynchronously; `sync()` at the end of the layer waits on an event
+    recorded after them, so the layer is reported done only when its bytes have landed.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stream(self) -> torch.cuda.Stream:
+        s = getattr(self._local, "stream", None)
+        if s is None:
+            s = self._local.stream = torch.cuda.Stream()
+        return s
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, blocking: bool) -> None:
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        if blocking:
+            stream.synchronize()
+
+    def sync(self) -> None:
+        stream = getattr(self._local, "stream", None)
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()
+
+
+__all__ = ["CopyOp", "Endpoint", "Failure", "Stage", "TransferEngine", "TransferHandle", "layer_checksum"]
