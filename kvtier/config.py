@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -237,7 +237,3 @@ def load_config(path: str | Path | None = None) -> KVTierConfig:
         raise ConfigError(f"config file {source}: not valid YAML: {e}") from None
     return config_from_dict(raw)
 
-
-def config_fields(cls: type) -> list[str]:
-    """Field names of a config dataclass (used by `kvtier info`)."""
-    return [f.name for f in fields(cls)]

@@ -223,8 +223,7 @@ class TierManager:
             entry = self.index.get(p.key)
             if (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
-                self._free_copy(entry, p.tier)
-                self._drop_if_empty(entry, DropReason.STORE_FAILED)
+                self._release(entry, p.tier, DropReason.STORE_FAILED)
                 continue
             self._make_ready(entry, p.tier)
             self.stats.stores[p.tier] += 1
@@ -270,7 +269,7 @@ class TierManager:
             reason = failed.get(src.key)
             if reason in (DropReason.CHECKSUM, DropReason.READ_FAILED):
                 self._count_bad_read(reason)
-                self._discard(entry, src.tier, reason)
+                self._retire(entry, src.tier, reason)
             else:
                 self._settle(entry, src.tier)
         self._rebalance()
@@ -282,6 +281,7 @@ class TierManager:
         """Moves up to `budget_blocks` of `keys`, in order, into `target`. Never evicts pinned blocks.
 
         Blocks already at or above `target`, missing, or already moving up are skipped.
+        Returns the prefetch moves (reason PREFETCH) and the demotions that made room for them.
         """
         if target not in self._tiers:
             raise KVTierError(f"prefetch target tier {target.name} is not configured")
@@ -293,12 +293,16 @@ class TierManager:
             tier = entry.best_ready() if entry else None
             if tier is None or tier <= target or key in self._inbound or target in entry.copies:
                 continue
+            source = entry.copies[tier]
+            source.readers += 1  # so that making room in `target` cannot evict the source itself
             slot = self._free_slot(target, demoted=False, hits=entry.hits)
+            if slot is not None:
+                moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
+            source.readers -= 1
             if slot is None:
                 break
-            moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
         self.stats.prefetch_issued += len(moves)
-        return tuple(moves) + self._drain()
+        return self._drain()  # the prefetches, then any demotions that made room for them
 
     # ---- moves ---------------------------------------------------------------------------
 
@@ -333,19 +337,19 @@ class TierManager:
         pair = (move.src, move.dst)
         (self.stats.demotions if move.reason is MoveReason.DEMOTE else self.stats.promotions)[pair] += 1
         if move.reason is MoveReason.DEMOTE or self.mode is CacheMode.EXCLUSIVE:
-            self._retire(entry, move.src)
+            self._retire(entry, move.src, DropReason.EVICTED)  # never the last copy: dst is READY
         else:
             self._settle(entry, move.src)
 
     def _fail_move(self, entry: BlockEntry, move: Move, failure: str | None) -> None:
-        self._free_copy(entry, move.dst)
+        # The source may already be leaving (discarded by a failed read): then this was the last copy.
+        self._release(entry, move.dst, failure or DropReason.MOVE_ABORTED)
         if failure in (DropReason.CHECKSUM, DropReason.READ_FAILED):
             self._count_bad_read(failure)
-            self._discard(entry, move.src, failure)
+            self._retire(entry, move.src, failure)
         elif failure is not None and move.reason is MoveReason.DEMOTE:
             self.stats.io_errors += 1
-            self._retire(entry, move.src)
-            self._drop_if_empty(entry, failure)
+            self._retire(entry, move.src, failure)  # it was already evicted from above
         else:
             self.stats.io_errors += failure is not None
             self._settle(entry, move.src)
@@ -396,7 +400,7 @@ class TierManager:
         self.stats.evictions[tier] += 1
         others = [t for t, c in entry.copies.items() if t != tier and c.state is not CopyState.FREEING]
         if others:
-            self._release(entry, tier)
+            self._release(entry, tier, DropReason.EVICTED)  # never the last copy
             return
         refused = False
         for lower in self.order[self.order.index(tier) + 1:]:
@@ -409,8 +413,7 @@ class TierManager:
                 return
         last = tier == self.order[-1]
         reason = DropReason.EVICTED if last else DropReason.ADMISSION if refused else DropReason.LOWER_FULL
-        self._release(entry, tier)
-        self._drop_if_empty(entry, reason)
+        self._release(entry, tier, reason)
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark."""
@@ -436,13 +439,15 @@ class TierManager:
             if inbound.reason is MoveReason.PREFETCH:
                 self.stats.prefetch_used += 1
             return self._lease_inbound(entry, inbound)
+        copy = entry.copies[tier]
+        copy.readers += 1  # leased first, so making room above can never evict it
         up = self.promote_to
         if up is not None and tier > up and up not in entry.copies:
             slot = self._free_slot(up, demoted=False, hits=entry.hits)
             if slot is not None:
-                return self._lease_inbound(entry, self._start_move(entry, tier, up, slot, MoveReason.PROMOTE))
-        copy = entry.copies[tier]
-        copy.readers += 1
+                move = self._start_move(entry, tier, up, slot, MoveReason.PROMOTE)
+                copy.readers -= 1  # the move holds its own lease
+                return self._lease_inbound(entry, move)
         return LoadSource(entry.key, tier, copy.slot)
 
     def _lease_inbound(self, entry: BlockEntry, move: Move) -> LoadSource:
@@ -480,22 +485,24 @@ class TierManager:
         copy.state = CopyState.READY
         self._tiers[tier].policy.insert(entry.key)
 
-    def _release(self, entry: BlockEntry, tier: TierKind) -> None:
-        """Frees a copy already out of its policy, now or when its last reader ends."""
+    def _release(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
+        """Takes a copy (already out of its policy) out of service; frees it once unread.
+
+        If it was the block's last live copy, the block is dropped and counted under `reason`.
+        """
         copy = entry.copies[tier]
-        copy.state = CopyState.FREEING
+        if copy.state is not CopyState.FREEING:
+            copy.state = CopyState.FREEING
+            if entry.live_copies() == 0:
+                self.stats.dropped[reason] += 1
+                entry.pins = 0
         self._settle(entry, tier)
 
-    def _retire(self, entry: BlockEntry, tier: TierKind) -> None:
-        """Takes a copy out of service: out of its policy, freed once unread."""
+    def _retire(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
+        """Like `_release`, for a copy that may still be in its policy."""
         if entry.copies[tier].state is CopyState.READY:
             self._tiers[tier].policy.remove(entry.key)
-        self._release(entry, tier)
-
-    def _free_copy(self, entry: BlockEntry, tier: TierKind) -> None:
-        """Frees a copy that never became READY (a failed write), once unread."""
-        entry.copies[tier].state = CopyState.FREEING
-        self._settle(entry, tier)
+        self._release(entry, tier, reason)
 
     def _settle(self, entry: BlockEntry, tier: TierKind) -> None:
         copy = entry.copies[tier]
@@ -503,18 +510,6 @@ class TierManager:
             del entry.copies[tier]
             del self._owner[tier][copy.slot]
             self._slots[tier].release(copy.slot)
-            if not entry.copies:
-                self.index.discard(entry.key)
-
-    def _discard(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
-        self._retire(entry, tier)
-        self._drop_if_empty(entry, reason)
-
-    def _drop_if_empty(self, entry: BlockEntry, reason: str) -> None:
-        """Counts `entry` as dropped when no live copy is left."""
-        if entry.live_copies() == 0:
-            self.stats.dropped[reason] += 1
-            entry.pins = 0
             if not entry.copies:
                 self.index.discard(entry.key)
 

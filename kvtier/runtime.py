@@ -17,7 +17,7 @@ from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.handle import Stage, TransferHandle
 from kvtier.layout import BlockLayout
-from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
+from kvtier.manager import LoadPlan, Move, MoveReason, StorePlan, TierManager, TierSlots
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -169,6 +169,25 @@ class KVTier:
         with self._lock:
             self._submit_moves(self.manager.unpin(keys))
 
+    def where(self, keys: Sequence[Hashable]) -> list[TierKind | None]:
+        """The fastest tier holding a ready copy of each key (None: not stored)."""
+        with self._lock:
+            return [self.manager.where(k) for k in keys]
+
+    def quiesce(self, timeout_s: float | None = None) -> None:
+        """Waits until no demotion, promotion or prefetch is in flight (stores and loads: use their handles).
+
+        Raises:
+            TimeoutError: moves still in flight after `timeout_s` (per wait).
+        """
+        while True:
+            with self._lock:
+                handles = {id(h): h for h in self._move_handles.values()}
+            if not handles:
+                return
+            for h in handles.values():
+                h.wait(timeout_s)
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tier: slots used and total."""
         with self._lock:
@@ -254,8 +273,8 @@ class KVTier:
 
     def _cancel_prefetch(self, prefetch: Prefetch) -> None:
         with self._lock:
-            idle = [m.key for m in prefetch.moves if m.id in self._move_handles
-                    and self.manager.index.get(m.key).copies[m.dst].readers == 0]
+            idle = [m.key for m in prefetch.moves if m.reason is MoveReason.PREFETCH
+                    and m.id in self._move_handles and self.manager.index.get(m.key).copies[m.dst].readers == 0]
             prefetch.handle.cancel(idle)
 
     def _check_blocks(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, torch.Tensor]:

@@ -23,6 +23,7 @@ class DropReason:
     DEMOTION_FAILED = "demotion_io_error"
     CHECKSUM = "checksum_error"
     READ_FAILED = "read_io_error"
+    MOVE_ABORTED = "move_aborted"  # a cancelled move whose source had meanwhile been discarded
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""Block keys: 128-bit digests chained on the prefix.
+
+    key_i = xxh3_128(namespace.digest ‖ key_{i-1} ‖ token ids of block i as little-endian int64)
+
+with `key_{-1}` = 16 zero bytes. Equal keys therefore mean equal prefixes (model, KV dtype, block size,
+tenant salt and every earlier token), so any process on any machine that computed a prefix can serve it
+to any other. Nothing here uses Python's `hash()`, so keys survive `PYTHONHASHSEED` and restarts.
+
+Changing this encoding invalidates every persisted block (SSD files, pool nodes): bump `_NAMESPACE_TAG`.
+"""
+
+from __future__ import annotations
+
+import numbers
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, NewType
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import ConfigError
+
+BlockKey = NewType("BlockKey", bytes)
+"""A 16-byte digest; cheap to hash and compare, printable with `.hex()`."""
+
+KEY_BYTES = 16
+ROOT_KEY = BlockKey(bytes(KEY_BYTES))
+"""The parent of a sequence's first block."""
+
+_NAMESPACE_TAG = b"kvtier.namespace.v1"
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What, besides tokens, must match for two blocks to hold the same bytes.
+
+    Attributes:
+        model: identifies the *weights* (e.g. the HF id and revision the engine loaded). Not the
+            catalog's geometry name: a base and a chat model share geometry but never KV.
+        kv_dtype: the exact cache byte format (e.g. `fp16`, `fp8_e4m3`); formats of one width differ.
+        block_tokens: tokens per block.
+        tenant_salt: isolates tenants: blocks of different salts never share keys.
+    """
+
+    model: str
+    kv_dtype: str
+    block_tokens: int
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        kv_dtype = getattr(self.kv_dtype, "value", self.kv_dtype)  # accept a geometry.KVDtype
+        object.__setattr__(self, "kv_dtype", kv_dtype)
+        for field in ("model", "kv_dtype"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"Namespace.{field} must be a non-empty string, got {value!r}")
+        if not isinstance(self.tenant_salt, str):
+            raise ConfigError(f"Namespace.tenant_salt must be a string, got {self.tenant_salt!r}")
+        block_tokens = self.block_tokens
+        if not isinstance(block_tokens, numbers.Integral) or isinstance(block_tokens, bool) or block_tokens <= 0:
+            raise ConfigError(f"Namespace.block_tokens must be a positive integer, got {block_tokens!r}")
+        object.__setattr__(self, "block_tokens", int(block_tokens))
+
+    @cached_property
+    def digest(self) -> bytes:
+        """16 bytes identifying the namespace; every field is length-prefixed so none can bleed into another."""
+        parts = [_NAMESPACE_TAG, self.model, self.kv_dtype, self.tenant_salt]
+        encoded = b"".join(_length_prefixed(p if isinstance(p, bytes) else p.encode("utf-8")) for p in parts)
+        return xxhash.xxh3_128_digest(encoded + struct.pack("<q", self.block_tokens))
+
+
+def _length_prefixed(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def block_keys(namespace: Namespace, token_ids: Any, parent: BlockKey = ROOT_KEY) -> list[BlockKey]:
+    """The keys of every full block of `token_ids`; a partial last block gets no key.
+
+    Args:
+        namespace: model, dtype, block size and tenant the blocks belong to.
+        token_ids: a 1-D sequence of integer token ids: list, tuple, numpy array or torch tensor.
+        parent: the key of the block before `token_ids[0]`, to extend a chain; the root by default.
+
+    Returns:
+        `len(token_ids) // namespace.block_tokens` keys, in order.
+
+    Raises:
+        TypeError: token_ids are not integers.
+        ValueError: token_ids are not 1-D, a value does not fit int64, or parent is not 16 bytes.
+    """
+    _check_key(parent)
+    tokens = _as_int64(token_ids)
+    block_tokens = namespace.block_tokens
+    data = memoryview(tokens.tobytes())
+    block_bytes = block_tokens * 8
+    keys: list[BlockKey] = []
+    prev = parent
+    for start in range(0, (len(tokens) // block_tokens) * block_bytes, block_bytes):
+        prev = _chain(namespace.digest, prev, data[start : start + block_bytes])
+        keys.append(prev)
+    return keys
+
+
+def next_block_key(namespace: Namespace, parent: BlockKey, block_token_ids: Any) -> BlockKey:
+    """The key of one block that follows `parent` (use `ROOT_KEY` for a sequence's first block).
+
+    Raises:
+        TypeError: token ids are not integers.
+        ValueError: not exactly `namespace.block_tokens` ids, or parent is not 16 bytes.
+    """
+    _check_key(parent)
+    tokens = _as_int64(block_token_ids)
+    if len(tokens) != namespace.block_tokens:
+        raise ValueError(f"a block holds {namespace.block_tokens} tokens, got {len(tokens)}")
+    return _chain(namespace.digest, parent, tokens.tobytes())
+
+
+def _chain(namespace_digest: bytes, parent: bytes, token_bytes: bytes | memoryview) -> BlockKey:
+    hasher = xxhash.xxh3_128()
+    hasher.update(namespace_digest)
+    hasher.update(parent)
+    hasher.update(token_bytes)
+    return BlockKey(hasher.digest())
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {key!r}")
+
+
+def _as_int64(token_ids: Any) -> np.ndarray:
+    """token ids as a contiguous little-endian int64 array, without copying when already so."""
+    if hasattr(token_ids, "detach"):  # a torch tensor; torch itself is not imported here
+        token_ids = token_ids.detach().cpu().numpy()
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype="<i8")
+    if array.dtype.kind == "O":  # Python ints beyond int64, or mixed objects
+        raise ValueError("token ids must be integers that fit int64")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > _INT64_MAX:
+        raise ValueError(f"token id {int(array.max())} does not fit int64")
+    return np.ascontiguousarray(array, dtype="<i8")
+
+
+def keys_hex(keys: Sequence[BlockKey]) -> list[str]:
+    """Printable form of `keys` (for logs and JSON)."""
+    return [key.hex() for key in keys]

@@ -1,0 +1,85 @@
+"""Eviction policies and admission rules.
+
+`make_policy` builds one tier's policy from its config: a `PolicyKind` plus that kind's parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.policy.admission import AdmissionKind, AdmissionRule
+from kvtier.policy.arc import ARCPolicy
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.s3fifo import S3FIFOPolicy
+
+__all__ = [
+    "ARCPolicy",
+    "AdmissionKind",
+    "AdmissionRule",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PolicyKind",
+    "S3FIFOPolicy",
+    "make_policy",
+]
+
+
+class PolicyKind(enum.Enum):
+    """The eviction policies a tier can use."""
+
+    LRU = "lru"
+    S3FIFO = "s3fifo"
+    ARC = "arc"
+
+
+# Parameters each kind accepts besides capacity_hint; their defaults live in the classes.
+_PARAMS: dict[PolicyKind, frozenset[str]] = {
+    PolicyKind.LRU: frozenset(),
+    PolicyKind.S3FIFO: frozenset({"small_ratio", "ghost_ratio", "max_freq"}),
+    PolicyKind.ARC: frozenset(),
+}
+
+
+def make_policy(kind: PolicyKind | str, capacity_hint: int, **params: Any) -> EvictionPolicy:
+    """Builds an empty eviction policy.
+
+    Args:
+        kind: which policy; a `PolicyKind` or its value ("lru", "s3fifo", "arc").
+        capacity_hint: expected number of resident keys (>= 1); S3-FIFO and ARC size their
+            internal queues from it, LRU ignores it.
+        **params: the kind's own parameters (S3-FIFO: small_ratio, ghost_ratio, max_freq).
+    Returns:
+        A new policy tracking no keys.
+    Raises:
+        ConfigError: unknown kind, a parameter the kind does not take, or a value out of range;
+            the message names the parameter.
+    """
+    kind = _policy_kind(kind)
+    if isinstance(capacity_hint, bool) or not isinstance(capacity_hint, int) or capacity_hint < 1:
+        raise ConfigError(f"policy.capacity_hint must be an integer >= 1, got {capacity_hint!r}")
+    unknown = sorted(set(params) - _PARAMS[kind])
+    if unknown:
+        raise ConfigError(f"policy.{unknown[0]} is not a parameter of policy {kind.value!r}")
+    if kind is PolicyKind.LRU:
+        return LRUPolicy()
+    if kind is PolicyKind.S3FIFO:
+        return S3FIFOPolicy(capacity_hint, **params)
+    return ARCPolicy(capacity_hint)
+
+
+def _policy_kind(kind: PolicyKind | str) -> PolicyKind:
+    """Returns `kind` as a PolicyKind.
+
+    Raises:
+        ConfigError: `kind` is neither a PolicyKind nor one's value.
+    """
+    if isinstance(kind, PolicyKind):
+        return kind
+    try:
+        return PolicyKind(kind)
+    except ValueError:
+        valid = ", ".join(k.value for k in PolicyKind)
+        raise ConfigError(f"policy.kind must be one of {valid}, got {kind!r}") from None

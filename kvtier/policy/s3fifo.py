@@ -1,0 +1,253 @@
+"""S3-FIFO eviction (Yang et al., "FIFO queues are all you need for cache eviction", SOSP'23).
+
+Three FIFO queues: a small one that new keys enter, a main one for keys that proved themselves, and
+a ghost queue remembering keys recently evicted from the small queue. A key found in the ghost on
+insert goes straight to main. Touches bump a frequency that saturates at `max_freq`.
+
+Evicting, when the small queue holds at least its target share (or main is empty), pops the small
+queue's oldest key: if it was touched it moves to main with its frequency cleared, as in the paper,
+otherwise it is the victim and its key enters the ghost. Otherwise main's oldest key is popped: if
+its frequency is above zero it is reinserted with the frequency decremented (a 2-bit CLOCK),
+otherwise it is the victim. Only a victim is checked against `protected`: a protected key
+that would have been the victim is set aside and put back at the old end of its queue afterwards, so
+it keeps its place.
+
+Why undo rather than a dry run: an eviction reorders main and moves keys between queues before it
+finds a victim, so predicting the outcome means re-running the algorithm. Instead every step is
+journaled, and when too few victims exist (rare, and already O(resident keys)) the journal is
+replayed backwards, leaving the state exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from kvtier.errors import ConfigError
+from kvtier.policy.base import EvictionPolicy
+
+_Queue = OrderedDict  # key -> None, oldest first
+
+# Journal records, undone in reverse order.
+_POP = 0  # (_POP, queue, key): key popped from the old end of queue (a victim or set aside)
+_SMALL_TO_MAIN = 1  # (_SMALL_TO_MAIN, key, freq): moved from small to main, freq cleared
+_MAIN_REINSERT = 2  # (_MAIN_REINSERT, key): moved from main's old end to its new end, freq - 1
+
+
+class S3FIFOPolicy(EvictionPolicy):
+    """Small/main/ghost FIFO queues: scan-resistant, and cheap on touch."""
+
+    def __init__(
+        self,
+        capacity_hint: int,
+        small_ratio: float = 0.1,
+        ghost_ratio: float = 0.9,
+        max_freq: int = 3,
+    ) -> None:
+        """Creates an empty policy.
+
+        Args:
+            capacity_hint: expected number of resident keys; sizes the small and ghost queues only.
+            small_ratio: share of `capacity_hint` the small queue aims to hold, in (0, 1).
+            ghost_ratio: ghost entries kept, as a share of `capacity_hint` (>= 0).
+            max_freq: saturation value of the per-key access counter (>= 1).
+        Raises:
+            ConfigError: a parameter is out of range; the message names it.
+        """
+        _check_int("capacity_hint", capacity_hint, minimum=1)
+        _check_int("max_freq", max_freq, minimum=1)
+        _check_ratio("small_ratio", small_ratio, open_top=True)
+        _check_ratio("ghost_ratio", ghost_ratio, open_top=False)
+        self._small_target = max(1, round(capacity_hint * small_ratio))
+        self._ghost_size = round(capacity_hint * ghost_ratio)
+        self._max_freq = max_freq
+        self._small: _Queue = OrderedDict()
+        self._main: _Queue = OrderedDict()
+        self._ghost: _Queue = OrderedDict()
+        self._freq: dict[Hashable, int] = {}
+
+    def insert(self, key: Hashable) -> None:
+        """Records that `key` became resident: into main if it is a ghost, else into small.
+
+        Raises:
+            KeyError: `key` is already tracked.
+        """
+        if key in self._freq:
+            raise KeyError(key)
+        self._freq[key] = 0
+        if self._ghost.pop(key, _MISSING) is _MISSING:
+            self._small[key] = None
+        else:
+            self._main[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        """Counts an access to a resident `key`, up to `max_freq`. Unknown keys are ignored."""
+        freq = self._freq
+        f = freq.get(key)
+        if f is not None and f < self._max_freq:
+            freq[key] = f + 1
+
+    def remove(self, key: Hashable) -> None:
+        """Forgets `key` without remembering it as a ghost. Unknown keys are ignored."""
+        if self._freq.pop(key, None) is None:
+            return
+        if self._small.pop(key, _MISSING) is _MISSING:
+            del self._main[key]
+
+    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses `n` victims by the S3-FIFO rules and forgets them.
+
+        Args:
+            n: number of victims wanted (>= 0).
+            protected: keys that must stay; they keep their place in their queue.
+        Returns:
+            Exactly `n` victims in eviction order, or None (nothing changed) when fewer than
+            `n` unprotected keys are resident.
+        Raises:
+            ValueError: `n` is negative.
+            Exception: whatever `protected` raises, after undoing every step taken.
+        """
+        if n < 0:
+            raise ValueError(f"evict: n must be >= 0, got {n}")
+        if n == 0:
+            return []
+        if n > len(self._freq):
+            return None
+        journal: list[tuple] = []
+        aside_small: list[Hashable] = []
+        aside_main: list[Hashable] = []
+        victims: list[tuple[_Queue, Hashable]] = []
+        try:
+            for _ in range(n):
+                victim = self._next_victim(protected, journal, aside_small, aside_main)
+                if victim is None:
+                    self._undo(journal)
+                    return None
+                victims.append(victim)
+        except BaseException:  # `protected` raised: leave things as they were, then re-raise
+            self._undo(journal)
+            raise
+        if aside_small:
+            _put_back(self._small, aside_small)
+        if aside_main:
+            _put_back(self._main, aside_main)
+        return self._commit(victims)
+
+    def _next_victim(
+        self,
+        protected: Callable[[Hashable], bool],
+        journal: list[tuple],
+        aside_small: list[Hashable],
+        aside_main: list[Hashable],
+    ) -> tuple[_Queue, Hashable] | None:
+        """Pops the next victim and its queue, or returns None once both queues are exhausted."""
+        small, main = self._small, self._main
+        while small or main:
+            # Set-aside keys still occupy the small queue, so they count toward its share.
+            if small and (not main or len(small) + len(aside_small) >= self._small_target):
+                victim = self._evict_small(protected, journal, aside_small)
+            else:
+                victim = self._evict_main(protected, journal, aside_main)
+            if victim is not None:
+                return victim
+        return None
+
+    def _evict_small(
+        self, protected: Callable[[Hashable], bool], journal: list[tuple], aside: list[Hashable]
+    ) -> tuple[_Queue, Hashable] | None:
+        """Pops small until a victim appears (returned) or small is empty (None)."""
+        small, main, freq = self._small, self._main, self._freq
+        while small:
+            key = small.popitem(last=False)[0]
+            f = freq[key]
+            if f > 0:
+                main[key] = None
+                freq[key] = 0
+                journal.append((_SMALL_TO_MAIN, key, f))
+                continue
+            journal.append((_POP, small, key))
+            if not protected(key):
+                return small, key
+            aside.append(key)
+        return None
+
+    def _evict_main(
+        self, protected: Callable[[Hashable], bool], journal: list[tuple], aside: list[Hashable]
+    ) -> tuple[_Queue, Hashable] | None:
+        """Pops main until a victim appears (returned) or main is empty (None)."""
+        main, freq = self._main, self._freq
+        while main:
+            key = main.popitem(last=False)[0]
+            f = freq[key]
+            if f > 0:
+                main[key] = None
+                freq[key] = f - 1
+                journal.append((_MAIN_REINSERT, key))
+                continue
+            journal.append((_POP, main, key))
+            if not protected(key):
+                return main, key
+            aside.append(key)
+        return None
+
+    def _undo(self, journal: list[tuple]) -> None:
+        """Replays `journal` backwards, restoring the state from before the eviction began."""
+        small, main, freq = self._small, self._main, self._freq
+        for record in reversed(journal):
+            op = record[0]
+            if op == _POP:
+                _put_back(record[1], [record[2]])
+            elif op == _MAIN_REINSERT:
+                key = record[1]
+                main.move_to_end(key, last=False)
+                freq[key] += 1
+            else:  # _SMALL_TO_MAIN
+                key = record[1]
+                del main[key]
+                _put_back(small, [key])
+                freq[key] = record[2]
+
+    def _commit(self, victims: list[tuple[_Queue, Hashable]]) -> list[Hashable]:
+        """Forgets the victims; those evicted from small are remembered in the ghost queue."""
+        freq, small, ghost = self._freq, self._small, self._ghost
+        keys: list[Hashable] = []
+        for queue, key in victims:
+            del freq[key]
+            keys.append(key)
+            if queue is small and self._ghost_size > 0:
+                ghost[key] = None
+                if len(ghost) > self._ghost_size:
+                    ghost.popitem(last=False)
+        return keys
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._freq
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+
+_MISSING = object()
+
+
+def _put_back(queue: _Queue, keys: list[Hashable]) -> None:
+    """Reinserts `keys` (popped oldest first) at the old end of `queue`, in their original order."""
+    for key in reversed(keys):
+        queue[key] = None
+        queue.move_to_end(key, last=False)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    """Raises ConfigError naming `name` unless `value` is an int >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"s3fifo.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_ratio(name: str, value: object, *, open_top: bool) -> None:
+    """Raises ConfigError naming `name` unless `value` is a finite number in (0, 1), or >= 0."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    in_range = is_number and math.isfinite(value) and (0 < value < 1 if open_top else value >= 0)
+    if not in_range:
+        bounds = "in (0, 1)" if open_top else ">= 0"
+        raise ConfigError(f"s3fifo.{name} must be a finite number {bounds}, got {value!r}")

@@ -1,0 +1,167 @@
+"""The HBM tier: one preallocated device tensor of fixed-size slots.
+
+On a machine with CUDA the slab lives in GPU memory and host<->device copies run as async
+`copy_` calls on a CUDA stream. Where there is no CUDA (or the caller forces `device="cpu"`), a CPU
+tensor stands in and every layer above runs the same code; `describe()` says which it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import CapacityError, ConfigError, TierIOError
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+
+
+class HBMTier(Tier):
+    """GPU memory as `num_slots` slots of `slot_bytes`, one `[num_slots, slot_bytes]` uint8 tensor.
+
+    Copies that cross host and device are issued with `non_blocking=True`. Without a `stream`
+    argument, `read`/`write` synchronize the current stream before returning, so the caller's buffer
+    is complete (read) or reusable (write) on return. With a `stream`, the copy is only enqueued on
+    it: the caller must keep both buffers alive and wait on the stream (or an event) itself.
+    """
+
+    kind = TierKind.HBM
+    medium = Medium.DEVICE
+
+    def __init__(
+        self, capacity_bytes: int, slot_bytes: int, device: str | torch.device | None = None
+    ) -> None:
+        """Allocates the slab.
+
+        Args:
+            capacity_bytes: bytes to reserve; rounded down to whole slots.
+            slot_bytes: bytes per slot (one block).
+            device: None picks "cuda" when available, else "cpu"; a string or torch.device forces it.
+        Raises:
+            CapacityError: capacity is below one slot, or the device is out of memory.
+            ConfigError: slot_bytes is not positive, or a CUDA device was asked for without CUDA.
+        """
+        if slot_bytes <= 0:
+            raise ConfigError(f"HBM tier: slot_bytes must be positive, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "hbm")
+        self._device, self._stand_in_reason = _pick_device(device)
+        self._slab: torch.Tensor | None = _allocate(self.num_slots, slot_bytes, self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_stand_in(self) -> bool:
+        """True when a CPU tensor stands in for GPU memory."""
+        return self._device.type != "cuda"
+
+    def view(self, slot: int, offset: int, length: int) -> torch.Tensor:
+        """A zero-copy 1-D uint8 tensor over `[offset, offset + length)` of `slot`.
+
+        Raises:
+            IndexError: slot or range out of bounds.
+            TierIOError: the tier is closed.
+        """
+        self._check_range(slot, offset, length)
+        return self._open_slab()[slot, offset : offset + length]
+
+    def write(
+        self, slot: int, src: torch.Tensor, offset: int = 0, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copies `src` (host or device) into `slot` at `offset`; see the class docstring for `stream`.
+
+        Raises:
+            TypeError: src is not a 1-D contiguous uint8 tensor.
+            IndexError: slot or range out of bounds.
+            TierIOError: the tier is closed.
+        """
+        src = as_byte_buffer(src, "HBM write source")
+        dst = self.view(slot, offset, src.numel())
+        _copy(dst, src, stream)
+
+    def read(
+        self, slot: int, dst: torch.Tensor, offset: int = 0, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copies `dst.numel()` bytes of `slot` at `offset` into `dst` (host or device).
+
+        Raises:
+            TypeError: dst is not a 1-D contiguous uint8 tensor.
+            IndexError: slot or range out of bounds.
+            TierIOError: the tier is closed.
+        """
+        dst = as_byte_buffer(dst, "HBM read destination")
+        src = self.view(slot, offset, dst.numel())
+        _copy(dst, src, stream)
+
+    def describe(self) -> dict[str, object]:
+        """Base facts plus the backing device and whether it is a CPU stand-in (and why)."""
+        facts = super().describe()
+        facts["device"] = str(self._device)
+        facts["stand_in"] = self.is_stand_in
+        if self.is_stand_in:
+            facts["reason"] = self._stand_in_reason
+        return facts
+
+    def close(self) -> None:
+        """Drops the slab (device memory returns to torch's caching allocator). Idempotent."""
+        self._slab = None
+
+    def _open_slab(self) -> torch.Tensor:
+        if self._slab is None:
+            raise TierIOError(f"HBM tier on {self._device} is closed")
+        return self._slab
+
+
+def _pick_device(device: str | torch.device | None) -> tuple[torch.device, str]:
+    """Resolves the `device` argument; returns it and why it is a stand-in (empty if it is not).
+
+    Raises:
+        ConfigError: a CUDA device was asked for but CUDA is not available.
+    """
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device()), ""
+        return torch.device("cpu"), "CUDA is not available"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"HBM tier: device {dev} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev, "" if dev.type == "cuda" else f"device {dev} forced by the caller"
+
+
+def _allocate(num_slots: int, slot_bytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed `[num_slots, slot_bytes]` uint8 tensor on `device`.
+
+    Raises:
+        CapacityError: the device cannot hold it.
+    """
+    try:
+        return torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError as e:
+        raise CapacityError(
+            f"HBM tier: cannot allocate {num_slots} x {slot_bytes} bytes on {device}: {e}"
+        ) from e
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """`dst.copy_(src)`, correct for the caller whatever devices the two live on.
+
+    Same-device copies need nothing more: on CPU they are synchronous, on one GPU they are ordered on
+    the current stream like any later kernel. A host<->device copy is made non-blocking and then,
+    unless the caller passed its own stream, the current stream is synchronized so that a host
+    buffer is filled (or free to reuse) when this returns.
+    """
+    if dst.device == src.device:
+        if stream is None or dst.device.type != "cuda":
+            dst.copy_(src)
+            return
+    cuda_device = dst.device if dst.device.type == "cuda" else src.device
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.current_stream(cuda_device).synchronize()
+
+
+__all__ = ("HBMTier",)

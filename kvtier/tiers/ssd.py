@@ -1,0 +1,411 @@
+"""The SSD tier: a few preallocated files of 4 KiB-aligned slots, read and written with O_DIRECT.
+
+Slots are striped over `num_files` files (slot `s` lives in file `s % num_files`) so that worker
+threads spread over several inodes. Each slot takes a stride of `slot_bytes` rounded up to 4096, so
+every slot starts on a 4 KiB boundary and the aligned range enclosing any byte range of a slot stays
+inside that slot: a read-modify-write never touches a neighbour, and threads working on different
+slots never share a byte, a file offset (pread/pwrite only) or a bounce buffer (one per thread).
+
+O_DIRECT bypasses the page cache, so a tier of many GB does not evict the host's working set and
+bandwidth is the device's. It needs the buffer address, file offset and length 4096-aligned: an
+aligned request goes straight from/to the caller's memory (e.g. a DRAM-tier slot), anything else
+through the calling thread's aligned bounce buffer. Filesystems that refuse O_DIRECT get buffered
+I/O, said in `describe()` and in one warning, never silently.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import secrets
+import stat
+import threading
+
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError, TierIOError
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+
+ALIGN_BYTES = 4096
+MAX_BOUNCE_BYTES = 4 << 20
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+log = logging.getLogger(__name__)
+
+
+class SSDTier(Tier):
+    """Slots in preallocated files under one directory; see the module docstring."""
+
+    kind = TierKind.SSD
+    medium = Medium.DISK
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        slot_bytes: int,
+        num_files: int = 4,
+        direct: bool | None = None,
+        keep_files: bool = False,
+    ) -> None:
+        """Creates and preallocates the slot files, then decides on O_DIRECT.
+
+        Args:
+            path: an existing, writable directory on the disk to use.
+            capacity_bytes: bytes of block data to hold; rounded down to whole slots. The files take
+                `num_slots * slot_stride_bytes` on disk.
+            slot_bytes: bytes per slot (one block).
+            num_files: files to stripe slots over (fewer if there are fewer slots).
+            direct: None tries O_DIRECT and falls back to buffered I/O with a warning; True requires
+                it; False uses buffered I/O.
+            keep_files: leave the files on disk at `close()` (they are removed by default).
+        Raises:
+            CapacityError: capacity is below one slot.
+            ConfigError: slot_bytes or num_files is not positive.
+            TierIOError: the directory is missing or unwritable, the space cannot be reserved
+                (errno ENOSPC), or direct=True and the filesystem refuses O_DIRECT.
+        """
+        if slot_bytes <= 0 or num_files <= 0:
+            raise ConfigError(
+                f"SSD tier: slot_bytes and num_files must be positive, got {slot_bytes}, {num_files}"
+            )
+        self.slot_bytes = slot_bytes
+        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "ssd")
+        self.slot_stride_bytes = _round_up(slot_bytes, ALIGN_BYTES)
+        self.directory = os.fspath(path)
+        self._num_files = min(num_files, self.num_slots)
+        self._keep_files = keep_files
+        self._bounce_bytes = min(self.slot_stride_bytes, MAX_BOUNCE_BYTES)
+        self._local = threading.local()
+        self._paths: list[str] = []
+        self._fds: list[int] = []
+        self._ready = False
+        try:
+            self._create_files()
+            self._direct, self._direct_reason = _decide_direct(self._paths[0], direct)
+            for file_path in self._paths:
+                self._fds.append(_open(file_path, self._direct))
+        except BaseException:
+            self._release()
+            raise
+        self._ready = True
+        if direct is None and not self._direct:
+            log.warning("SSD tier in %s: O_DIRECT unavailable (%s); using buffered I/O via the page cache",
+                        self.directory, self._direct_reason)
+
+    @property
+    def o_direct(self) -> bool:
+        return self._direct
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(self._paths)
+
+    def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
+        """Writes all of CPU tensor `src` into `slot` at `offset` (see `Tier.write`).
+
+        Raises:
+            TypeError: src is not a 1-D contiguous uint8 CPU tensor.
+            IndexError: slot or range out of bounds.
+            TierIOError: the tier is closed or the disk failed, with errno, path and slot.
+        """
+        data = _host_bytes(src, "SSD write source")
+        self._check_range(slot, offset, len(data))
+        if len(data) == 0:
+            return
+        fd, path, start = self._locate(slot)
+        try:
+            if self._direct and not _aligned(src, offset):
+                self._write_bounced(fd, start, offset, data)
+            else:
+                _pwrite_all(fd, memoryview(data), start + offset)
+        except OSError as e:
+            raise _io_error(e, "write", path, slot, start + offset, len(data)) from e
+
+    def read(self, slot: int, dst: torch.Tensor, offset: int = 0) -> None:
+        """Reads `dst.numel()` bytes of `slot` at `offset` into CPU tensor `dst` (see `Tier.read`).
+
+        Raises:
+            TypeError: dst is not a 1-D contiguous uint8 CPU tensor.
+            IndexError: slot or range out of bounds.
+            TierIOError: the tier is closed, the disk failed, or the file is shorter than the slot
+                (never zeros in place of missing bytes).
+        """
+        data = _host_bytes(dst, "SSD read destination")
+        self._check_range(slot, offset, len(data))
+        if len(data) == 0:
+            return
+        fd, path, start = self._locate(slot)
+        try:
+            if self._direct and not _aligned(dst, offset):
+                self._read_bounced(fd, start, offset, data)
+            else:
+                _pread_all(fd, memoryview(data), start + offset, self._direct)
+        except OSError as e:
+            raise _io_error(e, "read", path, slot, start + offset, len(data)) from e
+
+    def describe(self) -> dict[str, object]:
+        """Base facts plus directory, files, stride, disk use and the O_DIRECT decision with its reason."""
+        facts = super().describe()
+        facts.update(
+            directory=self.directory,
+            files=list(self._paths),
+            num_files=self._num_files,
+            slot_stride_bytes=self.slot_stride_bytes,
+            disk_bytes=self.num_slots * self.slot_stride_bytes,
+            o_direct=self._direct,
+            reason=self._direct_reason,
+            bounce_bytes=self._bounce_bytes,
+            keep_files=self._keep_files,
+        )
+        return facts
+
+    def close(self) -> None:
+        """Closes the files and removes them unless `keep_files`. Idempotent.
+
+        Raises:
+            TierIOError: closing a file reported an error (e.g. EIO); all files are still released.
+        """
+        self._release()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _create_files(self) -> None:
+        """Creates `_num_files` files and reserves their space; appends each to `_paths` as it goes."""
+        _check_directory(self.directory)
+        stem = f"kvtier-ssd-{os.getpid()}-{secrets.token_hex(4)}"
+        for i in range(self._num_files):
+            path = os.path.join(self.directory, f"{stem}-{i}.slab")
+            num_bytes = self._slots_in_file(i) * self.slot_stride_bytes
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise TierIOError(e.errno, f"SSD tier: cannot create a file ({e.strerror})", path) from e
+            self._paths.append(path)
+            try:
+                os.posix_fallocate(fd, 0, num_bytes)
+            except OSError as e:
+                message = f"SSD tier: cannot reserve {num_bytes} bytes ({e.strerror})"
+                raise TierIOError(e.errno, message, path) from e
+            finally:
+                os.close(fd)
+
+    def _slots_in_file(self, index: int) -> int:
+        return (self.num_slots - index + self._num_files - 1) // self._num_files
+
+    def _locate(self, slot: int) -> tuple[int, str, int]:
+        """Returns (fd, path, byte offset of the slot's start) for a slot already bounds-checked."""
+        fds = self._fds
+        if not fds:
+            raise TierIOError(errno.EBADF, "SSD tier is closed", self.directory)
+        index = slot % self._num_files
+        return fds[index], self._paths[index], (slot // self._num_files) * self.slot_stride_bytes
+
+    def _bounce(self) -> np.ndarray:
+        """The calling thread's page-aligned bounce buffer of `_bounce_bytes` (made on first use)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = np.frombuffer(mmap.mmap(-1, self._bounce_bytes), dtype=np.uint8)
+            self._local.buf = buf
+        return buf
+
+    def _write_bounced(self, fd: int, start: int, offset: int, data: np.ndarray) -> None:
+        """Writes `data` at slot byte `offset` through the bounce buffer, one aligned chunk at a time.
+
+        A chunk that `data` covers only in part is read first (read-modify-write), so the bytes
+        around the range keep their value.
+        """
+        end = offset + len(data)
+        bounce = self._bounce()
+        for lo, hi in _aligned_chunks(offset, end, len(bounce)):
+            chunk = bounce[: hi - lo]
+            a, b = max(lo, offset), min(hi, end)
+            if a != lo or b != hi:
+                _pread_all(fd, memoryview(chunk), start + lo, True)
+            chunk[a - lo : b - lo] = data[a - offset : b - offset]
+            _pwrite_all(fd, memoryview(chunk), start + lo)
+
+    def _read_bounced(self, fd: int, start: int, offset: int, data: np.ndarray) -> None:
+        """Reads slot bytes `[offset, offset + len(data))` into `data` through the bounce buffer."""
+        end = offset + len(data)
+        bounce = self._bounce()
+        for lo, hi in _aligned_chunks(offset, end, len(bounce)):
+            chunk = bounce[: hi - lo]
+            _pread_all(fd, memoryview(chunk), start + lo, True)
+            a, b = max(lo, offset), min(hi, end)
+            data[a - offset : b - offset] = chunk[a - lo : b - lo]
+
+    def _release(self) -> None:
+        """Closes fds and removes files (unless kept); raises the first close error at the end."""
+        fds, paths = self._fds, self._paths
+        self._fds, self._paths = [], []
+        self._local = threading.local()
+        first_error: OSError | None = None
+        for fd, path in zip(fds, paths):
+            try:
+                os.close(fd)
+            except OSError as e:
+                error = TierIOError(e.errno, f"SSD tier: close failed ({e.strerror})", path)
+                first_error = first_error or error
+        if not (self._keep_files and self._ready):
+            _remove_files(paths)
+        if first_error is not None:
+            raise first_error
+
+
+def _check_directory(directory: str) -> None:
+    """Raises TierIOError (ENOENT, ENOTDIR, ...) naming `directory` unless it is an existing directory."""
+    try:
+        is_dir = stat.S_ISDIR(os.stat(directory).st_mode)
+    except OSError as e:
+        raise TierIOError(e.errno, f"SSD tier: cannot use the directory ({e.strerror})", directory) from e
+    if not is_dir:
+        raise TierIOError(errno.ENOTDIR, "SSD tier: not a directory", directory)
+
+
+def _decide_direct(path: str, direct: bool | None) -> tuple[bool, str]:
+    """Returns (use O_DIRECT, why) for the filesystem holding `path`.
+
+    Raises:
+        TierIOError: direct=True and O_DIRECT is refused, or the probe hit a real I/O error.
+    """
+    if direct is False:
+        return False, "disabled by the caller (direct=False)"
+    refusal = _probe_direct(path)
+    if refusal is None:
+        return True, "an aligned O_DIRECT write and read succeeded"
+    if direct:
+        raise TierIOError(errno.EINVAL, f"SSD tier: O_DIRECT required but {refusal}", path)
+    return False, refusal
+
+
+def _probe_direct(path: str) -> str | None:
+    """Opens `path` with O_DIRECT and writes and reads its first 4 KiB (zeros, as preallocated).
+
+    Returns:
+        None when O_DIRECT works, else why not.
+    Raises:
+        TierIOError: an error other than the filesystem refusing O_DIRECT.
+    """
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return "os.O_DIRECT does not exist on this platform"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
+    except OSError as e:
+        if e.errno in _REFUSED:
+            return f"the filesystem refused to open a file with O_DIRECT ({e.strerror})"
+        raise TierIOError(e.errno, f"SSD tier: O_DIRECT probe failed to open ({e.strerror})", path) from e
+    buf = mmap.mmap(-1, ALIGN_BYTES)
+    try:
+        _pwrite_all(fd, memoryview(buf), 0)
+        _pread_all(fd, memoryview(buf), 0, True)
+    except OSError as e:
+        if e.errno in _REFUSED:
+            return f"the filesystem refused an aligned O_DIRECT write/read ({e.strerror})"
+        raise TierIOError(e.errno, f"SSD tier: O_DIRECT probe I/O failed ({e.strerror})", path) from e
+    finally:
+        os.close(fd)
+        buf.close()
+    return None
+
+
+def _open(path: str, direct: bool) -> int:
+    """Opens a slot file read-write, with O_DIRECT when `direct`.
+
+    Raises:
+        TierIOError: the file cannot be opened.
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        return os.open(path, flags)
+    except OSError as e:
+        raise TierIOError(e.errno, f"SSD tier: cannot open ({e.strerror})", path) from e
+
+
+def _pwrite_all(fd: int, buf: memoryview, file_offset: int) -> None:
+    """pwrite all of `buf` at `file_offset`, looping on short writes.
+
+    Raises:
+        OSError: from the system call, or EIO if a write makes no progress.
+    """
+    done = 0
+    while done < len(buf):
+        n = os.pwrite(fd, buf[done:], file_offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"write made no progress after {done} of {len(buf)} bytes")
+        done += n
+
+
+def _pread_all(fd: int, buf: memoryview, file_offset: int, direct: bool) -> None:
+    """Fills `buf` from `file_offset`, looping on short reads.
+
+    A read that returns 0 is the end of the file; so is, with O_DIRECT, one that stops off a 4 KiB
+    boundary (a retry from there would fail with EINVAL and hide the real cause).
+
+    Raises:
+        OSError: from the system call, or EIO when the file ends before `buf` is full.
+    """
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], file_offset + done)
+        done += n
+        if n == 0 or (direct and done < len(buf) and done % ALIGN_BYTES):
+            raise OSError(
+                errno.EIO,
+                f"short read: the file ends after {done} of {len(buf)} bytes at offset {file_offset}"
+                " (truncated?)",
+            )
+
+
+def _io_error(e: OSError, op: str, path: str, slot: int, file_offset: int, num_bytes: int) -> TierIOError:
+    """A TierIOError with the errno of `e`, naming the slot, the range and the file."""
+    if isinstance(e, TierIOError):
+        return e
+    message = f"SSD tier slot {slot}: {op} of {num_bytes} bytes at file offset {file_offset} failed: "
+    message += str(e.strerror)
+    err = TierIOError(e.errno, message, path)
+    err.slot = slot  # type: ignore[attr-defined]
+    return err
+
+
+def _host_bytes(t: torch.Tensor, what: str) -> np.ndarray:
+    """A writable numpy view of a 1-D contiguous uint8 CPU tensor.
+
+    Raises:
+        TypeError: wrong dtype, shape, layout or device.
+    """
+    as_byte_buffer(t, what)
+    if t.device.type != "cpu":
+        raise TypeError(f"{what} must be a CPU tensor for the SSD tier, got one on {t.device}")
+    return t.detach().numpy()
+
+
+def _aligned(t: torch.Tensor, offset: int) -> bool:
+    """Whether an O_DIRECT request for `t` at slot byte `offset` can use `t`'s memory directly."""
+    return (t.data_ptr() | offset | t.numel()) % ALIGN_BYTES == 0
+
+
+def _aligned_chunks(offset: int, end: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The 4 KiB-aligned range enclosing `[offset, end)`, cut into pieces of at most `chunk_bytes`."""
+    lo = offset - offset % ALIGN_BYTES
+    hi = _round_up(end, ALIGN_BYTES)
+    return [(p, min(p + chunk_bytes, hi)) for p in range(lo, hi, chunk_bytes)]
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+__all__ = ("ALIGN_BYTES", "SSDTier")

@@ -1,0 +1,337 @@
+"""The manager's invariants, proved over random operation sequences (cost: ~20 s).
+
+The manager moves no bytes, so this test plays the transfer engine itself: a dict of
+(tier, slot) -> content stands in for the tiers, plans are executed when the test chooses, in any
+order, and some fail. Every read checks that the slot holds exactly what was stored under the key.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvtier.config import CacheMode
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.index import CopyState
+from kvtier.manager import MoveReason, TierManager, TierSlots
+from kvtier.policy import PolicyKind, make_policy
+from kvtier.policy.admission import AdmissionKind, AdmissionRule
+from kvtier.stats import DropReason
+from kvtier.tiers.base import TierKind
+
+H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
+KEYS = st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True)
+# Drops of blocks that were never READY (a store found no room, or its write failed).
+NEVER_READY = {DropReason.NO_SPACE, DropReason.STORE_FAILED}
+
+
+def make_manager(sizes=(2, 3, 4), policy=PolicyKind.LRU, mode=CacheMode.EXCLUSIVE, high=1.0, low=1.0,
+                 admission=AdmissionRule(AdmissionKind.ALL), promote_to=D) -> TierManager:
+    tiers = [TierSlots(k, n, make_policy(policy, n), admission if k is S else AdmissionRule(AdmissionKind.ALL),
+                       high, low) for k, n in zip((H, D, S), sizes)]
+    return TierManager(tiers, mode=mode, promote_to=promote_to)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random stores, loads, prefetches, pins and out-of-order completions (some failing)."""
+
+    @initialize(policy=st.sampled_from(list(PolicyKind)), mode=st.sampled_from(list(CacheMode)),
+                sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5)),
+                marks=st.sampled_from([(1.0, 1.0), (0.75, 0.5), (0.5, 0.25)]),
+                admission=st.sampled_from(list(AdmissionKind)))
+    def setup(self, policy, mode, sizes, marks, admission):
+        self.m = make_manager(sizes, policy, mode, *marks, admission=AdmissionRule(admission))
+        self.data: dict[tuple[TierKind, int], int] = {}
+        self.pending: list[tuple[str, object]] = []
+        self.pinned: dict[int, int] = {}
+        self.ever_ready: set[int] = set()
+        self.losses = 0
+
+    # ---- issuing plans ---------------------------------------------------------------
+
+    def _queue_moves(self, moves):
+        self.pending += [("move", mv) for mv in moves]
+
+    @rule(keys=KEYS, tier=st.sampled_from([None, H, D, S]))
+    def store(self, keys, tier):
+        for key in keys:  # one at a time: a key dropped and stored again in one call is still seen
+            plan = self.m.prepare_store([key], tier)
+            self.pending.append(("store", plan))
+            self._queue_moves(plan.moves)
+            self.every_lost_block_is_counted()
+
+    @rule(keys=KEYS)
+    def load(self, keys):
+        plan = self.m.prepare_load(keys)
+        assert set(plan.missing) | {s.key for s in plan.sources} == set(keys)
+        self.pending.append(("load", plan))
+        self._queue_moves(plan.moves)
+
+    @rule(keys=KEYS, budget=st.integers(0, 3))
+    def prefetch(self, keys, budget):
+        self._queue_moves(self.m.prepare_prefetch(keys, D, budget))
+
+    @rule(keys=KEYS)
+    def pin(self, keys):
+        for k in keys:
+            if self.m.pin([k]):
+                self.pinned[k] = self.pinned.get(k, 0) + 1
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data):
+        k = data.draw(st.sampled_from(sorted(self.pinned)))
+        entry = self.m.index.get(k)
+        if entry is None or entry.pins == 0:  # dropped by a failure: its pins went with it
+            del self.pinned[k]
+            return
+        self._queue_moves(self.m.unpin([k]))
+        self.pinned[k] -= 1
+        if not self.pinned[k]:
+            del self.pinned[k]
+
+    # ---- completing plans, in any order ----------------------------------------------
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), ok=st.integers(0, 9))
+    def complete(self, data, ok):
+        i = data.draw(st.integers(0, len(self.pending) - 1))
+        kind, plan = self.pending[i]
+        if kind == "load" and any(s.after_move is not None and s.after_move in self._pending_move_ids()
+                                  for s in plan.sources):
+            return  # a joined load reads only after its move lands (the engine waits)
+        self.pending.pop(i)
+        getattr(self, f"_complete_{kind}")(plan, ok > 0, data)
+
+    def _pending_move_ids(self):
+        return {p.id for k, p in self.pending if k == "move"}
+
+    def _complete_store(self, plan, ok, data):
+        failed = set() if ok else {(p.key, p.tier) for p in plan.placements[:1]}
+        for p in plan.placements:
+            assert self.m.owner(p.tier, p.slot) == p.key, "a slot being written changed hands"
+            if (p.key, p.tier) not in failed:
+                self.data[(p.tier, p.slot)] = p.key
+                self.ever_ready.add(p.key)  # READY now, even if this very completion evicts it
+        self._queue_moves(self.m.complete_store(plan, failed))
+
+    def _complete_move(self, mv, ok, data):
+        assert self.m.owner(mv.src, mv.src_slot) == mv.key, "a move's source slot changed hands"
+        assert self.data.get((mv.src, mv.src_slot)) == mv.key, "a move read bytes of another block"
+        if ok:
+            self.data[(mv.dst, mv.dst_slot)] = mv.key
+            self._queue_moves(self.m.complete_move(mv.id, True, (mv.key,)))
+            return
+        failures = [DropReason.CHECKSUM, DropReason.READ_FAILED, DropReason.DEMOTION_FAILED]
+        if mv.reason is not MoveReason.DEMOTE:
+            failures.append(None)  # cancelled
+        failure = data.draw(st.sampled_from(failures))
+        self._queue_moves(self.m.complete_move(mv.id, False, None, failure))
+
+    def _complete_load(self, plan, ok, data):
+        failed = {}
+        for s in plan.sources:
+            entry = self.m.index.get(s.key)
+            copy = entry.copies.get(s.tier) if entry else None
+            if s.after_move is not None and (copy is None or copy.state is not CopyState.READY):
+                failed[s.key] = "dependency"  # the move it joined failed: a miss, nothing read
+                continue
+            assert copy is not None and copy.slot == s.slot and copy.readers > 0, "a leased copy was evicted"
+            assert copy.state is CopyState.READY or copy.state is CopyState.FREEING
+            assert self.data.get((s.tier, s.slot)) == s.key, "load served bytes of another block"
+        if not ok and plan.sources:
+            failed.setdefault(plan.sources[0].key, DropReason.CHECKSUM)
+        self._queue_moves(self.m.complete_load(plan, failed))
+
+    # ---- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def slots_are_consistent(self):
+        owners = {}
+        for entry in self.m.index:
+            for tier, copy in entry.copies.items():
+                assert (tier, copy.slot) not in owners, "two copies share a slot"
+                owners[(tier, copy.slot)] = entry.key
+                assert self.m.owner(tier, copy.slot) == entry.key
+                assert copy.readers >= 0
+        for tier in self.m.order:
+            used = self.m.num_used(tier)
+            assert used <= self.m.num_slots(tier), "tier over capacity"
+            assert used == sum(1 for t, _ in owners if t == tier), "a slot leaked or was double-freed"
+
+    @invariant()
+    def policies_track_ready_copies(self):
+        for tier in self.m.order:
+            policy = self.m._tiers[tier].policy
+            leaving = {mv.key for mv in self.m.moves_in_flight() if mv.reason is MoveReason.DEMOTE and mv.src is tier}
+            ready = {e.key for e in self.m.index if e.copies.get(tier) and e.copies[tier].state is CopyState.READY}
+            assert ready - leaving == {k for k in ready if k in policy} and len(policy) == len(ready - leaving)
+
+    @invariant()
+    def pinned_blocks_stay(self):
+        for k in self.pinned:
+            entry = self.m.index.get(k)
+            if entry is not None and entry.pins:
+                assert entry.live_copies() > 0
+
+    @invariant()
+    def every_lost_block_is_counted(self):
+        present = {e.key for e in self.m.index if e.best_ready() is not None or e.live_copies()}
+        ready_now = {e.key for e in self.m.index if e.best_ready() is not None}
+        lost = self.ever_ready - present
+        self.losses += len(lost)
+        self.ever_ready = (self.ever_ready - lost) | ready_now
+        counted = sum(n for reason, n in self.m.stats.dropped.items() if reason not in NEVER_READY)
+        assert counted == self.losses, "a block left the cache without being counted as dropped"
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- targeted cases ------------------------------------------------------------------------
+
+
+def _store_ready(m, keys, target=None):
+    plan = m.prepare_store(keys, target)
+    moves = list(plan.moves) + list(m.complete_store(plan))
+    return plan, moves
+
+
+def _finish(m, moves):
+    """Completes moves (and the moves they trigger) successfully."""
+    while moves:
+        moves = list(moves[1:]) + list(m.complete_move(moves[0].id, True, (0,)))
+
+
+def test_store_spills_down_and_demotes_lru_first():
+    m = make_manager((2, 2, 2))
+    _store_ready(m, [1, 2])
+    plan, moves = _store_ready(m, [3])
+    assert [(mv.key, mv.src, mv.dst) for mv in plan.moves] == [(1, H, D)], "the LRU block is demoted"
+    assert [p.tier for p in plan.placements] == [D], "HBM's slot frees only when the demotion lands"
+    _finish(m, moves)
+    assert (m.where(1), m.where(2), m.where(3)) == (D, H, D) and m.lookup([1, 2, 3]) == 3
+    _finish(m, _store_ready(m, [4])[1])
+    assert m.where(4) is H, "the slot freed by the demotion takes the next store"
+
+
+def test_last_tier_eviction_is_a_counted_drop():
+    m = make_manager((1, 1, 1))
+    for k in range(4):
+        _finish(m, _store_ready(m, [k])[1])
+    assert m.where(3) is H, "the newest block is kept"
+    assert m.stats.dropped[DropReason.EVICTED] >= 1
+    assert len(m.index) + m.stats.num_dropped == 4, "every block is either stored or counted as dropped"
+
+
+def test_block_being_written_is_invisible():
+    m = make_manager()
+    plan = m.prepare_store([7])
+    assert m.lookup([7]) == 0 and m.prepare_load([7]).missing == (7,)
+    m.complete_store(plan)
+    assert m.lookup([7]) == 1
+
+
+def test_leased_and_pinned_blocks_are_never_evicted():
+    m = make_manager((1, 1, 1))
+    _store_ready(m, [1])
+    load = m.prepare_load([1])
+    plan = m.prepare_store([2], H)
+    assert [p.tier for p in plan.placements] == [D], "the block being read stays; the new one goes below"
+    assert m.where(1) is H
+    m.complete_load(load)
+    m.complete_store(plan)
+    assert m.pin([2]) == 1
+    plan = m.prepare_store([3], D)
+    assert [p.tier for p in plan.placements] == [S] and m.where(2) is D
+
+
+def test_concurrent_loads_join_one_promotion():
+    m = make_manager((1, 2, 4))
+    _finish(m, _store_ready(m, [5], S)[1])
+    first, second = m.prepare_load([5]), m.prepare_load([5])
+    assert len(first.moves) == 1 and first.moves[0].reason is MoveReason.PROMOTE
+    assert second.moves == (), "the second load must not issue a second read"
+    assert first.sources[0].after_move == second.sources[0].after_move == first.moves[0].id
+    m.complete_move(first.moves[0].id, True)
+    m.complete_load(first)
+    m.complete_load(second)
+    assert m.where(5) is D and m.stats.promotions[(S, D)] == 1
+
+
+def test_load_joins_prefetch_in_flight():
+    m = make_manager((1, 2, 4))
+    _finish(m, _store_ready(m, [5, 6], S)[1])
+    moves = m.prepare_prefetch([5, 6], D, budget_blocks=1)
+    assert [mv.key for mv in moves] == [5], "the byte budget caps the prefetch"
+    load = m.prepare_load([5])
+    assert load.moves == () and load.sources[0].after_move == moves[0].id
+    assert m.stats.prefetch_used == 1
+
+
+def test_prefetch_never_evicts_pinned_blocks():
+    m = make_manager((1, 1, 4))
+    _finish(m, _store_ready(m, [1], D)[1])
+    _finish(m, _store_ready(m, [2], S)[1])
+    m.pin([1])
+    assert m.prepare_prefetch([2], D, 4) == ()
+    assert m.where(1) is D
+
+
+def test_failed_demotion_drops_with_reason():
+    m = make_manager((1, 2, 2))
+    _store_ready(m, [1])
+    plan, moves = _store_ready(m, [2])
+    (demote,) = [mv for mv in moves if mv.reason is MoveReason.DEMOTE]
+    m.complete_move(demote.id, False, None, DropReason.DEMOTION_FAILED)
+    assert m.lookup([demote.key]) == 0
+    assert m.stats.dropped[DropReason.DEMOTION_FAILED] == 1 and m.stats.io_errors == 1
+
+
+def test_checksum_failure_discards_the_copy():
+    m = make_manager((1, 1, 2), promote_to=None)
+    _finish(m, _store_ready(m, [3], S)[1])
+    load = m.prepare_load([3])
+    m.complete_load(load, {3: DropReason.CHECKSUM})
+    assert m.lookup([3]) == 0 and m.stats.checksum_errors == 1
+    assert m.stats.dropped[DropReason.CHECKSUM] == 1 and m.num_used(S) == 0
+
+
+def test_inclusive_mode_writes_through_and_keeps_lower_copies():
+    m = make_manager((2, 3, 4), mode=CacheMode.INCLUSIVE)
+    plan, _ = _store_ready(m, [1])
+    assert [p.tier for p in plan.placements] == [H, D, S]
+    _store_ready(m, [2])
+    _, moves = _store_ready(m, [3])
+    assert not [mv for mv in moves if mv.reason is MoveReason.DEMOTE], "a copy below exists: release, no move"
+    assert m.where(1) is D and m.stats.num_dropped == 0
+
+
+def test_watermarks_demote_down_to_low():
+    m = make_manager((4, 4, 4), high=0.75, low=0.5)
+    plan, moves = _store_ready(m, [1, 2, 3, 4])
+    assert len([mv for mv in moves if mv.src is H]) == 2, "4 of 4 slots > 75%: demote down to 50%"
+    _finish(m, moves)
+    assert m.num_used(H) == 2
+
+
+def test_admission_keeps_direct_stores_off_ssd():
+    m = make_manager((1, 1, 2), admission=AdmissionRule(AdmissionKind.EVICTED))
+    _store_ready(m, [1], H)
+    _store_ready(m, [2], D)
+    plan = m.prepare_store([3], S)
+    assert plan.rejected == (3,) and m.stats.dropped[DropReason.NO_SPACE] == 1
+
+
+def test_bad_configuration_and_misuse_raise():
+    with pytest.raises(ConfigError, match="distinct"):
+        TierManager([TierSlots(H, 1, make_policy("lru", 1))] * 2)
+    with pytest.raises(ConfigError, match="watermark"):
+        TierManager([TierSlots(H, 1, make_policy("lru", 1), high_watermark=0.5, low_watermark=0.9)])
+    m = make_manager()
+    with pytest.raises(KVTierError, match="not pinned"):
+        m.unpin([42])

@@ -1,0 +1,323 @@
+"""Gather/scatter between paged engine KV and kvtier blocks: kernels, torch fallback, reference.
+
+Cost: about 6 s on CPU. nvcc builds (~1 s each) run wherever nvcc is installed; the CUDA kernels
+also run here, on the CPU, through a g++ build of the same source with a shim for the CUDA built-ins
+(exact, since the kernels use no shared memory or barriers). The `gpu` test runs them on a device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import GeometryError
+from kvtier.layout import BlockLayout
+from kvtier.native import (KERNEL_NAMES, KERNEL_SOURCE, Backend, KernelCall, NativeError, NvccOutput,
+                           PagedLayer, find_nvcc, gather_blocks, gather_reference, kernel_calls,
+                           nvcc_compile, scatter_blocks, scatter_reference)
+
+KV_DIMS = [0, 1, None]  # [2, blocks, ...], [blocks, 2, ...], MLA [blocks, ...]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def make_engine(kv_dim, dtype, *, num_layers=3, num_engine_blocks=11, block_size=4, heads=2, head_dim=8,
+                strided=False, seed=0, device="cpu"):
+    """Random paged KV tensors (random bit patterns, NaNs included) and the matching block layout.
+
+    With `strided`, each layer is a view into a larger allocation, so block and part strides are
+    not the ones a fresh tensor would have.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    page = (block_size, heads, head_dim)
+    n, extra = num_engine_blocks, 3 if strided else 0
+    shapes = {0: (2, n + extra, *page), 1: (n, 2 + (1 if strided else 0), *page),
+              None: (n, 2 if strided else 1, *page)}
+    layers = []
+    for _ in range(num_layers):
+        shape = shapes[kv_dim]
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        big = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).view(dtype).reshape(shape)
+        big = big.to(device)  # before slicing, so the strides survive the move
+        if kv_dim == 0:
+            layers.append(big[:, extra:extra + n])  # some blocks of a larger pool
+        elif kv_dim == 1:
+            layers.append(big[:, :2])  # K and V of [n, 3, ...]
+        else:
+            layers.append(big[:, 0])  # the first of [n, 2, ...]
+    num_parts = 1 if kv_dim is None else 2
+    page_bytes = int(np.prod(page)) * layers[0].element_size()
+    return layers, BlockLayout.uniform(block_size, num_layers, num_parts * page_bytes)
+
+
+def zeroed_like(layers):
+    """Zeroed copies that keep each layer's strides (zeros_like and clone make non-dense views dense)."""
+    copies = []
+    for kv in layers:
+        big = torch.zeros(kv.untyped_storage().nbytes(), dtype=torch.uint8, device=kv.device).view(kv.dtype)
+        copies.append(big.as_strided(kv.shape, kv.stride(), kv.storage_offset()))
+    return copies
+
+
+def random_ids(num, limit, seed, unique):
+    gen = torch.Generator().manual_seed(seed)
+    if unique:
+        return torch.randperm(limit, generator=gen)[:num].tolist()
+    return torch.randint(0, limit, (num,), generator=gen).tolist()
+
+
+def raw(tensors):
+    """Bytes of each tensor, so that comparisons are bit-exact and NaN-proof."""
+    return [t.contiguous().view(torch.uint8).cpu() for t in tensors]
+
+
+def assert_same_bytes(got, want):
+    for a, b in zip(raw(got), raw(want)):
+        assert torch.equal(a, b)
+
+
+# --- nvcc ---------------------------------------------------------------------------------------
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
+
+
+@needs_nvcc
+def test_nvcc_builds_cubin_for_sm90_with_every_kernel(tmp_path):
+    cubin = nvcc_compile(tmp_path, arch="sm_90", output=NvccOutput.CUBIN)
+    data = cubin.read_bytes()
+    assert cubin.name == "kv_blocks.sm_90.cubin" and data[:4] == b"\x7fELF"
+    for name in KERNEL_NAMES:
+        assert name.encode() in data
+
+
+@needs_nvcc
+def test_nvcc_builds_ptx_with_every_kernel_as_an_entry(tmp_path):
+    ptx = nvcc_compile(tmp_path, arch="sm_90", output=NvccOutput.PTX).read_text()
+    assert ".target sm_90" in ptx
+    for name in KERNEL_NAMES:
+        assert f".visible .entry {name}(" in ptx
+
+
+@needs_nvcc
+def test_nvcc_builds_fatbin_for_sm80_and_sm90(tmp_path):
+    fatbin = nvcc_compile(tmp_path, arch="sm_90", output=NvccOutput.FATBIN)
+    assert fatbin.stat().st_size > 0
+
+
+def test_nvcc_missing_or_bad_arch_is_a_clear_error(tmp_path):
+    with pytest.raises(NativeError, match="nvcc not found"):
+        nvcc_compile(tmp_path, nvcc=tmp_path / "no-such-nvcc")
+    with pytest.raises(ValueError, match="sm_90"):
+        nvcc_compile(tmp_path, arch="hopper")
+
+
+@needs_nvcc
+def test_nvcc_failure_carries_its_stderr(tmp_path):
+    with pytest.raises(NativeError, match="nvcc failed"):
+        nvcc_compile(tmp_path, arch="sm_1")
+
+
+# --- torch fallback against the reference -------------------------------------------------------
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_torch_gather_equals_reference(kv_dim, dtype, strided):
+    layers, layout = make_engine(kv_dim, dtype, strided=strided)
+    ids = random_ids(16, 11, seed=1, unique=False)  # more ids than blocks: repeats, any order
+    got = torch.zeros(len(ids), layout.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    gather_blocks(layers, ids, got, layout, kv_dim, backend=Backend.TORCH)
+    gather_reference(layers, ids, want, layout, kv_dim)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_torch_scatter_equals_reference(kv_dim, dtype, strided):
+    layers, layout = make_engine(kv_dim, dtype, strided=strided)
+    ids = random_ids(7, 11, seed=2, unique=True)
+    blocks = torch.randint(0, 256, (7, layout.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    got = zeroed_like(layers)
+    want = [t.clone() for t in got]
+    scatter_blocks(got, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    scatter_reference(want, ids, blocks, layout, kv_dim)
+    assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_scatter_of_gather_round_trips_and_touches_nothing_else(kv_dim):
+    layers, layout = make_engine(kv_dim, torch.bfloat16, strided=True)
+    ids = random_ids(6, 11, seed=4, unique=True)
+    blocks = torch.empty(6, layout.block_bytes, dtype=torch.uint8)
+    gather_blocks(layers, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    restored = zeroed_like(layers)
+    scatter_blocks(restored, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    block_dim = PagedLayer.of(layers[0], kv_dim).block_dim
+    for before, after in zip(raw(layers), raw(restored)):
+        for b in range(11):
+            page_after = after.select(block_dim, b)
+            expected = before.select(block_dim, b) if b in ids else torch.zeros_like(page_after)
+            assert torch.equal(page_after, expected)
+
+
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_slots_and_a_single_layer_address_part_of_a_slab(kv_dim):
+    layers, layout = make_engine(kv_dim, torch.float16)
+    ids, slots = [3, 3, 0, 9], [5, 1, 7, 2]
+    got = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    gather_blocks(layers[1:2], ids, got, layout, kv_dim, slots=slots, layers=[1], backend=Backend.TORCH)
+    gather_reference(layers[1:2], ids, want, layout, kv_dim, slots=slots, layers=[1])
+    assert torch.equal(got, want) and got[[0, 3, 4, 6]].count_nonzero() == 0
+    unique_ids = [4, 1, 8, 10]
+    back = zeroed_like(layers)
+    back_want = [t.clone() for t in back]
+    scatter_blocks(back[2:], unique_ids, want, layout, kv_dim, slots=slots, layers=[2], backend=Backend.TORCH)
+    scatter_reference(back_want[2:], unique_ids, want, layout, kv_dim, slots=slots, layers=[2])
+    assert_same_bytes(back, back_want)
+
+
+def test_bad_inputs_raise_and_write_nothing():
+    layers, layout = make_engine(0, torch.float16)
+    blocks = torch.zeros(2, layout.block_bytes, dtype=torch.uint8)
+    with pytest.raises(IndexError, match="block_ids"):
+        gather_blocks(layers, [0, 11], blocks, layout, 0)
+    with pytest.raises(ValueError, match="repeat"):
+        scatter_blocks(layers, [4, 4], blocks, layout, 0)
+    with pytest.raises(GeometryError, match="do not fill"):
+        gather_blocks(layers, [0, 1], blocks, layout, 1)
+    with pytest.raises(GeometryError, match="2 block ids for 3"):
+        gather_blocks(layers, [0, 1], torch.zeros(3, layout.block_bytes, dtype=torch.uint8), layout, 0)
+    with pytest.raises(GeometryError, match="contiguous"):
+        gather_blocks([t.transpose(2, 3) for t in layers], [0, 1], blocks, layout, 0)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        gather_blocks(layers, [0, 1], blocks, layout, 0, backend=Backend.CUDA)
+    assert blocks.count_nonzero() == 0
+
+
+# --- the CUDA kernels, run on the CPU -----------------------------------------------------------
+
+_EMULATOR = r"""
+// Host build of kv_blocks.cu: CUDA built-ins as globals; a launch runs every thread in turn.
+struct Dim3 { unsigned x = 1, y = 1, z = 1; };
+static Dim3 threadIdx, blockIdx, blockDim, gridDim;
+// A GPU faults on a 16-byte access that is not 16-byte aligned; x86 does not, so count them.
+static int misaligned_vectors = 0;
+struct uint4 {
+    unsigned x, y, z, w;
+    uint4& operator=(const uint4& o) {
+        misaligned_vectors += (((unsigned long long)this | (unsigned long long)&o) & 15) != 0;
+        x = o.x; y = o.y; z = o.z; w = o.w;
+        return *this;
+    }
+};
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#include "KERNEL_SOURCE"
+#define LAUNCH(call)                                                              \
+    gridDim = {gx, gy, gz}; blockDim = {bx, 1, 1};                               \
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y)          \
+    for (unsigned x = 0; x < gx; ++x) for (unsigned t = 0; t < bx; ++t) {        \
+        blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; call; }
+#define LAUNCH_ARGS unsigned gx, unsigned gy, unsigned gz, unsigned bx
+typedef unsigned char u8;
+extern "C" {
+int emu_misaligned_vectors() { return misaligned_vectors; }
+void emu_gather_layer(LAUNCH_ARGS, u8* e, i64 es, i64 ps, int np, i64 pb, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(gather_layer(e, es, ps, np, pb, ids, n, b, o, bs)) }
+void emu_scatter_layer(LAUNCH_ARGS, u8* e, i64 es, i64 ps, int np, i64 pb, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(scatter_layer(e, es, ps, np, pb, ids, n, b, o, bs)) }
+void emu_gather_layers(LAUNCH_ARGS, i64* l, int np, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(gather_layers(l, np, ids, n, b, o, bs)) }
+void emu_scatter_layers(LAUNCH_ARGS, i64* l, int np, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(scatter_layers(l, np, ids, n, b, o, bs)) }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("g++ not installed")
+    build = tmp_path_factory.mktemp("emulator")
+    source = build / "emulator.cpp"
+    source.write_text(_EMULATOR.replace("KERNEL_SOURCE", str(KERNEL_SOURCE)))
+    library = build / "emulator.so"
+    subprocess.run([compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(library))
+
+    def launch(calls: list[KernelCall]) -> None:
+        ctype = {np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.int64): ctypes.c_int64,
+                 np.dtype(np.int32): ctypes.c_int32}
+        for call in calls:
+            shape = [ctypes.c_uint(v) for v in (*call.grid, call.block[0])]
+            getattr(lib, f"emu_{call.name}")(*shape, *(ctype[a.dtype](int(a)) for a in call.args))
+        assert lib.emu_misaligned_vectors() == 0, "a kernel made a misaligned 16-byte access"
+
+    return launch
+
+
+# page sizes: 64 B (aligned), 30 B (head/tail bytes, alignments that differ), 6 B (less than a vector),
+# 40,000 B (several chunks)
+PAGES = [dict(block_size=4, heads=2, head_dim=4), dict(block_size=3, heads=1, head_dim=5),
+         dict(block_size=1, heads=1, head_dim=3), dict(block_size=10, heads=4, head_dim=500)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=["64B", "30B", "6B", "40000B"])
+@pytest.mark.parametrize("num_layers", [1, 3], ids=["one-layer-kernel", "batched-kernel"])
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_kernels_on_cpu_equal_reference(emulator, kv_dim, num_layers, page):
+    layers, layout = make_engine(kv_dim, torch.float16, num_layers=num_layers, strided=True, **page)
+    ids, slots = random_ids(9, 11, seed=5, unique=False), random_ids(9, 12, seed=6, unique=True)
+    got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    emulator(kernel_calls(layers, ids, got, layout, kv_dim, to_engine=False, slots=slots))
+    gather_reference(layers, ids, want, layout, kv_dim, slots=slots)
+    assert torch.equal(got, want)
+
+    unique_ids = random_ids(9, 11, seed=7, unique=True)
+    back = zeroed_like(layers)
+    back_want = [t.clone() for t in back]
+    emulator(kernel_calls(back, unique_ids, want, layout, kv_dim, to_engine=True, slots=slots))
+    scatter_reference(back_want, unique_ids, want, layout, kv_dim, slots=slots)
+    assert_same_bytes(back, back_want)
+
+
+# --- the CUDA kernels on a GPU ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="Backend.CUDA needs cupy")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dim", KV_DIMS)
+def test_cuda_kernels_equal_reference(kv_dim, dtype):
+    for page, num_layers in [(PAGES[0], 3), (PAGES[1], 1), (PAGES[2], 2), (PAGES[3], 2)]:
+        device_layers, layout = make_engine(kv_dim, dtype, num_layers=num_layers, strided=True, device="cuda",
+                                            **page)
+        layers = [t.cpu() for t in device_layers]
+        ids, slots = random_ids(9, 11, seed=8, unique=False), random_ids(9, 12, seed=9, unique=True)
+        got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device="cuda")
+        want = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
+        gather_blocks(device_layers, ids, got, layout, kv_dim, slots=slots, backend=Backend.CUDA)
+        gather_reference(layers, ids, want, layout, kv_dim, slots=slots)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want)
+
+        unique_ids = random_ids(9, 11, seed=10, unique=True)
+        back = zeroed_like(device_layers)
+        back_want = [t.cpu() for t in back]
+        scatter_blocks(back, torch.tensor(unique_ids, device="cuda"), got, layout, kv_dim, slots=slots,
+                       backend=Backend.CUDA)
+        scatter_reference(back_want, unique_ids, want, layout, kv_dim, slots=slots)
+        torch.cuda.synchronize()
+        assert_same_bytes(back, back_want)

@@ -1,0 +1,443 @@
+"""The `EvictionPolicy` contract, run unchanged against every policy, plus each policy's own traits.
+
+Cost: 2-5 s on one CPU core, most of it hypothesis's stateful runs (3 policies x 60 examples
+x 60 steps). Pure in-memory bookkeeping: no files, sockets, threads or sleeps.
+
+Atomicity ("on None nothing changed") is checked by behaviour, never by peeking at internals: a twin
+policy receives the same history minus the failed call, and both must then agree on length,
+membership and the full order in which they evict everything that is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtier.errors import ConfigError
+from kvtier.policy import (
+    AdmissionKind,
+    AdmissionRule,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    PolicyKind,
+    S3FIFOPolicy,
+    make_policy,
+)
+
+CAPACITY_HINT = 16
+
+
+def never(key: Hashable) -> bool:
+    """A `protected` callback that protects nothing."""
+    return False
+
+
+def drain(policy: EvictionPolicy) -> list[Hashable]:
+    """Evicts everything, one victim at a time, and returns the eviction order."""
+    order: list[Hashable] = []
+    while len(policy):
+        order += policy.evict(1, never)
+    return order
+
+
+def with_history(kind: PolicyKind) -> EvictionPolicy:
+    """A policy taken through inserts, touches, evictions, removals and re-inserts of evicted keys,
+    so that every internal queue (S3-FIFO's main and ghost, ARC's T2, B1 and B2) holds keys."""
+    policy = make_policy(kind, CAPACITY_HINT)
+    evicted: list[Hashable] = []
+    for i in range(40):
+        if len(policy) >= CAPACITY_HINT - 2:
+            evicted += policy.evict(3, never)
+        policy.insert(i)
+        policy.touch(i // 2)
+        policy.touch(i // 3)
+        if i % 5 == 4 and evicted:
+            policy.remove(i - 1)
+            policy.insert(evicted.pop(0))
+    for key in range(34, 40):  # touched keys waiting in S3-FIFO's small queue / ARC's T1
+        policy.touch(key)
+    return policy
+
+
+@pytest.fixture(params=list(PolicyKind), ids=lambda kind: kind.value)
+def kind(request: pytest.FixtureRequest) -> PolicyKind:
+    return request.param
+
+
+# --- the contract ------------------------------------------------------------------------------
+
+
+def test_insert_of_a_resident_key_raises_key_error_and_changes_nothing(kind: PolicyKind) -> None:
+    policy, twin = with_history(kind), with_history(kind)
+    resident = next(k for k in range(40) if k in policy)
+    with pytest.raises(KeyError):
+        policy.insert(resident)
+    assert len(policy) == len(twin)
+    assert drain(policy) == drain(twin)
+
+
+def test_touch_and_remove_of_unknown_keys_are_noops(kind: PolicyKind) -> None:
+    empty = make_policy(kind, CAPACITY_HINT)
+    empty.touch("nope")
+    empty.remove("nope")
+    assert len(empty) == 0
+    policy, twin = with_history(kind), with_history(kind)
+    policy.touch("nope")
+    policy.remove("nope")
+    assert "nope" not in policy
+    assert drain(policy) == drain(twin)
+
+
+def test_remove_forgets_a_resident_key(kind: PolicyKind) -> None:
+    policy = with_history(kind)
+    key = next(k for k in range(40) if k in policy)
+    size = len(policy)
+    policy.remove(key)
+    assert key not in policy
+    assert len(policy) == size - 1
+    assert key not in drain(policy)
+
+
+def test_evict_zero_returns_an_empty_list(kind: PolicyKind) -> None:
+    assert make_policy(kind, CAPACITY_HINT).evict(0, never) == []
+    policy = with_history(kind)
+    size = len(policy)
+    assert policy.evict(0, lambda key: True) == []
+    assert len(policy) == size
+
+
+def test_evict_of_a_negative_count_raises_value_error(kind: PolicyKind) -> None:
+    with pytest.raises(ValueError):
+        with_history(kind).evict(-1, never)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_evict_returns_n_distinct_resident_unprotected_victims(kind: PolicyKind, n: int) -> None:
+    policy = with_history(kind)
+    before = {k for k in range(40) if k in policy}
+    protected = set(sorted(before)[::3])
+    victims = policy.evict(n, protected.__contains__)
+    assert victims is not None and len(victims) == n
+    assert len(set(victims)) == n
+    assert set(victims) <= before - protected
+    assert not any(v in policy for v in victims)
+    assert len(policy) == len(before) - n
+    assert all(k in policy for k in protected)
+
+
+@pytest.mark.parametrize("case", ["more_than_resident", "too_few_unprotected", "all_protected"])
+def test_evict_returns_none_and_changes_nothing_when_too_few(kind: PolicyKind, case: str) -> None:
+    policy, twin = with_history(kind), with_history(kind)
+    resident = [k for k in range(40) if k in policy]
+    protected = {
+        "more_than_resident": set(),
+        "too_few_unprotected": set(resident[2:]),
+        "all_protected": set(resident),
+    }[case]
+    n = len(resident) + 1 if case == "more_than_resident" else 3
+    assert policy.evict(n, protected.__contains__) is None
+    assert len(policy) == len(twin) == len(resident)
+    assert all(k in policy for k in resident)
+    assert drain(policy) == drain(twin)
+
+
+def test_an_exception_from_protected_propagates_and_changes_nothing(kind: PolicyKind) -> None:
+    policy, twin = with_history(kind), with_history(kind)
+    resident = [k for k in range(40) if k in policy]
+    calls = []
+
+    def explode_late(key: Hashable) -> bool:
+        calls.append(key)
+        if len(calls) > len(resident) // 2:
+            raise RuntimeError("protected failed")
+        return key in resident[::2]
+
+    with pytest.raises(RuntimeError, match="protected failed"):
+        policy.evict(len(resident) - 1, explode_late)
+    assert len(policy) == len(resident)
+    assert drain(policy) == drain(twin)
+
+
+# --- random histories against a model ----------------------------------------------------------
+
+KEYS = st.integers(0, 15)
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Random insert/touch/remove/evict sequences checked against a model set and a twin policy.
+
+    The twin gets every call that succeeds and none that fails (KeyError, None), so at teardown a
+    failed call that changed anything shows up as a different eviction order.
+    """
+
+    kind: PolicyKind
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: set[int] = set()
+
+    @initialize(capacity_hint=st.integers(1, 24))
+    def create(self, capacity_hint: int) -> None:
+        self.policy = make_policy(self.kind, capacity_hint)
+        self.twin = make_policy(self.kind, capacity_hint)
+
+    @rule(key=KEYS)
+    def insert(self, key: int) -> None:
+        if key in self.model:
+            with pytest.raises(KeyError):
+                self.policy.insert(key)
+            return
+        self.policy.insert(key)
+        self.twin.insert(key)
+        self.model.add(key)
+
+    @rule(key=KEYS)
+    def touch(self, key: int) -> None:
+        self.policy.touch(key)
+        self.twin.touch(key)
+
+    @rule(key=KEYS)
+    def remove(self, key: int) -> None:
+        self.policy.remove(key)
+        self.twin.remove(key)
+        self.model.discard(key)
+
+    @rule(n=st.integers(0, 6), protected=st.frozensets(KEYS))
+    def evict(self, n: int, protected: frozenset[int]) -> None:
+        victims = self.policy.evict(n, protected.__contains__)
+        if victims is None:
+            assert len(self.model - protected) < n
+            return
+        assert len(victims) == n == len(set(victims))
+        assert set(victims) <= self.model - protected
+        assert self.twin.evict(n, protected.__contains__) == victims
+        self.model -= set(victims)
+
+    @invariant()
+    def membership_matches_the_model(self) -> None:
+        policy = getattr(self, "policy", None)
+        if policy is not None:
+            assert len(policy) == len(self.model)
+            assert {k for k in range(16) if k in policy} == self.model
+
+    def teardown(self) -> None:
+        if getattr(self, "policy", None) is not None:
+            assert drain(self.policy) == drain(self.twin)
+
+
+def _machine_test(kind: PolicyKind) -> type:
+    machine = type(f"{kind.name}Machine", (PolicyMachine,), {"kind": kind})
+    test_case = machine.TestCase
+    test_case.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+    return test_case
+
+
+TestLRUMachine = _machine_test(PolicyKind.LRU)
+TestS3FIFOMachine = _machine_test(PolicyKind.S3FIFO)
+TestARCMachine = _machine_test(PolicyKind.ARC)
+
+
+# --- policy-specific behaviour -----------------------------------------------------------------
+
+
+def replay(policy: EvictionPolicy, accesses: Iterable[Hashable], capacity: int) -> int:
+    """Replays `accesses` through a cache of `capacity` keys run by `policy`; returns the hits."""
+    hits = 0
+    for key in accesses:
+        if key in policy:
+            policy.touch(key)
+            hits += 1
+            continue
+        if len(policy) >= capacity:
+            assert policy.evict(1, never) is not None
+        policy.insert(key)
+    return hits
+
+
+def test_lru_evicts_in_exact_recency_order() -> None:
+    policy = LRUPolicy()
+    for key in range(6):
+        policy.insert(key)
+    policy.touch(2)
+    policy.touch(0)
+    policy.touch(4)
+    assert policy.evict(2, {1}.__contains__) == [3, 5]
+    assert drain(policy) == [1, 2, 0, 4]
+
+
+def test_s3fifo_keeps_a_hot_set_through_a_scan_that_flushes_lru() -> None:
+    capacity = 100
+    hot = [("hot", i) for i in range(20)]
+    warm_then_scan = hot * 5 + [("cold", i) for i in range(1000)]
+    s3fifo, lru = S3FIFOPolicy(capacity), LRUPolicy()
+    replay(s3fifo, warm_then_scan, capacity)
+    replay(lru, warm_then_scan, capacity)
+    assert replay(s3fifo, hot, capacity) == len(hot)
+    assert replay(lru, hot, capacity) == 0
+
+
+def test_untouched_keys_leave_oldest_first_and_protected_ones_keep_their_place(
+    kind: PolicyKind,
+) -> None:
+    """Not the interface contract, but true of all three: without touches they degrade to FIFO."""
+    policy = make_policy(kind, CAPACITY_HINT)
+    for key in range(6):
+        policy.insert(key)
+    assert policy.evict(2, {0, 1}.__contains__) == [2, 3]
+    assert drain(policy) == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize("protect_every", [0, 2, 3])
+def test_evict_n_matches_n_single_evictions(kind: PolicyKind, protect_every: int) -> None:
+    """Not the interface contract, but true of all three: batching does not change the choice."""
+    batched, single = with_history(kind), with_history(kind)
+    resident = [k for k in range(40) if k in batched]
+    protected = set(resident[::protect_every]) if protect_every else set()
+    n = len(resident) - len(protected) - 1
+    victims = batched.evict(n, protected.__contains__)
+    assert victims == [single.evict(1, protected.__contains__)[0] for _ in range(n)]
+    assert drain(batched) == drain(single)
+
+
+def test_s3fifo_readmits_a_ghost_straight_to_main() -> None:
+    policy = S3FIFOPolicy(capacity_hint=10, small_ratio=0.1, ghost_ratio=1.0)
+    for key in "abc":
+        policy.insert(key)
+    assert policy.evict(1, never) == ["a"]  # from small, into the ghost
+    policy.insert("a")  # a ghost: into main, which is evicted only once small is drained
+    policy.insert("d")
+    assert drain(policy) == ["b", "c", "d", "a"]
+
+
+def test_s3fifo_clears_the_frequency_of_keys_moved_to_main() -> None:
+    policy = S3FIFOPolicy(capacity_hint=10, small_ratio=0.2)  # small's target share: 2 keys
+    for key in "abx":
+        policy.insert(key)
+    for _ in range(3):
+        policy.touch("a")
+    policy.touch("b")
+    assert policy.evict(1, never) == ["x"]  # a and b were touched: moved to main, counts cleared
+    assert drain(policy) == ["a", "b"]  # main is plain FIFO again until they are touched anew
+
+
+def test_arc_keeps_frequent_keys_through_scans_better_than_lru() -> None:
+    capacity = 40
+    frequent = [("f", i) for i in range(10)]
+    accesses = []
+    for round_ in range(20):
+        accesses += frequent * 2 + [("scan", round_, i) for i in range(50)]
+    arc_hits = replay(ARCPolicy(capacity), accesses, capacity)
+    lru_hits = replay(LRUPolicy(), accesses, capacity)
+    assert lru_hits == 10 * 20  # only the second pass of each round
+    assert arc_hits == 10 + 20 * 19  # both passes, once the first round promoted them to T2
+
+
+def test_arc_adapts_its_target_when_the_working_set_shifts() -> None:
+    """Stale frequent keys hold T2; a new working set fitting only if T1 grows must win it back."""
+    capacity = 40
+    arc, lru = ARCPolicy(capacity), LRUPolicy()
+    stale = [("stale", i) for i in range(20)] * 3
+    replay(arc, stale, capacity)
+    replay(lru, stale, capacity)
+    working = [("w", i) for i in range(35)] * 30
+    arc_hits = replay(arc, working, capacity)
+    lru_hits = replay(lru, working, capacity)
+    assert arc.target_t1 > 0
+    assert arc_hits >= lru_hits - 2 * 35  # at most about two cycles slower to settle than LRU
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["evict(3)", "3x evict(1)"])
+def test_arc_evicts_from_t1_only_while_it_exceeds_its_target(batched: bool) -> None:
+    arc = ARCPolicy(capacity_hint=4)
+    for key in "abcd":
+        arc.insert(key)
+    assert arc.evict(1, never) == ["a"]  # T1's least recent, into B1
+    arc.insert("a")  # a B1 hit: T1 was too small, so p grows to 1 and "a" enters T2
+    assert arc.target_t1 == 1
+    victims = arc.evict(3, never) if batched else [arc.evict(1, never)[0] for _ in range(3)]
+    assert victims == ["b", "c", "a"]  # |T1| 3 > 1, 2 > 1, then 1 == p: from T2
+
+
+def test_arc_forgets_ghosts_beyond_its_capacity_hint() -> None:
+    arc = ARCPolicy(capacity_hint=4)
+    for key in "abcd":
+        arc.insert(key)
+    assert arc.evict(1, never) == ["a"]  # T1 3 + B1 1 == c
+    arc.insert("e")  # T1 4 + B1 1 > c: "a" is forgotten
+    arc.insert("a")  # so this is a plain miss, not a B1 hit
+    assert arc.target_t1 == 0
+
+
+def test_s3fifo_forgets_ghosts_beyond_ghost_ratio() -> None:
+    policy = S3FIFOPolicy(capacity_hint=10, small_ratio=0.1, ghost_ratio=0.1)  # one ghost
+    for key in "abcd":
+        policy.insert(key)
+    assert policy.evict(2, never) == ["a", "b"]  # the ghost now remembers only "b"
+    policy.insert("a")  # forgotten: into small, behind c and d
+    policy.insert("b")  # a ghost: into main
+    assert drain(policy) == ["c", "d", "a", "b"]
+
+
+# --- factory and admission ---------------------------------------------------------------------
+
+
+def test_make_policy_builds_each_kind() -> None:
+    assert isinstance(make_policy(PolicyKind.LRU, 4), LRUPolicy)
+    assert isinstance(make_policy("s3fifo", 4, small_ratio=0.2, max_freq=2), S3FIFOPolicy)
+    assert isinstance(make_policy(PolicyKind.ARC, 4), ARCPolicy)
+
+
+@pytest.mark.parametrize(
+    ("kind", "capacity_hint", "params", "named"),
+    [
+        ("mru", 4, {}, "policy.kind"),
+        (PolicyKind.LRU, 0, {}, "capacity_hint"),
+        (PolicyKind.ARC, True, {}, "capacity_hint"),
+        (PolicyKind.LRU, 4, {"small_ratio": 0.1}, "small_ratio"),
+        (PolicyKind.S3FIFO, 4, {"ghost_size": 3}, "ghost_size"),
+        (PolicyKind.S3FIFO, 4, {"small_ratio": 1.0}, "small_ratio"),
+        (PolicyKind.S3FIFO, 4, {"ghost_ratio": -0.5}, "ghost_ratio"),
+        (PolicyKind.S3FIFO, 4, {"ghost_ratio": float("inf")}, "ghost_ratio"),
+        (PolicyKind.S3FIFO, 4, {"max_freq": 0}, "max_freq"),
+        (PolicyKind.S3FIFO, 4, {"max_freq": 2.5}, "max_freq"),
+    ],
+)
+def test_make_policy_names_the_bad_parameter(kind, capacity_hint, params, named) -> None:
+    with pytest.raises(ConfigError, match=named):
+        make_policy(kind, capacity_hint, **params)
+
+
+@pytest.mark.parametrize(
+    ("rule", "demoted", "hits", "admitted"),
+    [
+        (AdmissionRule(AdmissionKind.ALL), False, 0, True),
+        (AdmissionRule(AdmissionKind.EVICTED), True, 0, True),
+        (AdmissionRule(AdmissionKind.EVICTED), False, 5, False),
+        (AdmissionRule(AdmissionKind.REUSED, min_hits=2), False, 2, True),
+        (AdmissionRule(AdmissionKind.REUSED, min_hits=2), False, 1, False),
+        (AdmissionRule(AdmissionKind.REUSED, min_hits=2), True, 1, False),
+        (AdmissionRule(AdmissionKind.REUSED, min_hits=2, allow_demoted=True), True, 0, True),
+        (AdmissionRule(AdmissionKind.REUSED, min_hits=0), False, 0, True),
+    ],
+)
+def test_admission_rules(rule: AdmissionRule, demoted: bool, hits: int, admitted: bool) -> None:
+    assert rule.admits(demoted=demoted, hits=hits) is admitted
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"kind": "all"}, "admission.kind"),
+        ({"kind": AdmissionKind.REUSED, "min_hits": -1}, "admission.min_hits"),
+        ({"kind": AdmissionKind.REUSED, "min_hits": True}, "admission.min_hits"),
+        ({"kind": AdmissionKind.REUSED, "allow_demoted": 1}, "admission.allow_demoted"),
+    ],
+)
+def test_admission_rule_names_the_bad_field(fields: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        AdmissionRule(**fields)

@@ -1,0 +1,318 @@
+"""SSDTier specifics beyond the Tier contract: bad directories, the O_DIRECT decision, a full disk,
+a file-size limit, files truncated behind the tier's back, and file lifecycle.
+
+Real parts only: a full disk is a 1 MiB tmpfs mounted for the test, an O_DIRECT-refusing filesystem
+is a ramfs (both need root and `mount`; skipped with the reason otherwise), EFBIG comes from
+RLIMIT_FSIZE in a subprocess. Cost: about a second.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.errors import TierIOError
+from kvtier.tiers.dram import DRAMTier
+from kvtier.tiers.ssd import ALIGN_BYTES, SSDTier
+
+SLOT_BYTES = 64 * 1024
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def mount(fstype: str, options: str, where: Path) -> None:
+    """Mounts a fresh `fstype` at `where`, or skips the test saying why it cannot."""
+    args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(where)]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no `mount` command here")
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a {fstype} here (needs root/CAP_SYS_ADMIN): {result.stderr.strip()}")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a disk that really fills up."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    mount("tmpfs", "size=1m", where)
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs: a filesystem that refuses O_DIRECT at open (EINVAL)."""
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    mount("ramfs", "", where)
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def ssd(tmp_path: Path) -> Iterator[SSDTier]:
+    tier = SSDTier(tmp_path, 8 * SLOT_BYTES, SLOT_BYTES, num_files=2)
+    yield tier
+    tier.close()
+
+
+# -- bad directories -------------------------------------------------------------------------------
+
+
+def test_missing_directory_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(TierIOError, match=str(missing)) as info:
+        SSDTier(missing, 4 * SLOT_BYTES, SLOT_BYTES)
+    assert info.value.errno == errno.ENOENT
+
+
+def test_directory_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_bytes(b"x")
+    bad = tmp_path / "plain" / "sub"
+    with pytest.raises(TierIOError, match=str(bad)) as info:
+        SSDTier(bad, 4 * SLOT_BYTES, SLOT_BYTES)
+    assert info.value.errno == errno.ENOTDIR
+
+
+def test_a_regular_file_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_bytes(b"x")
+    with pytest.raises(TierIOError, match="not a directory") as info:
+        SSDTier(tmp_path / "plain", 4 * SLOT_BYTES, SLOT_BYTES)
+    assert info.value.errno == errno.ENOTDIR
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no procfs here")
+def test_unwritable_directory_names_the_path() -> None:
+    # Root ignores permission bits, but nobody can create a file in procfs.
+    with pytest.raises(TierIOError, match="/proc/self"):
+        SSDTier("/proc/self", 4 * SLOT_BYTES, SLOT_BYTES)
+
+
+# -- the O_DIRECT decision ------------------------------------------------------------------------
+
+
+def test_o_direct_decision_is_reported(ssd: SSDTier) -> None:
+    facts = ssd.describe()
+    assert isinstance(facts["o_direct"], bool) and facts["o_direct"] == ssd.o_direct
+    assert isinstance(facts["reason"], str) and facts["reason"]
+
+
+def test_buffered_when_asked_says_so_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ssd"):
+        tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, direct=False)
+    try:
+        assert tier.describe()["o_direct"] is False
+        assert "direct=False" in str(tier.describe()["reason"])
+        assert not caplog.records
+    finally:
+        tier.close()
+
+
+def test_refused_o_direct_falls_back_with_one_warning(ramfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ssd"):
+        tier = SSDTier(ramfs, 4 * SLOT_BYTES, SLOT_BYTES)
+    try:
+        facts = tier.describe()
+        assert facts["o_direct"] is False and "refused" in str(facts["reason"])
+        assert len(caplog.records) == 1 and "O_DIRECT" in caplog.records[0].getMessage()
+        block = random_bytes(SLOT_BYTES)
+        tier.write(3, block)
+        out = torch.empty_like(block)
+        tier.read(3, out)
+        assert torch.equal(out, block)
+        assert len(caplog.records) == 1
+    finally:
+        tier.close()
+
+
+def test_required_o_direct_on_a_refusing_filesystem_raises(ramfs: Path) -> None:
+    with pytest.raises(TierIOError, match="O_DIRECT") as info:
+        SSDTier(ramfs, 4 * SLOT_BYTES, SLOT_BYTES, direct=True)
+    assert info.value.errno == errno.EINVAL
+    assert list(ramfs.iterdir()) == []
+
+
+# -- full disk, size limit, truncation ------------------------------------------------------------
+
+
+def test_full_disk_at_creation_raises_enospc_and_leaves_nothing(small_tmpfs: Path) -> None:
+    with pytest.raises(TierIOError, match=str(small_tmpfs)) as info:
+        SSDTier(small_tmpfs, 4 << 20, SLOT_BYTES)
+    assert info.value.errno == errno.ENOSPC
+    assert list(small_tmpfs.iterdir()) == []
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_full_disk_at_write_raises_enospc_naming_slot(small_tmpfs: Path, direct: bool | None) -> None:
+    tier = SSDTier(small_tmpfs, 2 * SLOT_BYTES, SLOT_BYTES, num_files=1, direct=direct)
+    try:
+        os.truncate(tier.paths[0], 0)  # give the reserved space back behind the tier's back ...
+        _fill(small_tmpfs / "filler")  # ... and let someone else take it
+        with pytest.raises(TierIOError, match=r"slot 1\b") as info:
+            tier.write(1, random_bytes(SLOT_BYTES))
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename == tier.paths[0]
+    finally:
+        tier.close()
+
+
+def _fill(path: Path) -> None:
+    """Writes to `path` until the filesystem is full."""
+    chunk = b"\xff" * 4096
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+EFBIG_SCRIPT = """
+import json, resource, signal, sys, torch
+from kvtier.errors import TierIOError
+from kvtier.tiers.ssd import SSDTier
+tier = SSDTier(sys.argv[1], 8 * 65536, 65536, num_files=2)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+tier.write(0, torch.ones(65536, dtype=torch.uint8))  # below the limit: fine
+try:
+    tier.write(4, torch.ones(65536, dtype=torch.uint8))  # file 0, bytes [131072, 196608)
+except TierIOError as e:
+    print(json.dumps({"errno": e.errno, "message": str(e)}))
+tier.close()
+"""
+
+
+def test_file_size_limit_raises_efbig_naming_slot(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", EFBIG_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    outcome = json.loads(result.stdout)
+    assert outcome["errno"] == errno.EFBIG
+    assert "slot 4" in outcome["message"] and str(tmp_path) in outcome["message"]
+
+
+@pytest.mark.parametrize("direct", [None, False])
+@pytest.mark.parametrize("keep_bytes", [0, 100, SLOT_BYTES + 5000])
+def test_truncated_file_makes_reads_raise_not_zeros(
+    tmp_path: Path, direct: bool | None, keep_bytes: int
+) -> None:
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=1, direct=direct)
+    try:
+        block = random_bytes(SLOT_BYTES)
+        for slot in range(2):
+            tier.write(slot, block)
+        os.truncate(tier.paths[0], keep_bytes)  # slots 0 and 1 are the file's first 128 KiB
+        out = torch.empty(SLOT_BYTES, dtype=torch.uint8)
+        with pytest.raises(TierIOError, match=r"slot 1\b.*short read") as info:
+            tier.read(1, out)
+        assert info.value.filename == tier.paths[0]
+        with pytest.raises(TierIOError, match="short read"):
+            tier.read(1, out[:1000], SLOT_BYTES - 1000)
+        head = torch.empty(50, dtype=torch.uint8)
+        if keep_bytes >= ALIGN_BYTES:
+            # What is still there, whole 4 KiB pages of it, reads back fine. (With O_DIRECT a range
+            # in a page the truncation cut also raises: it cannot be read whole.)
+            tier.read(0, head)
+            assert torch.equal(head, block[:50])
+    finally:
+        tier.close()
+
+
+# -- layout, alignment and lifecycle --------------------------------------------------------------
+
+
+def test_slots_are_4k_aligned_and_striped(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 7 * 10_000, 10_000, num_files=3)
+    try:
+        facts = tier.describe()
+        assert facts["slot_stride_bytes"] == 12288 and facts["slot_stride_bytes"] % ALIGN_BYTES == 0
+        assert facts["num_files"] == 3 and len(tier.paths) == 3
+        sizes = [os.path.getsize(p) for p in tier.paths]
+        assert sizes == [3 * 12288, 2 * 12288, 2 * 12288] and sum(sizes) == facts["disk_bytes"]
+    finally:
+        tier.close()
+
+
+def test_fewer_slots_than_files_uses_one_file_per_slot(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 2 * SLOT_BYTES, SLOT_BYTES, num_files=8)
+    try:
+        assert len(tier.paths) == 2
+    finally:
+        tier.close()
+
+
+def test_aligned_io_straight_from_dram_slots(ssd: SSDTier) -> None:
+    dram = DRAMTier(4 * SLOT_BYTES, SLOT_BYTES, pin=False)
+    try:
+        assert dram.view(1, 0, SLOT_BYTES).data_ptr() % ALIGN_BYTES == 0
+        dram.write(1, random_bytes(SLOT_BYTES, seed=1))
+        ssd.write(5, dram.view(1, 0, SLOT_BYTES))
+        ssd.read(5, dram.view(2, 0, SLOT_BYTES))
+        assert torch.equal(dram.view(2, 0, SLOT_BYTES), dram.view(1, 0, SLOT_BYTES))
+        ssd.read(5, dram.view(3, 4096, 8192), 8192)  # aligned sub-range straight into a slot
+        assert torch.equal(dram.view(3, 4096, 8192), dram.view(1, 8192, 8192))
+    finally:
+        dram.close()
+
+
+def test_unaligned_buffer_of_aligned_length_goes_through_bounce(ssd: SSDTier) -> None:
+    backing = random_bytes(2 * SLOT_BYTES + 1, seed=2)
+    src = backing[1 : 1 + SLOT_BYTES]
+    assert src.data_ptr() % ALIGN_BYTES != 0
+    ssd.write(2, src)
+    out = torch.zeros(2 * SLOT_BYTES + 3, dtype=torch.uint8)[3 : 3 + SLOT_BYTES]
+    ssd.read(2, out)
+    assert torch.equal(out, src)
+
+
+def test_non_cpu_buffer_raises_type_error(ssd: SSDTier) -> None:
+    meta = torch.empty(16, dtype=torch.uint8, device="meta")
+    with pytest.raises(TypeError, match="CPU"):
+        ssd.write(0, meta)
+    with pytest.raises(TypeError, match="CPU"):
+        ssd.read(0, meta)
+
+
+def test_files_removed_on_close(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES)
+    paths = tier.paths
+    assert all(os.path.exists(p) for p in paths)
+    tier.close()
+    tier.close()
+    assert not any(os.path.exists(p) for p in paths)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_keep_files_keeps_the_bytes(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=1, keep_files=True)
+    block = random_bytes(SLOT_BYTES, seed=9)
+    tier.write(2, block)
+    tier.close()
+    with open(_only_file(tmp_path), "rb") as f:
+        f.seek(2 * SLOT_BYTES)
+        assert f.read(SLOT_BYTES) == block.numpy().tobytes()
+
+
+def _only_file(directory: Path) -> Path:
+    (only,) = directory.iterdir()
+    return only
