@@ -241,17 +241,19 @@ class TierManager:
         move lands; a block already on its way up (promotion or prefetch) joins that move instead
         of issuing a second read.
         """
-        sources: list[LoadSource] = []
+        leased: list[tuple[BlockEntry, TierKind]] = []
         missing: list[Hashable] = []
-        for key in keys:
+        for key in keys:  # lease every source first: promoting one block must not evict another
             entry = self.index.get(key)
             tier = entry.best_ready() if entry else None
             if tier is None:
                 missing.append(key)
                 self.stats.misses += 1
                 continue
-            sources.append(self._load_source(entry, tier))
-        return LoadPlan(tuple(sources), tuple(missing), self._drain())
+            entry.copies[tier].readers += 1
+            leased.append((entry, tier))
+        sources = tuple(self._load_source(entry, tier) for entry, tier in leased)
+        return LoadPlan(sources, tuple(missing), self._drain())
 
     def complete_load(self, plan: LoadPlan, failed: dict[Hashable, str] | None = None) -> tuple[Move, ...]:
         """Releases a load's leases. `failed` maps keys whose read failed to a `DropReason`.
@@ -434,13 +436,13 @@ class TierManager:
         entry.hits += 1
         self.stats.hits[tier] += 1
         self._tiers[tier].policy.touch(entry.key)
+        copy = entry.copies[tier]  # already leased by prepare_load
         inbound = self._inbound.get(entry.key)
         if inbound is not None:
             if inbound.reason is MoveReason.PREFETCH:
                 self.stats.prefetch_used += 1
+            copy.readers -= 1  # read the copy on its way up instead
             return self._lease_inbound(entry, inbound)
-        copy = entry.copies[tier]
-        copy.readers += 1  # leased first, so making room above can never evict it
         up = self.promote_to
         if up is not None and tier > up and up not in entry.copies:
             slot = self._free_slot(up, demoted=False, hits=entry.hits)

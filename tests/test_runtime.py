@@ -1,0 +1,339 @@
+"""The runtime end to end on real tiers: CPU stand-in HBM, DRAM, SSD files on disk (cost: ~15 s).
+
+Ordering is proved by gates, never by timing: a `GatedTier` wraps a real tier and holds reads or
+writes of chosen layers until the test opens the gate, and counts every call.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.config import CacheMode, KVTierConfig, PrefetchConfig, TierConfig
+from kvtier.errors import TierIOError
+from kvtier.handle import Stage
+from kvtier.layout import BlockLayout
+from kvtier.runtime import KVTier
+from kvtier.stats import DropReason
+from kvtier.tiers.base import Tier, TierKind
+from kvtier.tiers.ssd import SSDTier
+
+H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
+LAYOUT = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)
+BLOCK = LAYOUT.block_bytes
+WAIT_S = 30  # a safety net against hangs, never a measurement
+
+
+class GatedTier(Tier):
+    """Delegates to a real tier; can hold reads/writes from layer `gate_layer` on, count, or fail."""
+
+    def __init__(self, inner: Tier, gate_layer: int = 1) -> None:
+        self.inner, self.kind, self.medium = inner, inner.kind, inner.medium
+        self.slot_bytes, self.num_slots = inner.slot_bytes, inner.num_slots
+        self.gate_from = LAYOUT.offsets[gate_layer]
+        self.read_gate, self.write_gate = threading.Event(), threading.Event()
+        self.read_gate.set()
+        self.write_gate.set()
+        self.reads: list[tuple[int, int]] = []
+        self.fail_writes: OSError | None = None
+        self._lock = threading.Lock()
+
+    def read(self, slot, dst, offset=0):
+        with self._lock:
+            self.reads.append((slot, offset))
+        if offset >= self.gate_from:
+            self.read_gate.wait(WAIT_S)
+        self.inner.read(slot, dst, offset)
+
+    def write(self, slot, src, offset=0):
+        if self.fail_writes is not None:
+            raise TierIOError(self.fail_writes.errno, f"injected: {self.fail_writes}")
+        if offset >= self.gate_from:
+            self.write_gate.wait(WAIT_S)
+        self.inner.write(slot, src, offset)
+
+    def view(self, slot, offset, length):
+        return self.inner.view(slot, offset, length)
+
+    def close(self):
+        self.read_gate.set()
+        self.write_gate.set()
+        self.inner.close()
+
+
+def config(tmp_path, hbm=2, dram=3, ssd=6, mode=CacheMode.EXCLUSIVE, promote_to=D, marks=(1.0, 1.0)):
+    """Tiers of a few blocks each; watermarks off by default so placements are exact."""
+    tiers = [TierConfig(H, hbm * BLOCK, device="cpu", high_watermark=marks[0], low_watermark=marks[1]),
+             TierConfig(D, dram * BLOCK, high_watermark=marks[0], low_watermark=marks[1]),
+             TierConfig(S, ssd * BLOCK, path=tmp_path / "ssd", high_watermark=marks[0], low_watermark=marks[1])]
+    return KVTierConfig(model="kvtier-tiny", tiers=tuple(t for t in tiers if t.capacity_bytes), mode=mode,
+                        promote_to=promote_to, prefetch=PrefetchConfig(D, 64 * BLOCK))
+
+
+@pytest.fixture
+def ssd(tmp_path):
+    (tmp_path / "ssd-gated").mkdir()
+    gated = GatedTier(SSDTier(tmp_path / "ssd-gated", 6 * BLOCK, BLOCK, num_files=2))
+    yield gated
+    gated.close()
+
+
+def runtime(tmp_path, ssd_tier=None, **kw) -> KVTier:
+    (tmp_path / "ssd").mkdir(exist_ok=True)
+    return KVTier(config(tmp_path, **kw), layout=LAYOUT, tiers={S: ssd_tier} if ssd_tier else None)
+
+
+def blocks(keys) -> torch.Tensor:
+    """Deterministic, distinct bytes per key."""
+    return torch.stack([torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
+                                      generator=torch.Generator().manual_seed(k)) for k in keys])
+
+
+def store(kv, keys, target=None):
+    handle = kv.store(keys, blocks(keys), target)
+    assert handle.wait(WAIT_S), handle.failed
+    kv.quiesce(WAIT_S)
+
+
+def load(kv, keys):
+    out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+    handle = kv.load(keys, out)
+    handle.wait(WAIT_S)
+    return out, handle
+
+
+# ---- round trips ---------------------------------------------------------------------------
+
+
+def test_blocks_spill_through_every_tier_and_come_back_identical(tmp_path):
+    with runtime(tmp_path, marks=(0.95, 0.85)) as kv:
+        keys = list(range(8))  # 2 + 3 + 6 slots, less the watermarks' headroom
+        for k in keys:
+            store(kv, [k])
+        assert {kv.where([k])[0] for k in keys} == {H, D, S}, "every tier holds some"
+        for used in kv.usage().values():
+            assert used["used"] <= used["slots"]
+        out, handle = load(kv, keys)
+        assert handle.failed == {} and torch.equal(out, blocks(keys))
+        snap = kv.snapshot()
+        assert snap["hits"].keys() >= {"hbm", "dram", "ssd"} and snap["dropped"] == {}
+
+
+def test_inclusive_mode_writes_through(tmp_path):
+    with runtime(tmp_path, mode=CacheMode.INCLUSIVE) as kv:
+        store(kv, [1])
+        assert kv.usage() == {"hbm": {"used": 1, "slots": 2}, "dram": {"used": 1, "slots": 3},
+                              "ssd": {"used": 1, "slots": 6}}
+        store(kv, [2, 3])  # 1 leaves HBM: its lower copies stay, no demotion is needed
+        assert kv.where([1]) == [D] and kv.stats.demotions == {}, "a copy below exists: no demotion"
+        out, handle = load(kv, [1, 2, 3])
+        assert handle.failed == {} and torch.equal(out, blocks([1, 2, 3]))
+
+
+def test_missing_blocks_are_reported_not_served(tmp_path):
+    with runtime(tmp_path) as kv:
+        store(kv, [1])
+        out, handle = load(kv, [1, 99])
+        assert set(handle.failed) == {99} and torch.equal(out[0], blocks([1])[0])
+        assert kv.lookup([1, 99, 1]) == 1
+
+
+# ---- layer-wise loading and in-flight sharing ------------------------------------------------
+
+
+@pytest.mark.parametrize("promote_to", [None, D], ids=["direct", "via-promotion"])
+def test_layer_zero_is_usable_before_the_last_layer_lands(tmp_path, ssd, promote_to):
+    with runtime(tmp_path, ssd_tier=ssd, promote_to=promote_to) as kv:
+        store(kv, [7], target=S)
+        ssd.read_gate.clear()  # reads of layers >= 1 wait for the test
+        out = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        handle = kv.load([7], out)
+        handle.wait_layer(0, WAIT_S)
+        first = LAYOUT.layer_bytes[0]
+        assert handle.layers_done == 1 and not handle.done(), "later layers are still held at the gate"
+        assert torch.equal(out[0, :first], blocks([7])[0, :first]), "layer 0 is in place"
+        assert not torch.equal(out[0, first:], blocks([7])[0, first:])
+        ssd.read_gate.set()
+        assert handle.wait(WAIT_S) and torch.equal(out, blocks([7]))
+
+
+def test_concurrent_loads_of_a_block_share_one_read(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd) as kv:
+        store(kv, [5], target=S)
+        ssd.reads.clear()
+        ssd.read_gate.clear()
+        outs = [torch.zeros(1, BLOCK, dtype=torch.uint8) for _ in range(3)]
+        handles = [kv.load([5], o) for o in outs]
+        ssd.read_gate.set()
+        assert all(h.wait(WAIT_S) for h in handles)
+        assert all(torch.equal(o, blocks([5])) for o in outs)
+        assert len(ssd.reads) == LAYOUT.num_layers, "one read per layer, not one per load"
+        assert kv.stats.promotions[(S, D)] == 1
+
+
+def test_load_waits_for_prefetch_in_flight_instead_of_reading_again(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd) as kv:
+        store(kv, [1, 2], target=S)
+        ssd.reads.clear()
+        ssd.read_gate.clear()
+        prefetch = kv.prefetch([1, 2], budget_bytes=BLOCK)  # budget: one block
+        assert [m.key for m in prefetch.moves] == [1]
+        out, _ = torch.zeros(1, BLOCK, dtype=torch.uint8), None
+        handle = kv.load([1], out)
+        ssd.read_gate.set()
+        assert handle.wait(WAIT_S) and torch.equal(out, blocks([1]))
+        assert len(ssd.reads) == LAYOUT.num_layers and kv.stats.prefetch_used == 1
+        assert kv.where([1, 2]) == [D, S]
+
+
+def test_cancelled_prefetch_leaves_blocks_where_they_were(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd) as kv:
+        store(kv, [1, 2], target=S)
+        ssd.read_gate.clear()
+        prefetch = kv.prefetch([1, 2])
+        prefetch.cancel()
+        ssd.read_gate.set()
+        assert prefetch.wait(WAIT_S) is False
+        kv.quiesce(WAIT_S)
+        assert kv.where([1, 2]) == [S, S] and kv.usage()["dram"]["used"] == 0
+        assert kv.stats.prefetch_cancelled == 2
+        out, handle = load(kv, [1, 2])
+        assert handle.failed == {} and torch.equal(out, blocks([1, 2]))
+
+
+def test_prefetch_never_evicts_pinned_blocks(tmp_path):
+    with runtime(tmp_path, dram=2) as kv:
+        store(kv, [1, 2], target=D)
+        store(kv, [3, 4], target=S)
+        assert kv.pin([1, 2]) == 2
+        prefetch = kv.prefetch([3, 4])
+        prefetch.wait(WAIT_S)
+        assert kv.where([1, 2, 3, 4]) == [D, D, S, S]
+        kv.unpin([1, 2])
+        for _ in range(3):  # a full target first demotes its LRU blocks; the slots they free take the next
+            kv.prefetch([3, 4]).wait(WAIT_S)
+            kv.quiesce(WAIT_S)
+        assert kv.where([1, 2, 3, 4]) == [S, S, D, D]
+
+
+def test_block_being_written_is_not_served(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd) as kv:
+        ssd.write_gate.clear()
+        handle = kv.store([9], blocks([9]), target=S)
+        assert kv.lookup([9]) == 0
+        _, miss = load(kv, [9])
+        assert 9 in miss.failed
+        ssd.write_gate.set()
+        assert handle.wait(WAIT_S) and kv.lookup([9]) == 1
+
+
+# ---- integrity and failures --------------------------------------------------------------------
+
+
+def test_corrupted_block_is_a_counted_miss_never_data(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd, promote_to=None) as kv:
+        store(kv, [3], target=S)
+        slot = kv.manager.index.get(3).copies[S].slot
+        ssd.inner.write(slot, torch.full((16,), 0xAB, dtype=torch.uint8), offset=LAYOUT.offsets[2] + 100)
+        _, handle = load(kv, [3])
+        assert handle.failed[3].stage == Stage.VERIFY and handle.failed[3].layer == 2
+        assert kv.stats.checksum_errors == 1 and kv.stats.dropped[DropReason.CHECKSUM] == 1
+        assert kv.lookup([3]) == 0 and kv.usage()["ssd"]["used"] == 0
+
+
+def test_truncated_ssd_file_is_a_counted_miss(tmp_path):
+    with runtime(tmp_path, promote_to=None) as kv:
+        store(kv, [3], target=S)
+        for path in kv.tiers[S].paths:
+            with open(path, "r+b") as f:
+                f.truncate(0)
+        _, handle = load(kv, [3])
+        assert handle.failed[3].stage == Stage.READ
+        assert kv.stats.io_errors == 1 and kv.stats.dropped[DropReason.READ_FAILED] == 1
+
+
+def test_full_disk_during_demotion_drops_with_reason_and_keeps_serving(tmp_path, ssd):
+    with runtime(tmp_path, ssd_tier=ssd, hbm=1, dram=1) as kv:
+        ssd.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+        for k in range(5):
+            kv.store([k], blocks([k])).wait(WAIT_S)
+            kv.quiesce(WAIT_S)
+        assert kv.stats.dropped[DropReason.DEMOTION_FAILED] >= 1
+        failed_writes = kv.stats.dropped[DropReason.DEMOTION_FAILED] + kv.stats.dropped[DropReason.STORE_FAILED]
+        assert kv.stats.io_errors == failed_writes, "every failed write is counted, and costs only its block"
+        alive = [k for k in range(5) if kv.where([k])[0] is not None]
+        assert alive, "the runtime keeps serving from the tiers that work"
+        out, handle = load(kv, alive)
+        assert handle.failed == {} and torch.equal(out, blocks(alive))
+        ssd.fail_writes = None
+        store(kv, [10, 11, 12])
+        assert kv.lookup([10, 11, 12]) == 3
+
+
+def test_store_with_no_room_anywhere_is_counted(tmp_path):
+    with runtime(tmp_path, hbm=1, dram=1, ssd=1) as kv:
+        assert kv.pin([]) == 0
+        store(kv, [1, 2, 3])
+        kv.pin([1, 2, 3])
+        handle = kv.store([4], blocks([4]))
+        assert handle.wait(WAIT_S) is False and handle.failed[4].stage == Stage.WRITE
+        assert kv.stats.dropped[DropReason.NO_SPACE] == 1
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_buffers_raise_clear_errors(tmp_path):
+    with runtime(tmp_path) as kv:
+        with pytest.raises(ValueError, match="2 blocks for 1 keys"):
+            kv.store([1], blocks([1, 2]))
+        with pytest.raises(ValueError, match=f"{BLOCK} bytes"):
+            kv.store([1], torch.zeros(1, BLOCK - 1, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="uint8"):
+            kv.load([1], torch.zeros(1, BLOCK // 2, dtype=torch.float16))
+        with pytest.raises(ValueError, match="duplicate"):
+            kv.store([1, 1], blocks([1, 2]))
+
+
+# ---- random operation sequences on real tiers ------------------------------------------------
+
+OPS = st.lists(st.tuples(st.sampled_from(["store", "load", "prefetch", "pin", "unpin"]),
+                         st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True)),
+               min_size=1, max_size=25)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, mode=st.sampled_from(list(CacheMode)))
+def test_random_operations_never_serve_wrong_bytes_or_exceed_capacity(tmp_path, ops, mode):
+    pins: dict[int, int] = {}
+    with runtime(tmp_path, mode=mode) as kv:
+        for op, keys in ops:
+            if op == "store":
+                kv.store(keys, blocks(keys)).wait(WAIT_S)
+            elif op == "load":
+                out, handle = load(kv, keys)
+                for i, k in enumerate(keys):
+                    if k not in handle.failed:
+                        assert torch.equal(out[i], blocks([k])[0]), f"block {k} came back different"
+            elif op == "prefetch":
+                kv.prefetch(keys).wait(WAIT_S)
+            elif op == "pin":
+                for k in keys:
+                    if kv.pin([k]):
+                        pins[k] = pins.get(k, 0) + 1
+            elif pins:
+                k = next(iter(pins))
+                kv.unpin([k])
+                pins[k] -= 1
+                pins = {a: b for a, b in pins.items() if b}
+            for used in kv.usage().values():
+                assert used["used"] <= used["slots"]
+        kv.quiesce(WAIT_S)
+        for k in pins:
+            assert kv.where([k])[0] is not None, "a pinned block was evicted"
+        assert kv.stats.checksum_errors == 0 and kv.stats.io_errors == 0
