@@ -4,15 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
+# Where this kind of machine keeps the CPU torch wheel; pip looks there as well as in the registry.
+WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 .PHONY: run test bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
-	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH)"
+	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"
+	$(BIN)/pip install --quiet $(WHEELS) -e ".[test]" "$(TORCH)"
 	touch $@
 
 venv: $(STAMP)
