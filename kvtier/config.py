@@ -8,6 +8,7 @@ environment.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -72,7 +73,7 @@ class TierConfig:
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     io_workers: int = 4
-    layerwise: bool = True
+    chunk_bytes: int = 1 << 20  # consecutive layers are copied together up to this size (0: per layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ class KVTierConfig:
     block_tokens: int = 16
     mode: CacheMode = CacheMode.EXCLUSIVE
     tenant: str = "default"
-    promote_to: TierKind = TierKind.DRAM
+    promote_to: TierKind | None = TierKind.DRAM  # None: loads never promote
     transfer: TransferConfig = field(default_factory=TransferConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
@@ -118,16 +119,35 @@ def _tier_kind(name: Any, where: str) -> TierKind:
 def _number(value: Any, where: str, cls: type, lo: float, hi: float | None = None) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (cls is int and not isinstance(value, int)):
         raise ConfigError(f"{where}: expected {cls.__name__}, got {value!r}")
+    if not math.isfinite(value):  # NaN would pass both bound checks below
+        raise ConfigError(f"{where}: expected a finite number, got {value}")
     if value < lo or (hi is not None and value > hi):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ConfigError(f"{where}: must be {bound}, got {value}")
     return cls(value)
 
 
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):  # bool("false") is True: never coerce
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _mapping(raw: Any, where: str) -> dict:
+    """A section that may be omitted (None: empty) but, when present, must be a mapping."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    return raw
+
+
 def _check_keys(raw: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(raw) - allowed)
+    """Raises naming the first unknown key by its dotted path (`where` is "" at the top level)."""
+    unknown = sorted(map(str, set(raw) - allowed))
     if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; expected some of {', '.join(sorted(allowed))}")
+        path = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(f"{path}: unknown field; expected one of {', '.join(sorted(allowed))}")
 
 
 def _admission(raw: Any, where: str) -> AdmissionRule:
@@ -135,12 +155,15 @@ def _admission(raw: Any, where: str) -> AdmissionRule:
         return AdmissionRule(_enum(AdmissionKind, raw, where))
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a name or a mapping, got {raw!r}")
-    _check_keys(raw, {"kind", "min_hits"}, where)
+    _check_keys(raw, {"kind", "min_hits", "allow_demoted"}, where)
     kind = _enum(AdmissionKind, raw.get("kind", "all"), f"{where}.kind")
-    return AdmissionRule(kind, _number(raw.get("min_hits", 1), f"{where}.min_hits", int, 0))
+    return AdmissionRule(kind, _number(raw.get("min_hits", 1), f"{where}.min_hits", int, 0),
+                         _bool(raw.get("allow_demoted", False), f"{where}.allow_demoted"))
 
 
-_TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark", "path", "num_files", "o_direct", "device"}
+_TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark"}
+# Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
+_KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct"}}
 
 
 def _tier(name: str, raw: Any) -> TierConfig:
@@ -148,7 +171,7 @@ def _tier(name: str, raw: Any) -> TierConfig:
     kind = _tier_kind(name, where)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    _check_keys(raw, _TIER_FIELDS, where)
+    _check_keys(raw, _TIER_FIELDS | _KIND_FIELDS.get(kind, set()), where)
     if "capacity" not in raw:
         raise ConfigError(f"{where}.capacity: missing")
     high = _number(raw.get("high_watermark", 0.95), f"{where}.high_watermark", float, 0.0, 1.0)
@@ -156,10 +179,10 @@ def _tier(name: str, raw: Any) -> TierConfig:
     if low > high:
         raise ConfigError(f"{where}.low_watermark: {low} is above high_watermark {high}")
     path = raw.get("path")
-    if kind is TierKind.SSD and not path:
-        raise ConfigError(f"{where}.path: the SSD tier needs a directory")
+    if kind is TierKind.SSD and (not isinstance(path, str) or not path.strip()):
+        raise ConfigError(f"{where}.path: the SSD tier needs a directory, got {path!r}")
     o_direct = raw.get("o_direct", "auto")
-    if o_direct not in ("auto", True, False, None):
+    if o_direct not in ("auto", None) and not isinstance(o_direct, bool):  # 1 == True: test the type
         raise ConfigError(f"{where}.o_direct: expected auto, true or false, got {o_direct!r}")
     return TierConfig(
         kind=kind,
@@ -186,16 +209,20 @@ def config_from_dict(raw: Any) -> KVTierConfig:
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
-    _check_keys(raw, _TOP_FIELDS, "config")
-    if not raw.get("model"):
-        raise ConfigError("model: missing (a catalog name such as llama-3-8b or a path to config.json)")
+    _check_keys(raw, _TOP_FIELDS, "")
+    if not isinstance(raw.get("model"), str) or not raw["model"].strip():
+        raise ConfigError(f"model: expected a catalog name such as llama-3-8b or a path to config.json, "
+                          f"got {raw.get('model')!r}")
     tiers_raw = raw.get("tiers")
     if not isinstance(tiers_raw, dict) or not tiers_raw:
         raise ConfigError("tiers: expected a mapping of at least one tier (hbm, dram, pool, ssd)")
     tiers = tuple(sorted((_tier(str(n), t) for n, t in tiers_raw.items()), key=lambda t: t.kind))
-    transfer_raw = raw.get("transfer") or {}
-    _check_keys(transfer_raw, {"io_workers", "layerwise"}, "transfer")
-    prefetch_raw = raw.get("prefetch") or {}
+    for above, below in zip(tiers, tiers[1:]):
+        if above.kind is below.kind:  # `hbm` and `HBM` are two YAML keys but one tier
+            raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
+    transfer_raw = _mapping(raw.get("transfer"), "transfer")
+    _check_keys(transfer_raw, {"io_workers", "chunk_bytes"}, "transfer")
+    prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
         model=str(raw["model"]),
@@ -204,16 +231,31 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         block_tokens=_number(raw.get("block_tokens", 16), "block_tokens", int, 1),
         mode=_enum(CacheMode, raw.get("mode", "exclusive"), "mode"),
         tenant=str(raw.get("tenant", "default")),
-        promote_to=_tier_kind(raw.get("promote_to", "dram"), "promote_to"),
+        promote_to=_configured_tier(raw, "promote_to", tiers, allow_none=True),
         transfer=TransferConfig(
             io_workers=_number(transfer_raw.get("io_workers", 4), "transfer.io_workers", int, 1, 256),
-            layerwise=bool(transfer_raw.get("layerwise", True)),
+            chunk_bytes=parse_size(transfer_raw.get("chunk_bytes", "1MiB"), "transfer.chunk_bytes"),
         ),
         prefetch=PrefetchConfig(
-            target=_tier_kind(prefetch_raw.get("target", "dram"), "prefetch.target"),
+            target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),
             budget_bytes=parse_size(prefetch_raw.get("budget", "256MiB"), "prefetch.budget"),
         ),
     )
+
+
+def _configured_tier(raw: dict, name: str, tiers: tuple[TierConfig, ...], *, allow_none: bool = False,
+                     where: str | None = None) -> TierKind | None:
+    """The tier named by `raw[name]`, which must be configured (None or "none" where `allow_none`)."""
+    where = where or name
+    kinds = [t.kind for t in tiers]
+    if name not in raw:  # DRAM; without one, no promotion, and prefetch into the fastest tier
+        return TierKind.DRAM if TierKind.DRAM in kinds else None if allow_none else kinds[0]
+    if raw[name] in (None, "none") and allow_none:
+        return None
+    kind = _tier_kind(raw[name], where)
+    if kind not in kinds:
+        raise ConfigError(f"{where}: tier {kind.name.lower()} is not configured under tiers")
+    return kind
 
 
 def load_config(path: str | Path | None = None) -> KVTierConfig:
@@ -230,6 +272,8 @@ def load_config(path: str | Path | None = None) -> KVTierConfig:
             text = Path(path).read_text()
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path}: not UTF-8 text") from None
         source = str(path)
     try:
         raw = yaml.safe_load(text)

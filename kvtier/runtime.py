@@ -92,7 +92,8 @@ class KVTier:
         self.manager = TierManager(
             [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
             promote_to=config.promote_to, stats=self.stats)
-        self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers, stats=self.stats)
+        self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
+                                     chunk_bytes=config.transfer.chunk_bytes, stats=self.stats)
         self._lock = threading.RLock()
         self._move_handles: dict[int, TransferHandle] = {}
         self._closed = False

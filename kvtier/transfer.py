@@ -87,12 +87,15 @@ class TransferEngine:
         layout: the block layout every copy follows.
         io_workers: threads for disk/remote I/O (the queue depth of one layer's batch).
         job_workers: batches that may run at once.
+        chunk_bytes: consecutive layers are copied together until a copy reaches this size
+            (0: one copy per layer).
         stats: receives bytes moved per (source, destination).
     """
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
-                 stats: Stats | None = None) -> None:
+                 chunk_bytes: int = 0, stats: Stats | None = None) -> None:
         self.layout = layout
+        self.chunk_bytes = chunk_bytes
         self.stats = stats or Stats()
         self._jobs = ThreadPoolExecutor(job_workers, thread_name_prefix="kvtier-job")
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-io")
@@ -132,9 +135,9 @@ class TransferEngine:
     def _run(self, ops: list[CopyOp], handle: TransferHandle, on_done, layers) -> None:
         error: BaseException | None = None
         try:
-            for layer in layers if layers is not None else range(self.layout.num_layers):
-                self._run_layer(ops, handle, layer)
-                handle.layer_done(layer)
+            for first, last in self._spans(layers):
+                self._run_span(ops, handle, first, last)
+                handle.layer_done(last)
             if on_done is not None:
                 on_done(handle)
         except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
@@ -142,60 +145,89 @@ class TransferEngine:
             error = e
         handle.finish(error)
 
-    def _run_layer(self, ops: list[CopyOp], handle: TransferHandle, layer: int) -> None:
-        live = [op for op in ops if self._still_live(op, handle, layer)]
+    def _spans(self, layers: Sequence[int] | None) -> list[tuple[int, int]]:
+        """Runs of consecutive layers copied as one range, each at least `chunk_bytes` when possible.
+
+        Fewer, larger copies cost less per byte; a layer is still reported as soon as the span
+        holding it lands, so `chunk_bytes=0` gives strictly per-layer progress.
+        """
+        order = list(layers) if layers is not None else list(range(self.layout.num_layers))
+        spans: list[tuple[int, int]] = []
+        for layer in order:
+            if spans and spans[-1][1] == layer - 1 and self._span_bytes(*spans[-1]) < self.chunk_bytes:
+                spans[-1] = (spans[-1][0], layer)
+            else:
+                spans.append((layer, layer))
+        return spans
+
+    def _span_bytes(self, first: int, last: int) -> int:
+        return self.layout.offsets[last + 1] - self.layout.offsets[first]
+
+    def _run_span(self, ops: list[CopyOp], handle: TransferHandle, first: int, last: int) -> None:
+        live = [op for op in ops if self._still_live(op, handle, first, last)]
         slow = [op for op in live if op.src.below_dram or op.dst.below_dram]
-        futures = [self._io.submit(self._copy_guarded, op, handle, layer) for op in slow]
+        futures = [self._io.submit(self._copy_guarded, op, handle, first, last) for op in slow]
         for op in live:
             if not (op.src.below_dram or op.dst.below_dram):
-                self._copy_guarded(op, handle, layer)
+                self._copy_guarded(op, handle, first, last)
         wait(futures)
         if self._cuda is not None:
             self._cuda.sync()
 
-    def _still_live(self, op: CopyOp, handle: TransferHandle, layer: int) -> bool:
+    def _still_live(self, op: CopyOp, handle: TransferHandle, first: int, last: int) -> bool:
         if op.key in handle.failed:
             return False
         if handle.is_cancelled(op.key):
-            handle.fail(op.key, Stage.CANCELLED, layer, "cancelled")
+            handle.fail(op.key, Stage.CANCELLED, first, "cancelled")
             return False
         if op.after is not None:
-            op.after.wait_layer(layer)
+            op.after.wait_layer(last)
             if op.key in op.after.failed:
-                handle.fail(op.key, Stage.DEPENDENCY, layer, op.after.failed[op.key].error)
+                handle.fail(op.key, Stage.DEPENDENCY, first, op.after.failed[op.key].error)
                 return False
         return True
 
-    def _copy_guarded(self, op: CopyOp, handle: TransferHandle, layer: int) -> None:
+    def _copy_guarded(self, op: CopyOp, handle: TransferHandle, first: int, last: int) -> None:
         try:
-            checksum = self._copy_layer(op, layer)
+            checksums = self._copy_span(op, first, last)
         except _StageError as e:
-            handle.fail(op.key, e.stage, layer, e.cause)
+            handle.fail(op.key, e.stage, e.layer if e.layer is not None else first, e.cause)
             return
-        if checksum is not None:
-            handle.checksums.setdefault(op.key, []).append(checksum)
-        self.stats.add_bytes(op.src.name, op.dst.name, self.layout.layer_bytes[layer])
+        if checksums:
+            handle.checksums.setdefault(op.key, []).extend(checksums)
+        self.stats.add_bytes(op.src.name, op.dst.name, self._span_bytes(first, last))
 
-    def _copy_layer(self, op: CopyOp, layer: int) -> int | None:
-        """Copies one layer of one block; returns its checksum when asked to compute one."""
-        offset, length = self.layout.layer_range(layer)
+    def _copy_span(self, op: CopyOp, first: int, last: int) -> list[int]:
+        """Copies layers `first..last` of one block; returns their checksums when asked to compute them."""
+        offset, length = self.layout.offsets[first], self._span_bytes(first, last)
         src, dst = op.src.view(offset, length), op.dst.view(offset, length)
         host = _host(src)
         if src is None:  # disk or remote: read into host memory (the destination itself if it can)
             host = _host(dst) if dst is not None and _host(dst) is not None else self._staging(length, 0)
             _stage(Stage.READ, op.src.tier.read, op.src.slot, host, offset)
-        if op.verify is not None and layer_checksum(host) != op.verify[layer]:
-            raise _StageError(Stage.VERIFY, IntegrityError(
-                f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: checksum mismatch"))
+        if op.verify is not None:
+            self._verify(op, host, first, last)
         if host is None and (op.checksum or dst is None):  # a device source bound for a checksum or a disk
             host = self._staging(length, 1)
             self._cuda.copy(host, src, blocking=True)
-        checksum = layer_checksum(host) if op.checksum else None
+        checksums = self._checksums(host, first, last) if op.checksum else []
         if dst is None:
             _stage(Stage.WRITE, op.dst.tier.write, op.dst.slot, host, offset)
         elif host is not dst:
             self._copy_tensor(dst, host if host is not None else src, staged=host is not None and src is None)
-        return checksum
+        return checksums
+
+    def _checksums(self, host: torch.Tensor, first: int, last: int) -> list[int]:
+        base = self.layout.offsets[first]
+        return [layer_checksum(host[self.layout.offsets[l] - base: self.layout.offsets[l + 1] - base])
+                for l in range(first, last + 1)]
+
+    def _verify(self, op: CopyOp, host: torch.Tensor, first: int, last: int) -> None:
+        for layer, got in zip(range(first, last + 1), self._checksums(host, first, last)):
+            if got != op.verify[layer]:
+                raise _StageError(Stage.VERIFY, IntegrityError(
+                    f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
+                    "checksum mismatch"), layer)
 
     def _copy_tensor(self, dst: torch.Tensor, src: torch.Tensor, staged: bool) -> None:
         if dst.is_cuda or src.is_cuda:
@@ -214,9 +246,9 @@ class TransferEngine:
 
 
 class _StageError(Exception):
-    def __init__(self, stage: str, cause: BaseException) -> None:
+    def __init__(self, stage: str, cause: BaseException, layer: int | None = None) -> None:
         super().__init__(f"{stage}: {cause}")
-        self.stage, self.cause = stage, cause
+        self.stage, self.cause, self.layer = stage, cause, layer
 
 
 def _stage(stage: str, fn, *args) -> None:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.config import CacheMode, KVTierConfig, PrefetchConfig, TierConfig
+from kvtier.config import CacheMode, KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import TierIOError
 from kvtier.handle import Stage
 from kvtier.layout import BlockLayout
@@ -66,13 +66,14 @@ class GatedTier(Tier):
         self.inner.close()
 
 
-def config(tmp_path, hbm=2, dram=3, ssd=6, mode=CacheMode.EXCLUSIVE, promote_to=D, marks=(1.0, 1.0)):
-    """Tiers of a few blocks each; watermarks off by default so placements are exact."""
+def config(tmp_path, hbm=2, dram=3, ssd=6, mode=CacheMode.EXCLUSIVE, promote_to=D, marks=(1.0, 1.0), chunk_bytes=0):
+    """Tiers of a few blocks each; watermarks off so placements are exact; per-layer copies."""
     tiers = [TierConfig(H, hbm * BLOCK, device="cpu", high_watermark=marks[0], low_watermark=marks[1]),
              TierConfig(D, dram * BLOCK, high_watermark=marks[0], low_watermark=marks[1]),
              TierConfig(S, ssd * BLOCK, path=tmp_path / "ssd", high_watermark=marks[0], low_watermark=marks[1])]
     return KVTierConfig(model="kvtier-tiny", tiers=tuple(t for t in tiers if t.capacity_bytes), mode=mode,
-                        promote_to=promote_to, prefetch=PrefetchConfig(D, 64 * BLOCK))
+                        promote_to=promote_to, prefetch=PrefetchConfig(D, 64 * BLOCK),
+                        transfer=TransferConfig(io_workers=2, chunk_bytes=chunk_bytes))
 
 
 @pytest.fixture
@@ -160,6 +161,23 @@ def test_layer_zero_is_usable_before_the_last_layer_lands(tmp_path, ssd, promote
         assert not torch.equal(out[0, first:], blocks([7])[0, first:])
         ssd.read_gate.set()
         assert handle.wait(WAIT_S) and torch.equal(out, blocks([7]))
+
+
+def test_chunked_copies_report_each_layer_as_its_run_lands(tmp_path, ssd):
+    two_layers = LAYOUT.offsets[2]
+    ssd.gate_from = two_layers  # reads of layers 2-3 wait; layers 0-1 travel as one run
+    with runtime(tmp_path, ssd_tier=ssd, promote_to=None, chunk_bytes=two_layers) as kv:
+        store(kv, [7], target=S)
+        ssd.reads.clear()
+        ssd.read_gate.clear()
+        out = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        handle = kv.load([7], out)
+        handle.wait_layer(1, WAIT_S)
+        assert handle.layers_done == 2 and not handle.done()
+        assert torch.equal(out[0, :two_layers], blocks([7])[0, :two_layers])
+        ssd.read_gate.set()
+        assert handle.wait(WAIT_S) and torch.equal(out, blocks([7]))
+        assert ssd.reads == [(ssd.reads[0][0], 0), (ssd.reads[0][0], two_layers)], "two reads of two layers"
 
 
 def test_concurrent_loads_of_a_block_share_one_read(tmp_path, ssd):

@@ -31,6 +31,8 @@ NUM_SLOTS = 6
 DISK_DIR = "/var/tmp"
 
 MakeTier = Callable[[int, int], Tier]
+MEMORY_TIERS = ["hbm-cpu", "dram"]  # offer `view`
+SSD_TIERS = ["ssd-direct-tmp_path", "ssd-direct-var-tmp", "ssd-buffered"]  # `view` is None
 
 
 @pytest.fixture
@@ -43,7 +45,7 @@ def disk_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(params=["hbm-cpu", "dram", "ssd-direct-tmp_path", "ssd-direct-var-tmp", "ssd-buffered"])
+@pytest.fixture(params=MEMORY_TIERS + SSD_TIERS)
 def make_tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[MakeTier]:
     """A factory `(capacity_bytes, slot_bytes) -> Tier` for one implementation; closes what it made."""
     kind = request.param
@@ -216,10 +218,10 @@ def test_concurrent_threads_on_distinct_slots(tier: Tier) -> None:
         assert all(pool.map(worker, range(NUM_SLOTS)))
 
 
-def test_view_is_zero_copy_where_offered(tier: Tier) -> None:
+@pytest.mark.parametrize("make_tier", MEMORY_TIERS, indirect=True)
+def test_memory_tier_view_is_zero_copy(tier: Tier) -> None:
     view = tier.view(2, 10, 100)
-    if view is None:
-        pytest.skip(f"{tier.kind.name} offers no view")
+    assert view is not None, f"{tier.kind.name} must offer a view"
     assert view.dtype == torch.uint8 and view.shape == (100,)
     patch = random_bytes(100, seed=3)
     tier.write(2, patch, 10)
@@ -228,6 +230,15 @@ def test_view_is_zero_copy_where_offered(tier: Tier) -> None:
     assert torch.equal(read_back(tier, 2, 10, 100), torch.full((100,), 7, dtype=torch.uint8))
     with pytest.raises(IndexError):
         tier.view(NUM_SLOTS, 0, 1)
+
+
+@pytest.mark.parametrize("make_tier", SSD_TIERS, indirect=True)
+def test_ssd_offers_no_view(tier: Tier) -> None:
+    """A disk has no zero-copy view: `view` says so with None, and the transfer engine stages."""
+    blocks = fill_all(tier)
+    assert tier.view(2, 10, 100) is None
+    assert tier.view(0, 0, SLOT_BYTES) is None
+    assert torch.equal(read_back(tier, 2), blocks[2])
 
 
 def test_close_is_idempotent_and_later_io_raises(tier: Tier) -> None:
