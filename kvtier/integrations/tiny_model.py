@@ -1,0 +1,67 @@
+"""A tiny Llama with random weights and a locally trained tokenizer, built on disk.
+
+Nothing comes from a model hub: the weights are drawn from a seeded generator and the BPE
+tokenizer is trained on generated text, so the same call builds the same model on any machine.
+Engines (transformers, vLLM) load it from the directory like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ("the cache keeps every block of keys and values across memory tiers so a long prompt "
+         "comes back from dram or disk instead of being computed again while the model decodes "
+         "one token after another for many users at once").split()
+
+
+def corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-sentences to train the tokenizer on."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(num_lines)]
+
+
+def build_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def build_tiny_llama(path: str | Path, *, num_layers: int = 4, hidden_size: int = 64, num_heads: int = 4,
+                     num_kv_heads: int = 2, vocab_size: int = 512, max_positions: int = 4096,
+                     dtype: str = "float32", seed: int = 0) -> Path:
+    """Writes config.json, weights and tokenizer of a random tiny Llama into `path`; returns it.
+
+    Reuses an existing build with the same parameters (a `kvtier-build.json` stamp records them).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    params = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions,
+                  dtype=dtype, seed=seed)
+    stamp = path / "kvtier-build.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                         torch_dtype=dtype)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path, vocab_size)
+    stamp.write_text(json.dumps(params))
+    return path
