@@ -47,12 +47,24 @@ class BlockEntry:
 
     def best_ready(self) -> TierKind | None:
         """The fastest tier holding a READY copy, or None."""
-        ready = [t for t, c in self.copies.items() if c.state is CopyState.READY]
-        return min(ready) if ready else None
+        # A plain loop: this runs once per key of every lookup, and most blocks have one copy.
+        best = None
+        for tier, copy in self.copies.items():
+            if copy.state is _READY and (best is None or tier < best):
+                best = tier
+        return best
 
     def live_copies(self) -> int:
         """Copies that are or will become servable (READY or WRITING)."""
-        return sum(c.state is not CopyState.FREEING for c in self.copies.values())
+        n = 0
+        for copy in self.copies.values():
+            if copy.state is not _FREEING:
+                n += 1
+        return n
+
+
+_READY = CopyState.READY
+_FREEING = CopyState.FREEING
 
 
 class SlotAllocator:
@@ -88,8 +100,12 @@ class BlockIndex:
 
     def __init__(self) -> None:
         self._entries: dict[Hashable, BlockEntry] = {}
+        # The manager calls `get` several times per block access: binding the dict's own method
+        # saves a Python frame per call (see bench/bench_simulate.py). Same contract as `get` below.
+        self.get = self._entries.get
 
-    def get(self, key: Hashable) -> BlockEntry | None:
+    def get(self, key: Hashable) -> BlockEntry | None:  # shadowed per instance by __init__
+        """The entry of `key`, or None."""
         return self._entries.get(key)
 
     def get_or_create(self, key: Hashable) -> BlockEntry:

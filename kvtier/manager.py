@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import CacheMode
@@ -26,10 +26,20 @@ from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import TierKind
 
 
+# Enum members as module constants for the per-block hot paths: a class attribute lookup on an Enum
+# costs ~50 ns, a global ~5 ns, and a store or load runs several per block (bench/bench_simulate.py).
+_READY, _WRITING, _FREEING = CopyState.READY, CopyState.WRITING, CopyState.FREEING
+_ADMIT_ALL = AdmissionKind.ALL
+_EXCLUSIVE = CacheMode.EXCLUSIVE
+
+
 class MoveReason(enum.Enum):
     DEMOTE = "demote"  # eviction from a tier into a lower one
     PROMOTE = "promote"  # a load hit below `promote_to`
     PREFETCH = "prefetch"  # an engine hint
+
+
+_DEMOTE = MoveReason.DEMOTE  # see _READY above
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +134,21 @@ class TierManager:
         self._outgoing = dict.fromkeys(self._tiers, 0)  # demotions in flight, per source tier
         self._new_moves: list[Move] = []
         self._ids = itertools.count(1)
+        self._below = {k: self.order[i + 1:] for i, k in enumerate(self.order)}  # tiers a victim may go to
+        # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
+        # `_rebalance` runs after every completion.
+        self._watermarked = tuple((k, t) for k, t in self._tiers.items() if t.high_watermark < 1)
+        # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
+        self._protected = {k: self._protected_in(k) for k in self._tiers}
 
     # ---- queries -------------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """Length of the longest prefix of `keys` whose blocks are READY in some tier."""
         n = 0
+        get = self.index.get
         for key in keys:
-            entry = self.index.get(key)
+            entry = get(key)
             if entry is None or entry.best_ready() is None:
                 break
             n += 1
@@ -200,12 +217,14 @@ class TierManager:
         placements: list[Placement] = []
         present: list[Hashable] = []
         rejected: list[Hashable] = []
+        get = self.index.get
+        tiers = self.order[start:]
         for key in keys:
-            entry = self.index.get(key)
+            entry = get(key)
             if entry is not None and entry.live_copies():
                 present.append(key)
                 continue
-            placed = self._place_new(key, self.order[start:])
+            placed = self._place_new(key, tiers, entry)
             placements += placed
             if not placed:
                 rejected.append(key)
@@ -219,14 +238,15 @@ class TierManager:
         Returns the demotions this triggered.
         """
         failed = set(failed)
+        get, stores = self.index.get, self.stats.stores
         for p in plan.placements:
-            entry = self.index.get(p.key)
-            if (p.key, p.tier) in failed:
+            entry = get(p.key)
+            if failed and (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
                 self._release(entry, p.tier, DropReason.STORE_FAILED)
                 continue
             self._make_ready(entry, p.tier)
-            self.stats.stores[p.tier] += 1
+            stores[p.tier] += 1
             if checksums and p.key in checksums and entry.checksums is None:
                 entry.checksums = checksums[p.key]
         self._rebalance()
@@ -243,8 +263,9 @@ class TierManager:
         """
         leased: list[tuple[BlockEntry, TierKind]] = []
         missing: list[Hashable] = []
+        get = self.index.get
         for key in keys:  # lease every source first: promoting one block must not evict another
-            entry = self.index.get(key)
+            entry = get(key)
             tier = entry.best_ready() if entry else None
             if tier is None:
                 missing.append(key)
@@ -262,13 +283,14 @@ class TierManager:
         was the last copy); the caller treats those blocks as misses.
         """
         failed = failed or {}
+        get = self.index.get
         for src in plan.sources:
-            entry = self.index.get(src.key)
+            entry = get(src.key)
             copy = entry.copies.get(src.tier) if entry else None
             if copy is None or copy.slot != src.slot:
                 continue  # the copy was already discarded by a failed move it had joined
             copy.readers -= 1
-            reason = failed.get(src.key)
+            reason = failed.get(src.key) if failed else None
             if reason in (DropReason.CHECKSUM, DropReason.READ_FAILED):
                 self._count_bad_read(reason)
                 self._retire(entry, src.tier, reason)
@@ -320,7 +342,7 @@ class TierManager:
         """
         move = self._moves.pop(move_id)
         entry = self.index.get(move.key)
-        if move.reason is MoveReason.DEMOTE:
+        if move.reason is _DEMOTE:
             self._outgoing[move.src] -= 1
         else:
             self._inbound.pop(move.key, None)
@@ -337,8 +359,8 @@ class TierManager:
         if checksums is not None and entry.checksums is None:
             entry.checksums = checksums
         pair = (move.src, move.dst)
-        (self.stats.demotions if move.reason is MoveReason.DEMOTE else self.stats.promotions)[pair] += 1
-        if move.reason is MoveReason.DEMOTE or self.mode is CacheMode.EXCLUSIVE:
+        (self.stats.demotions if move.reason is _DEMOTE else self.stats.promotions)[pair] += 1
+        if move.reason is _DEMOTE or self.mode is _EXCLUSIVE:
             self._retire(entry, move.src, DropReason.EVICTED)  # never the last copy: dst is READY
         else:
             self._settle(entry, move.src)
@@ -364,9 +386,9 @@ class TierManager:
 
     # ---- internals: placement and eviction ----------------------------------------------
 
-    def _place_new(self, key: Hashable, tiers: Sequence[TierKind]) -> list[Placement]:
+    def _place_new(self, key: Hashable, tiers: Sequence[TierKind], entry: BlockEntry | None) -> list[Placement]:
+        """Claims slots for `key` (whose entry, if any, is `entry`) in the first of `tiers` with room."""
         placements: list[Placement] = []
-        entry = self.index.get(key)
         for tier in tiers:
             if entry is not None and tier in entry.copies:
                 continue  # a copy of an earlier life is still leaving this tier
@@ -376,42 +398,59 @@ class TierManager:
             entry = entry or self.index.get_or_create(key)
             self._claim(entry, tier, slot)
             placements.append(Placement(key, tier, slot))
-            if self.mode is CacheMode.EXCLUSIVE:
+            if self.mode is _EXCLUSIVE:
                 break
         return placements
 
     def _free_slot(self, tier: TierKind, *, demoted: bool, hits: int) -> int | None:
         """A free slot of `tier` for a block it admits, evicting one victim if that frees one now."""
         spec = self._tiers[tier]
-        if not spec.admission.admits(demoted=demoted, hits=hits):
+        admission = spec.admission
+        if admission.kind is not _ADMIT_ALL and not admission.admits(demoted=demoted, hits=hits):
             return None
-        slot = self._slots[tier].allocate()
+        slots = self._slots[tier]
+        slot = slots.allocate()
         if slot is not None:
             return slot
-        victims = spec.policy.evict(1, lambda k: not self._evictable(k, tier))
+        victims = spec.policy.evict(1, self._protected[tier])
         if victims:
             self._evict(self.index.get(victims[0]), tier)
-        return self._slots[tier].allocate()
+        return slots.allocate()
 
     def _evictable(self, key: Hashable, tier: TierKind) -> bool:
         entry = self.index.get(key)
         return entry is not None and entry.pins == 0 and entry.copies[tier].evictable
 
+    def _protected_in(self, tier: TierKind) -> Callable[[Hashable], bool]:
+        """`lambda key: not self._evictable(key, tier)`, inlined: policies call it per candidate."""
+        get = self.index.get
+
+        def protected(key: Hashable) -> bool:
+            entry = get(key)
+            if entry is None or entry.pins:
+                return True
+            copy = entry.copies[tier]
+            return copy.state is not _READY or copy.readers != 0
+
+        return protected
+
     def _evict(self, entry: BlockEntry, tier: TierKind) -> None:
         """Evicts `entry`'s copy from `tier` (already gone from its policy): release, demote or drop."""
         self.stats.evictions[tier] += 1
-        others = [t for t, c in entry.copies.items() if t != tier and c.state is not CopyState.FREEING]
+        others = len(entry.copies) > 1 and any(
+            t != tier and c.state is not CopyState.FREEING for t, c in entry.copies.items())
         if others:
             self._release(entry, tier, DropReason.EVICTED)  # never the last copy
             return
         refused = False
-        for lower in self.order[self.order.index(tier) + 1:]:
+        for lower in self._below[tier]:
             if lower in entry.copies:
                 continue
-            refused |= not self._tiers[lower].admission.admits(demoted=True, hits=entry.hits)
+            admission = self._tiers[lower].admission
+            refused |= admission.kind is not _ADMIT_ALL and not admission.admits(demoted=True, hits=entry.hits)
             slot = self._free_slot(lower, demoted=True, hits=entry.hits)
             if slot is not None:
-                self._start_move(entry, tier, lower, slot, MoveReason.DEMOTE)
+                self._start_move(entry, tier, lower, slot, _DEMOTE)
                 return
         last = tier == self.order[-1]
         reason = DropReason.EVICTED if last else DropReason.ADMISSION if refused else DropReason.LOWER_FULL
@@ -419,14 +458,14 @@ class TierManager:
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark."""
-        for tier, spec in self._tiers.items():
+        for tier, spec in self._watermarked:
             slots = self._slots[tier]
             used = slots.num_used - self._outgoing[tier]
             if used <= spec.high_watermark * slots.num_slots:
                 continue
             target = math.floor(spec.low_watermark * slots.num_slots)
             while used > target:
-                victims = spec.policy.evict(1, lambda k, t=tier: not self._evictable(k, t))
+                victims = spec.policy.evict(1, self._protected[tier])
                 if not victims:
                     break
                 self._evict(self.index.get(victims[0]), tier)
@@ -461,7 +500,7 @@ class TierManager:
         entry.copies[src].readers += 1
         self._claim(entry, dst, slot)
         self._moves[move.id] = move
-        if reason is MoveReason.DEMOTE:
+        if reason is _DEMOTE:
             self._outgoing[src] += 1
         else:
             self._inbound[entry.key] = move
@@ -482,9 +521,9 @@ class TierManager:
 
     def _make_ready(self, entry: BlockEntry, tier: TierKind) -> None:
         copy = entry.copies[tier]
-        if copy.state is not CopyState.WRITING:
+        if copy.state is not _WRITING:
             raise KVTierError(f"block {_short(entry.key)} in {tier.name} completed twice")
-        copy.state = CopyState.READY
+        copy.state = _READY
         self._tiers[tier].policy.insert(entry.key)
 
     def _release(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
@@ -493,8 +532,8 @@ class TierManager:
         If it was the block's last live copy, the block is dropped and counted under `reason`.
         """
         copy = entry.copies[tier]
-        if copy.state is not CopyState.FREEING:
-            copy.state = CopyState.FREEING
+        if copy.state is not _FREEING:
+            copy.state = _FREEING
             if entry.live_copies() == 0:
                 self.stats.dropped[reason] += 1
                 entry.pins = 0
@@ -502,13 +541,13 @@ class TierManager:
 
     def _retire(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
         """Like `_release`, for a copy that may still be in its policy."""
-        if entry.copies[tier].state is CopyState.READY:
+        if entry.copies[tier].state is _READY:
             self._tiers[tier].policy.remove(entry.key)
         self._release(entry, tier, reason)
 
     def _settle(self, entry: BlockEntry, tier: TierKind) -> None:
         copy = entry.copies[tier]
-        if copy.state is CopyState.FREEING and copy.readers == 0:
+        if copy.state is _FREEING and copy.readers == 0:
             del entry.copies[tier]
             del self._owner[tier][copy.slot]
             self._slots[tier].release(copy.slot)
