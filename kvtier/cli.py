@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "info": "kvtier.cli_info",
     "size": "kvtier.cli_size",
     "run": "kvtier.cli_run",
+    "simulate": "kvtier.cli_simulate",
 }
 
 
