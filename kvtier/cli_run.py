@@ -23,6 +23,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default.yaml)")
     p.add_argument("--blocks", type=int, default=300, help="blocks to store and reload (default 300)")
     p.add_argument("--json", metavar="FILE", default="out/kvtier-run.json", help="where to write the results")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.set_defaults(func=run)
     return p
 
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]kvtier run[/]: {len(keys)} blocks of {geometry.name} ({geometry.kv_dtype.value}), "
                   f"{layout.block_bytes / 2**20:.1f} MiB each = {len(keys) * layout.block_bytes / 2**30:.2f} GiB")
     with KVTier(cfg, layout=layout) as kv:
+        if args.metrics_port is not None:
+            console.print(f"metrics: http://127.0.0.1:{kv.serve_metrics(args.metrics_port)}/metrics")
         digests, store_s = _store_all(kv, keys, layout.block_bytes, gen, console)
         kv.quiesce(60)
         placed = dict(zip(keys, kv.where(keys)))

@@ -44,6 +44,7 @@ class BlockEntry:
     pins: int = 0
     hits: int = 0
     checksums: tuple[int, ...] | None = None  # per layer, xxh3_64 of the layer's bytes
+    prefetched: bool = False  # brought up by a prefetch and not loaded since
 
     def best_ready(self) -> TierKind | None:
         """The fastest tier holding a READY copy, or None."""

@@ -134,6 +134,7 @@ class TierManager:
         self._outgoing = dict.fromkeys(self._tiers, 0)  # demotions in flight, per source tier
         self._new_moves: list[Move] = []
         self._ids = itertools.count(1)
+        self._joined: set[int] = set()  # prefetch moves a load has joined while in flight
         self._below = {k: self.order[i + 1:] for i, k in enumerate(self.order)}  # tiers a victim may go to
         # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
         # `_rebalance` runs after every completion.
@@ -351,6 +352,7 @@ class TierManager:
             self._finish_move(entry, move, checksums)
         else:
             self._fail_move(entry, move, failure)
+        self._joined.discard(move_id)
         self._rebalance()
         return self._drain()
 
@@ -360,6 +362,8 @@ class TierManager:
             entry.checksums = checksums
         pair = (move.src, move.dst)
         (self.stats.demotions if move.reason is _DEMOTE else self.stats.promotions)[pair] += 1
+        if move.reason is MoveReason.PREFETCH and move.id not in self._joined:
+            entry.prefetched = True  # no load joined it on the way: used only if a load comes later
         if move.reason is _DEMOTE or self.mode is _EXCLUSIVE:
             self._retire(entry, move.src, DropReason.EVICTED)  # never the last copy: dst is READY
         else:
@@ -437,6 +441,9 @@ class TierManager:
     def _evict(self, entry: BlockEntry, tier: TierKind) -> None:
         """Evicts `entry`'s copy from `tier` (already gone from its policy): release, demote or drop."""
         self.stats.evictions[tier] += 1
+        if entry.prefetched:
+            self.stats.prefetch_wasted += 1  # evicted before any load used it
+            entry.prefetched = False
         others = len(entry.copies) > 1 and any(
             t != tier and c.state is not CopyState.FREEING for t, c in entry.copies.items())
         if others:
@@ -477,9 +484,13 @@ class TierManager:
         self._tiers[tier].policy.touch(entry.key)
         copy = entry.copies[tier]  # already leased by prepare_load
         inbound = self._inbound.get(entry.key)
+        if entry.prefetched or (inbound is not None and inbound.reason is MoveReason.PREFETCH
+                                and inbound.id not in self._joined):
+            self.stats.prefetch_used += 1
+            entry.prefetched = False
+        if inbound is not None and inbound.reason is MoveReason.PREFETCH:
+            self._joined.add(inbound.id)
         if inbound is not None:
-            if inbound.reason is MoveReason.PREFETCH:
-                self.stats.prefetch_used += 1
             copy.readers -= 1  # read the copy on its way up instead
             return self._lease_inbound(entry, inbound)
         up = self.promote_to

@@ -47,6 +47,9 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
         except OSError as e:
             raise TierIOError(f"tiers.ssd.path {cfg.path}: cannot create the directory: {e.strerror}") from None
         return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct)
+    if cfg.kind is TierKind.POOL:
+        from kvtier.pool.tier import build_pool_tier
+        return build_pool_tier(cfg, slot_bytes)
     raise ConfigError(f"tiers.{cfg.kind.name.lower()}: this tier is not available in this build")
 
 
@@ -96,6 +99,7 @@ class KVTier:
                                      chunk_bytes=config.transfer.chunk_bytes, stats=self.stats)
         self._lock = threading.RLock()
         self._move_handles: dict[int, TransferHandle] = {}
+        self._metrics_server = None
         self._closed = False
 
     @classmethod
@@ -204,10 +208,21 @@ class KVTier:
                 "num_layers": self.layout.num_layers, "mode": self.config.mode.value,
                 "tiers": [self.tiers[k].describe() for k in self.manager.order]}
 
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> int:
+        """Exports Prometheus metrics on http://addr:port/metrics until `close()`; returns the port."""
+        from kvtier.metrics import RuntimeCollector, serve_metrics
+
+        if self._metrics_server is not None:
+            raise KVTierError("metrics are already being served")
+        self._metrics_server, bound = serve_metrics(RuntimeCollector(self.snapshot, self.describe), port, addr)
+        return bound
+
     def close(self) -> None:
         """Waits for transfers in flight, then releases every tier. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
             self.engine.close()
             self._close_tiers()
 

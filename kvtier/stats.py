@@ -5,11 +5,16 @@ One `Stats` object is created by whoever owns the runtime and passed in; there a
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
 from kvtier.tiers.base import TierKind
+
+
+# Upper bounds of the transfer latency histogram buckets, seconds (a last bucket catches the rest).
+TRANSFER_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
 class DropReason:
@@ -42,12 +47,24 @@ class Stats:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_cancelled: int = 0
+    prefetch_wasted: int = 0  # prefetched, then evicted before any load used it
+    # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
+    transfer_latency: dict = field(default_factory=dict)
+    transfer_seconds: Counter = field(default_factory=Counter)  # (src, dst) -> summed seconds
     bytes_moved: Counter = field(default_factory=Counter)  # (src, dst) -> bytes
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_bytes(self, src: str, dst: str, num_bytes: int) -> None:
         with self._lock:
             self.bytes_moved[(src, dst)] += num_bytes
+
+    def observe_transfer(self, src: str, dst: str, seconds: float, num_blocks: int = 1) -> None:
+        """Records that `num_blocks` blocks took `seconds` from submission to landing."""
+        i = bisect.bisect_left(TRANSFER_BUCKETS_S, seconds)
+        with self._lock:
+            counts = self.transfer_latency.setdefault((src, dst), [0] * (len(TRANSFER_BUCKETS_S) + 1))
+            counts[i] += num_blocks
+            self.transfer_seconds[(src, dst)] += seconds * num_blocks
 
     @property
     def num_dropped(self) -> int:
@@ -68,8 +85,10 @@ class Stats:
                 "promotions": pairs(self.promotions), "dropped": dict(self.dropped),
                 "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
                 "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
-                             "cancelled": self.prefetch_cancelled},
+                             "cancelled": self.prefetch_cancelled, "wasted": self.prefetch_wasted},
                 "bytes_moved": pairs(self.bytes_moved),
+                "transfer_latency": {f"{_name(a)}->{_name(b)}": (list(c), self.transfer_seconds[(a, b)])
+                                     for (a, b), c in sorted(self.transfer_latency.items(), key=str)},
             }
 
 

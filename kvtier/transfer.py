@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -120,7 +122,7 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
-        self._jobs.submit(self._run, list(ops), handle, on_done, layers)
+        self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
         return handle
 
     def close(self) -> None:
@@ -132,18 +134,25 @@ class TransferEngine:
 
     # ---- execution -----------------------------------------------------------------------
 
-    def _run(self, ops: list[CopyOp], handle: TransferHandle, on_done, layers) -> None:
+    def _run(self, ops: list[CopyOp], handle: TransferHandle, on_done, layers, submitted: float) -> None:
         error: BaseException | None = None
         try:
             for first, last in self._spans(layers):
                 self._run_span(ops, handle, first, last)
                 handle.layer_done(last)
+            self._observe(ops, handle, time.perf_counter() - submitted)
             if on_done is not None:
                 on_done(handle)
         except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
             log.exception("transfer of %d blocks failed", len(ops))
             error = e
         handle.finish(error)
+
+    def _observe(self, ops: list[CopyOp], handle: TransferHandle, seconds: float) -> None:
+        """Per-block latency, from submission to the last layer landing, by route."""
+        routes = Counter((op.src.name, op.dst.name) for op in ops if op.key not in handle.failed)
+        for (src, dst), n in routes.items():
+            self.stats.observe_transfer(src, dst, seconds, n)
 
     def _spans(self, layers: Sequence[int] | None) -> list[tuple[int, int]]:
         """Runs of consecutive layers copied as one range, each at least `chunk_bytes` when possible.

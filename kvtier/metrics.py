@@ -1,0 +1,96 @@
+"""Prometheus metrics for a running `KVTier`, read from its counters at scrape time.
+
+A custom collector turns `KVTier.snapshot()` into metric families on each scrape, so the hot path
+only bumps plain counters and nothing is exported twice. Each exporter has its own registry:
+several runtimes in one process each serve their own endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
+
+from kvtier.stats import TRANSFER_BUCKETS_S
+
+
+class RuntimeCollector:
+    """Exports one runtime's tiers, events and transfer latencies.
+
+    Args:
+        snapshot: returns `KVTier.snapshot()`-shaped data (usage, counters, latency histograms).
+        describe: returns `KVTier.describe()` (tier media, slot sizes, transports).
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], describe: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+        self._describe = describe
+
+    def collect(self) -> Iterator[Any]:
+        snap, info = self._snapshot(), self._describe()
+        yield from self._tiers(snap, info)
+        yield from self._events(snap)
+        yield from self._transfers(snap)
+
+    def _tiers(self, snap: dict, info: dict) -> Iterator[Any]:
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes a tier can hold", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes of a tier's slots in use", labels=["tier"])
+        blocks = GaugeMetricFamily("kvtier_tier_used_blocks", "Slots in use", labels=["tier"])
+        media = InfoMetricFamily("kvtier_tier", "What backs each tier", labels=["tier"])
+        for t in info["tiers"]:
+            name, usage = t["tier"], snap["usage"][t["tier"]]
+            cap.add_metric([name], t["capacity_bytes"])
+            used.add_metric([name], usage["used"] * t["slot_bytes"])
+            blocks.add_metric([name], usage["used"])
+            media.add_metric([name], {k: str(v) for k, v in t.items()
+                                      if k in ("medium", "device", "o_direct", "pinned", "transport")})
+        yield from (cap, used, blocks, media)
+
+    def _events(self, snap: dict) -> Iterator[Any]:
+        yield _by_label("kvtier_hits", "Blocks served, by tier", "tier", snap["hits"])
+        yield _by_label("kvtier_stores", "Blocks written by stores, by tier", "tier", snap["stores"])
+        yield _by_label("kvtier_evictions", "Copies evicted, by tier", "tier", snap["evictions"])
+        yield _by_label("kvtier_dropped", "Blocks that left the cache, by reason", "reason", snap["dropped"])
+        yield _by_label("kvtier_prefetch", "Prefetched blocks by outcome", "outcome", snap["prefetch"])
+        for name, help_text in (("misses", "Blocks asked for and not stored"),
+                                ("checksum_errors", "Blocks whose bytes failed their checksum"),
+                                ("io_errors", "Failed reads and writes")):
+            c = CounterMetricFamily(f"kvtier_{name}", help_text)
+            c.add_metric([], snap[name])
+            yield c
+
+    def _transfers(self, snap: dict) -> Iterator[Any]:
+        moved = CounterMetricFamily("kvtier_bytes_moved", "Bytes copied, by route", labels=["src", "dst"])
+        for route, n in snap["bytes_moved"].items():
+            moved.add_metric(route.split("->"), n)
+        yield moved
+        hist = HistogramMetricFamily("kvtier_transfer_seconds", "Per-block transfer latency, submit to landed",
+                                     labels=["src", "dst"])
+        for route, (counts, total_s) in snap["transfer_latency"].items():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*map(str, TRANSFER_BUCKETS_S), "+Inf"), counts):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            hist.add_metric(route.split("->"), buckets, total_s)
+        yield hist
+
+
+def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for key, n in values.items():
+        family.add_metric([key], n)
+    return family
+
+
+def serve_metrics(collector: RuntimeCollector, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
+    """Serves `collector` over HTTP on `addr:port` (0: any free port) from a daemon thread.
+
+    Returns:
+        (server, port actually bound); call `server.shutdown()` to stop.
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, server.server_port
