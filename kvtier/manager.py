@@ -11,17 +11,15 @@ Not thread-safe: the runtime serialises calls under one lock.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.index import BlockEntry, BlockIndex, Copy, CopyState, SlotAllocator
-from kvtier.policy.admission import AdmissionKind, AdmissionRule
-from kvtier.policy.base import EvictionPolicy
+from kvtier.plans import LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
+from kvtier.policy.admission import AdmissionKind
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import TierKind
 
@@ -33,72 +31,7 @@ _ADMIT_ALL = AdmissionKind.ALL
 _EXCLUSIVE = CacheMode.EXCLUSIVE
 
 
-class MoveReason(enum.Enum):
-    DEMOTE = "demote"  # eviction from a tier into a lower one
-    PROMOTE = "promote"  # a load hit below `promote_to`
-    PREFETCH = "prefetch"  # an engine hint
-
-
 _DEMOTE = MoveReason.DEMOTE  # see _READY above
-
-
-@dataclass(frozen=True, slots=True)
-class TierSlots:
-    """What the manager needs to know of one tier: no bytes, only slots and rules."""
-
-    kind: TierKind
-    num_slots: int
-    policy: EvictionPolicy
-    admission: AdmissionRule = AdmissionRule(AdmissionKind.ALL)
-    high_watermark: float = 1.0
-    low_watermark: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Write the block `key` into `slot` of `tier`."""
-
-    key: Hashable
-    tier: TierKind
-    slot: int
-
-
-@dataclass(frozen=True, slots=True)
-class Move:
-    """Copy block `key` from one tier's slot to another's; `id` names it while in flight."""
-
-    id: int
-    key: Hashable
-    src: TierKind
-    src_slot: int
-    dst: TierKind
-    dst_slot: int
-    reason: MoveReason
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSource:
-    """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands."""
-
-    key: Hashable
-    tier: TierKind
-    slot: int
-    after_move: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StorePlan:
-    placements: tuple[Placement, ...]
-    present: tuple[Hashable, ...]  # already stored or being stored: nothing to do
-    rejected: tuple[Hashable, ...]  # no tier had room: counted as dropped
-    moves: tuple[Move, ...]  # demotions this store triggered
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
-    sources: tuple[LoadSource, ...]
-    missing: tuple[Hashable, ...]
-    moves: tuple[Move, ...]  # promotions (and the demotions they triggered)
 
 
 class TierManager:

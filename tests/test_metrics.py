@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import urllib.request
 
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.tiers.base import TierKind
-from test_runtime import BLOCK, WAIT_S, blocks, load, runtime, store
+from test_runtime import BLOCK, WAIT_S, load, runtime, store
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

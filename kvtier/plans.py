@@ -1,0 +1,80 @@
+"""The plain data the manager hands out: where to write, what to move, where to read from.
+
+Plans carry slot numbers, never bytes; the transfer engine executes them and the runtime reports
+back to the manager with the matching `complete_*` verb.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from kvtier.policy.admission import AdmissionKind, AdmissionRule
+from kvtier.policy.base import EvictionPolicy
+from kvtier.tiers.base import TierKind
+
+
+class MoveReason(enum.Enum):
+    DEMOTE = "demote"  # eviction from a tier into a lower one
+    PROMOTE = "promote"  # a load hit below `promote_to`
+    PREFETCH = "prefetch"  # an engine hint
+
+
+@dataclass(frozen=True, slots=True)
+class TierSlots:
+    """What the manager needs to know of one tier: no bytes, only slots and rules."""
+
+    kind: TierKind
+    num_slots: int
+    policy: EvictionPolicy
+    admission: AdmissionRule = AdmissionRule(AdmissionKind.ALL)
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Write the block `key` into `slot` of `tier`."""
+
+    key: Hashable
+    tier: TierKind
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Copy block `key` from one tier's slot to another's; `id` names it while in flight."""
+
+    id: int
+    key: Hashable
+    src: TierKind
+    src_slot: int
+    dst: TierKind
+    dst_slot: int
+    reason: MoveReason
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSource:
+    """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands."""
+
+    key: Hashable
+    tier: TierKind
+    slot: int
+    after_move: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    placements: tuple[Placement, ...]
+    present: tuple[Hashable, ...]  # already stored or being stored: nothing to do
+    rejected: tuple[Hashable, ...]  # no tier had room: counted as dropped
+    moves: tuple[Move, ...]  # demotions this store triggered
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    sources: tuple[LoadSource, ...]
+    missing: tuple[Hashable, ...]
+    moves: tuple[Move, ...]  # promotions (and the demotions they triggered)
