@@ -238,14 +238,17 @@ class TierManager:
     def prepare_prefetch(self, keys: Iterable[Hashable], target: TierKind, budget_blocks: int) -> tuple[Move, ...]:
         """Moves up to `budget_blocks` of `keys`, in order, into `target`. Never evicts pinned blocks.
 
-        Blocks already at or above `target`, missing, or already moving up are skipped.
-        Returns the prefetch moves (reason PREFETCH) and the demotions that made room for them.
+        Blocks already at or above `target`, missing, or already moving up are skipped. Where
+        `target` is full, its coldest unpinned blocks are demoted to make room; a block whose room
+        is still being made is not moved now (a later prefetch finds the room), but counts against
+        the budget. Returns the prefetch moves (reason PREFETCH) and the demotions they caused.
         """
         if target not in self._tiers:
             raise KVTierError(f"prefetch target tier {target.name} is not configured")
         moves: list[Move] = []
+        spent = 0
         for key in keys:
-            if len(moves) >= budget_blocks:
+            if spent >= budget_blocks:
                 break
             entry = self.index.get(key)
             tier = entry.best_ready() if entry else None
@@ -253,12 +256,14 @@ class TierManager:
                 continue
             source = entry.copies[tier]
             source.readers += 1  # so that making room in `target` cannot evict the source itself
+            evicted = self.stats.evictions[target]
             slot = self._free_slot(target, demoted=False, hits=entry.hits)
             if slot is not None:
                 moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
             source.readers -= 1
-            if slot is None:
-                break
+            if slot is None and self.stats.evictions[target] == evicted:
+                break  # full of pinned or busy blocks: nothing more can be made room for
+            spent += 1
         self.stats.prefetch_issued += len(moves)
         return self._drain()  # the prefetches, then any demotions that made room for them
 

@@ -233,9 +233,11 @@ def test_prefetch_never_evicts_pinned_blocks(tmp_path):
         prefetch.wait(WAIT_S)
         assert kv.where([1, 2, 3, 4]) == [D, D, S, S]
         kv.unpin([1, 2])
-        for _ in range(3):  # a full target first demotes its LRU blocks; the slots they free take the next
-            kv.prefetch([3, 4]).wait(WAIT_S)
-            kv.quiesce(WAIT_S)
+        first = kv.prefetch([3, 4])  # DRAM is full: both LRU blocks are demoted to make room
+        assert first.moves and all(m.reason.value == "demote" for m in first.moves)
+        kv.quiesce(WAIT_S)
+        kv.prefetch([3, 4]).wait(WAIT_S)  # the room is there now
+        kv.quiesce(WAIT_S)
         assert kv.where([1, 2, 3, 4]) == [S, S, D, D]
 
 
