@@ -67,6 +67,7 @@ class TierConfig:
     path: Path | None = None  # SSD only: directory holding the slab files
     num_files: int = 4  # SSD only
     o_direct: bool | None = None  # SSD only: None tries O_DIRECT and falls back with a warning
+    persist: bool = False  # SSD only: keep blocks across restarts (a journal records each slot)
     device: str | None = None  # HBM only: "cuda", "cuda:1", "cpu"; None picks CUDA when present
 
 
@@ -163,7 +164,7 @@ def _admission(raw: Any, where: str) -> AdmissionRule:
 
 _TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark"}
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
-_KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct"}}
+_KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"}}
 
 
 def _tier(name: str, raw: Any) -> TierConfig:
@@ -194,6 +195,7 @@ def _tier(name: str, raw: Any) -> TierConfig:
         path=Path(path).expanduser() if path else None,
         num_files=_number(raw.get("num_files", 4), f"{where}.num_files", int, 1),
         o_direct=None if o_direct in ("auto", None) else bool(o_direct),
+        persist=_bool(raw.get("persist", False), f"{where}.persist"),
         device=str(raw["device"]) if raw.get("device") else None,
     )
 

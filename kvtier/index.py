@@ -90,6 +90,10 @@ class SlotAllocator:
         """A free slot, or None when the tier is full."""
         return self._free.pop() if self._free else None
 
+    def take(self, slots: set[int]) -> None:
+        """Marks `slots` (all free) as used, e.g. for blocks found on disk at start-up."""
+        self._free = [s for s in self._free if s not in slots]
+
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise KVTierError(f"tier {self.kind.name}: released slot {slot} out of range")

@@ -114,6 +114,27 @@ class TierManager:
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
 
+    def adopt(self, tier: TierKind, blocks: Iterable[tuple[Hashable, int, tuple[int, ...]]]) -> int:
+        """Registers blocks already stored in `tier` (found on disk at start-up) as READY.
+
+        Args:
+            blocks: (key, slot, per-layer checksums); a key seen twice keeps its first slot.
+        Returns:
+            How many were adopted. Call before any store.
+        """
+        taken: set[int] = set()
+        for key, slot, checksums in blocks:
+            if key in self.index or slot in taken or not 0 <= slot < self._slots[tier].num_slots:
+                continue
+            entry = self.index.get_or_create(key)
+            entry.copies[tier] = Copy(slot, _READY)
+            entry.checksums = tuple(checksums)
+            self._owner[tier][slot] = key
+            self._tiers[tier].policy.insert(key)
+            taken.add(slot)
+        self._slots[tier].take(taken)
+        return len(taken)
+
     # ---- pins ----------------------------------------------------------------------------
 
     def pin(self, keys: Iterable[Hashable]) -> int:

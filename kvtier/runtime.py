@@ -7,11 +7,13 @@ completion when the transfer reports back. The lock is never held while bytes mo
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.errors import ConfigError, KVTierError, TierIOError
@@ -22,6 +24,8 @@ from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
 from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+
+log = logging.getLogger(__name__)
 
 _BELOW_DRAM = (Medium.REMOTE, Medium.DISK)
 _READ_FAILURES = {Stage.VERIFY: DropReason.CHECKSUM, Stage.READ: DropReason.READ_FAILED}
@@ -46,7 +50,8 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
             cfg.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise TierIOError(f"tiers.ssd.path {cfg.path}: cannot create the directory: {e.strerror}") from None
-        return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct)
+        return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct,
+                       persist=cfg.persist)
     if cfg.kind is TierKind.POOL:
         from kvtier.pool.tier import build_pool_tier
         return build_pool_tier(cfg, slot_bytes)
@@ -95,6 +100,11 @@ class KVTier:
         self.manager = TierManager(
             [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
             promote_to=config.promote_to, stats=self.stats)
+        try:
+            self._journal = self._open_journal()
+        except BaseException:
+            self._close_tiers()
+            raise
         self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
                                      chunk_bytes=config.transfer.chunk_bytes, stats=self.stats)
         self._lock = threading.RLock()
@@ -224,6 +234,8 @@ class KVTier:
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
             self.engine.close()
+            if self._journal is not None:
+                self._journal.close()
             self._close_tiers()
 
     def __enter__(self) -> "KVTier":
@@ -267,6 +279,7 @@ class KVTier:
         sums = {k: tuple(v) for k, v in h.checksums.items() if k not in h.failed}
         with self._lock:
             self._submit_moves(self.manager.complete_store(plan, failed, sums))
+            self._journal_landed((p.key, p.tier, p.slot) for p in plan.placements if p.key not in h.failed)
 
     def _on_loaded(self, plan: LoadPlan, h: TransferHandle) -> None:
         failed = {k: _READ_FAILURES.get(f.stage, f.stage) for k, f in h.failed.items()}
@@ -285,7 +298,34 @@ class KVTier:
                     self.stats.prefetch_cancelled += 1
                 sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
                 follow += self.manager.complete_move(m.id, f is None, sums, failure)
+            self._journal_landed((m.key, m.dst, m.dst_slot) for m in moves if m.key not in h.failed)
             self._submit_moves(follow)
+
+    def _open_journal(self):
+        """Opens the persistent SSD tier's journal and adopts the blocks it records, if any."""
+        tier = self.tiers.get(TierKind.SSD)
+        if not getattr(tier, "persist", False):
+            return None
+        from kvtier.tiers.ssd_journal import SlotJournal
+
+        fingerprint = xxhash.xxh3_128_digest(repr((self.config.model, self.config.tenant, self.layout.block_tokens,
+                                                   self.layout.layer_bytes)).encode())
+        journal = SlotJournal(tier.directory, tier.num_slots, tier.slot_bytes, self.layout.num_layers, fingerprint)
+        if journal.reused:
+            adopted = self.manager.adopt(TierKind.SSD, ((key, slot, sums) for slot, key, sums in journal.entries()))
+            log.info("SSD tier %s: %d blocks from an earlier run", tier.directory, adopted)
+        return journal
+
+    def _journal_landed(self, landed) -> None:
+        """Records blocks that just became READY on the persistent SSD tier; caller holds the lock."""
+        if self._journal is None:
+            return
+        for key, tier, slot in landed:
+            entry = self.manager.index.get(key)
+            copy = entry.copies.get(tier) if entry else None
+            if tier is TierKind.SSD and copy is not None and copy.slot == slot and isinstance(key, bytes) \
+                    and len(key) == 16 and entry.checksums is not None:
+                self._journal.record(slot, key, entry.checksums)
 
     def _cancel_prefetch(self, prefetch: Prefetch) -> None:
         with self._lock:

@@ -50,6 +50,7 @@ class SSDTier(Tier):
         num_files: int = 4,
         direct: bool | None = None,
         keep_files: bool = False,
+        persist: bool = False,
     ) -> None:
         """Creates and preallocates the slot files, then decides on O_DIRECT.
 
@@ -62,6 +63,9 @@ class SSDTier(Tier):
             direct: None tries O_DIRECT and falls back to buffered I/O with a warning; True requires
                 it; False uses buffered I/O.
             keep_files: leave the files on disk at `close()` (they are removed by default).
+            persist: use stable file names (`kvtier-ssd-<i>.slab`), reuse the files found there and
+                keep them at close, so a later process can serve the blocks; the runtime pairs this
+                with a `SlotJournal` that records what each slot holds.
         Raises:
             CapacityError: capacity is below one slot.
             ConfigError: slot_bytes or num_files is not positive.
@@ -77,7 +81,8 @@ class SSDTier(Tier):
         self.slot_stride_bytes = _round_up(slot_bytes, ALIGN_BYTES)
         self.directory = os.fspath(path)
         self._num_files = min(num_files, self.num_slots)
-        self._keep_files = keep_files
+        self.persist = persist
+        self._keep_files = keep_files or persist
         self._bounce_bytes = min(self.slot_stride_bytes, MAX_BOUNCE_BYTES)
         self._local = threading.local()
         self._paths: list[str] = []
@@ -160,6 +165,7 @@ class SSDTier(Tier):
             reason=self._direct_reason,
             bounce_bytes=self._bounce_bytes,
             keep_files=self._keep_files,
+            persist=self.persist,
         )
         return facts
 
@@ -176,12 +182,13 @@ class SSDTier(Tier):
     def _create_files(self) -> None:
         """Creates `_num_files` files and reserves their space; appends each to `_paths` as it goes."""
         _check_directory(self.directory)
-        stem = f"kvtier-ssd-{os.getpid()}-{secrets.token_hex(4)}"
+        stem = "kvtier-ssd" if self.persist else f"kvtier-ssd-{os.getpid()}-{secrets.token_hex(4)}"
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (0 if self.persist else os.O_EXCL)
         for i in range(self._num_files):
             path = os.path.join(self.directory, f"{stem}-{i}.slab")
             num_bytes = self._slots_in_file(i) * self.slot_stride_bytes
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, flags, 0o600)
             except OSError as e:
                 raise TierIOError(e.errno, f"SSD tier: cannot create a file ({e.strerror})", path) from e
             self._paths.append(path)
@@ -283,7 +290,9 @@ def _decide_direct(path: str, direct: bool | None) -> tuple[bool, str]:
 
 
 def _probe_direct(path: str) -> str | None:
-    """Opens `path` with O_DIRECT and writes and reads its first 4 KiB (zeros, as preallocated).
+    """Opens `path` with O_DIRECT, reads its first 4 KiB and writes the same bytes back.
+
+    Reading first keeps the content: a persistent tier's slot 0 may hold a block from an earlier run.
 
     Returns:
         None when O_DIRECT works, else why not.
@@ -301,8 +310,8 @@ def _probe_direct(path: str) -> str | None:
         raise TierIOError(e.errno, f"SSD tier: O_DIRECT probe failed to open ({e.strerror})", path) from e
     buf = mmap.mmap(-1, ALIGN_BYTES)
     try:
-        _pwrite_all(fd, memoryview(buf), 0)
         _pread_all(fd, memoryview(buf), 0, True)
+        _pwrite_all(fd, memoryview(buf), 0)
     except OSError as e:
         if e.errno in _REFUSED:
             return f"the filesystem refused an aligned O_DIRECT write/read ({e.strerror})"
