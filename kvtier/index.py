@@ -45,15 +45,19 @@ class BlockEntry:
     hits: int = 0
     checksums: tuple[int, ...] | None = None  # per layer, xxh3_64 of the layer's bytes
     prefetched: bool = False  # brought up by a prefetch and not loaded since
+    ready_tier: TierKind | None = None  # the fastest READY copy; kept by `refresh()` on every state change
 
     def best_ready(self) -> TierKind | None:
         """The fastest tier holding a READY copy, or None."""
-        # A plain loop: this runs once per key of every lookup, and most blocks have one copy.
+        return self.ready_tier  # cached: lookups run once per key and dominate bookkeeping
+
+    def refresh(self) -> None:
+        """Recomputes `ready_tier`; call after any copy's state changes."""
         best = None
         for tier, copy in self.copies.items():
             if copy.state is _READY and (best is None or tier < best):
                 best = tier
-        return best
+        self.ready_tier = best
 
     def live_copies(self) -> int:
         """Copies that are or will become servable (READY or WRITING)."""

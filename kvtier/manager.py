@@ -83,7 +83,7 @@ class TierManager:
         get = self.index.get
         for key in keys:
             entry = get(key)
-            if entry is None or entry.best_ready() is None:
+            if entry is None or entry.ready_tier is None:
                 break
             n += 1
         return n
@@ -97,7 +97,7 @@ class TierManager:
         """Marks `keys` as just used in the tier that would serve them."""
         for key in keys:
             entry = self.index.get(key)
-            tier = entry.best_ready() if entry else None
+            tier = entry.ready_tier if entry else None
             if tier is not None:
                 self._tiers[tier].policy.touch(key)
 
@@ -128,6 +128,7 @@ class TierManager:
                 continue
             entry = self.index.get_or_create(key)
             entry.copies[tier] = Copy(slot, _READY)
+            entry.refresh()
             entry.checksums = tuple(checksums)
             self._owner[tier][slot] = key
             self._tiers[tier].policy.insert(key)
@@ -494,6 +495,7 @@ class TierManager:
         if copy.state is not _WRITING:
             raise KVTierError(f"block {_short(entry.key)} in {tier.name} completed twice")
         copy.state = _READY
+        entry.refresh()
         self._tiers[tier].policy.insert(entry.key)
 
     def _release(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
@@ -504,6 +506,7 @@ class TierManager:
         copy = entry.copies[tier]
         if copy.state is not _FREEING:
             copy.state = _FREEING
+            entry.refresh()
             if entry.live_copies() == 0:
                 self.stats.dropped[reason] += 1
                 entry.pins = 0

@@ -156,6 +156,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 owners[(tier, copy.slot)] = entry.key
                 assert self.m.owner(tier, copy.slot) == entry.key
                 assert copy.readers >= 0
+            ready = [t for t, c in entry.copies.items() if c.state is CopyState.READY]
+            assert entry.best_ready() == (min(ready) if ready else None), "stale cached ready tier"
         for tier in self.m.order:
             used = self.m.num_used(tier)
             assert used <= self.m.num_slots(tier), "tier over capacity"
