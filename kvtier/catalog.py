@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import GeometryError
-from kvtier.geometry import KVDtype, ModelGeometry, from_hf_config
+from kvtier.geometry import KVDtype, ModelGeometry, from_hf_config, load_hf_config
 
 _IGNORED_TAGS = frozenset({"hf", "chat", "instruct", "it", "base"})
 
@@ -72,12 +72,14 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
         "num_key_value_heads": 16, "q_lora_rank": None, "max_position_embeddings": 163840,
         "vocab_size": 102400, "torch_dtype": "bfloat16",
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
     }),
     "DeepSeek-V3": ((), {
         **_DEEPSEEK_MLA, "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
         "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
         "num_key_value_heads": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
         "max_position_embeddings": 163840, "vocab_size": 129280, "torch_dtype": "bfloat16",
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1,
     }),
     # Published as float32 weights (served, and sized, as bf16 unless asked for);
     # even layers slide over 4,096 tokens, odd layers are global.
@@ -85,6 +87,7 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
         "max_position_embeddings": 8192, "vocab_size": 256000, "torch_dtype": "float32",
+        "tie_word_embeddings": True,
     }),
     # Not a real model: 4 layers x 2 KV heads x 16 dims in fp16 = 512 bytes/token, for tests and demos.
     "kvtier-tiny": (("tiny",), _llama(64, 128, 4, 4, 2, head_dim=16, vocab_size=256, torch_dtype="float16")),
@@ -163,3 +166,131 @@ def _unknown_message(name: str) -> str:
         f"unknown model {name!r}{hint}. Known models: {', '.join(_CATALOG)}; "
         "or pass a path to a Hugging Face config.json"
     )
+
+
+def resolve_config(name_or_path: str | Path) -> tuple[str, dict[str, Any]]:
+    """The display name and HF-shaped config of a catalog model or a config on disk.
+
+    Resolves exactly as `resolve_model` does (an existing path wins over a catalog name), for callers
+    that need more of the config than the KV geometry, e.g. `count_weight_params`.
+
+    Raises:
+        GeometryError: unknown name (with close matches), or a missing or unreadable file.
+    """
+    path = Path(name_or_path)
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        cfg, source = load_hf_config(path)
+        return str(cfg.get("_name_or_path") or source or cfg.get("model_type") or "config"), cfg
+    found = lookup_config(str(name_or_path))
+    if found is not None:
+        return found
+    if path.suffix == ".json" or path.is_dir():
+        raise GeometryError(f"no model config at {str(path)!r}")
+    raise GeometryError(_unknown_message(str(name_or_path)))
+
+
+# ---------------------------------------------------------------------------------------------
+# weights: parameter counts from a config
+#
+# Counted: token embedding, attention projections (GQA; DeepSeek MLA with its low-rank q/kv
+# projections), the MLP (gated SwiGLU/GeGLU unless the family is known to be ungated; MoE routed and
+# shared experts and the router), RMSNorm weights and an untied lm_head. Not counted: biases other
+# than Qwen2's q/k/v (and `attention_bias`), rotary buffers, and DeepSeek-V3's multi-token-prediction
+# layer, which engines load only for speculative decoding. Checked against the published totals of
+# every catalog model (tests/test_planner.py).
+
+_UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "starcoder2", "phi", "opt", "falcon"})
+_QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"})
+_QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
+_FOUR_NORMS = frozenset({"gemma2", "gemma3", "gemma3_text"})  # pre/post attention and pre/post MLP
+
+
+def count_weight_params(cfg: dict[str, Any], label: str = "config") -> dict[str, int]:
+    """The parameters of a decoder-only model, by part.
+
+    Args:
+        cfg: a Hugging Face config dict (`resolve_config`).
+        label: names the model in error messages.
+
+    Returns:
+        `{"embedding", "attention", "mlp", "norms", "lm_head"}` -> parameter count; `lm_head` is 0
+        when the embedding is tied (`tie_word_embeddings`, which defaults to true only for Gemma).
+
+    Raises:
+        GeometryError: a field the count needs (`vocab_size`, `intermediate_size`, ...) is missing or
+            not a positive integer; the message names it.
+    """
+    hidden = _positive(cfg, "hidden_size", label)
+    num_layers = _positive(cfg, "num_hidden_layers", label)
+    vocab = _positive(cfg, "vocab_size", label)
+    model_type = str(cfg.get("model_type", ""))
+    tied = cfg.get("tie_word_embeddings", model_type.startswith("gemma"))
+    per_layer_norms = (4 if model_type in _FOUR_NORMS else 2) * hidden
+    return {
+        "embedding": vocab * hidden,
+        "attention": num_layers * _attention_params(cfg, hidden, label),
+        "mlp": sum(_mlp_params(cfg, hidden, layer, label) for layer in range(num_layers)),
+        "norms": num_layers * per_layer_norms + hidden,
+        "lm_head": 0 if tied else vocab * hidden,
+    }
+
+
+def _attention_params(cfg: dict[str, Any], hidden: int, label: str) -> int:
+    heads = _positive(cfg, "num_attention_heads", label)
+    if cfg.get("kv_lora_rank") is not None:
+        return _mla_params(cfg, hidden, heads, label)
+    kv_heads = _positive(cfg, "num_key_value_heads", label, default=heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    params = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+    if cfg.get("attention_bias"):
+        params += q_dim + 2 * kv_dim + hidden
+    elif cfg.get("model_type") in _QKV_BIAS:
+        params += q_dim + 2 * kv_dim
+    if cfg.get("model_type") in _QK_NORM:
+        params += 2 * head_dim
+    return params
+
+
+def _mla_params(cfg: dict[str, Any], hidden: int, heads: int, label: str) -> int:
+    """DeepSeek-V2/V3 multi-head latent attention: low-rank q (optional) and kv projections."""
+    kv_rank = _positive(cfg, "kv_lora_rank", label)
+    rope, nope = _positive(cfg, "qk_rope_head_dim", label), _positive(cfg, "qk_nope_head_dim", label)
+    v_dim = _positive(cfg, "v_head_dim", label)
+    q_out = heads * (nope + rope)
+    q_rank = cfg.get("q_lora_rank")
+    q = hidden * q_out if q_rank is None else hidden * q_rank + q_rank + q_rank * q_out
+    kv = hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
+    return q + kv + heads * v_dim * hidden
+
+
+def _mlp_params(cfg: dict[str, Any], hidden: int, layer: int, label: str) -> int:
+    num_matrices = 2 if cfg.get("model_type") in _UNGATED_MLP else 3
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if not num_experts or not _is_moe_layer(cfg, layer):
+        return num_matrices * hidden * _positive(cfg, "intermediate_size", label)
+    expert_inter = cfg.get("moe_intermediate_size") or _positive(cfg, "intermediate_size", label)
+    shared_inter = (cfg.get("n_shared_experts") or 0) * expert_inter
+    router = hidden * num_experts
+    if cfg.get("shared_expert_intermediate_size"):  # Qwen-MoE: one shared expert with its own gate
+        shared_inter += cfg["shared_expert_intermediate_size"]
+        router += hidden
+    if cfg.get("model_type") == "deepseek_v3":  # the router's score-correction bias
+        router += num_experts
+    return num_matrices * hidden * (num_experts * expert_inter + shared_inter) + router
+
+
+def _is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
+    """DeepSeek keeps its first `first_k_dense_replace` layers dense; Qwen-MoE lists `mlp_only_layers`."""
+    if layer < (cfg.get("first_k_dense_replace") or 0) or layer in (cfg.get("mlp_only_layers") or ()):
+        return False
+    return layer % (cfg.get("moe_layer_freq") or 1) == 0 and (layer + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
+def _positive(cfg: dict[str, Any], field: str, label: str, default: Any = None) -> int:
+    value = cfg.get(field, default)
+    if value is None:
+        raise GeometryError(f"{label}: config is missing {field!r}, needed to count the weights")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise GeometryError(f"{label}: {field} must be a positive integer, got {value!r}")
+    return value

@@ -277,6 +277,22 @@ def from_hf_config(
     return ModelGeometry(str(label), layers, num_kv_heads, head_dim, num_heads, dtype, *mla)
 
 
+def load_hf_config(config: Mapping[str, Any] | str | Path) -> tuple[dict[str, Any], str | None]:
+    """A Hugging Face config as a dict, read the way `from_hf_config` reads it.
+
+    Args:
+        config: the parsed dict, a path to config.json, or a directory holding one.
+
+    Returns:
+        (the config, a multimodal config's `text_config` merged up; the name of the directory the
+        file sits in, or None for a dict).
+
+    Raises:
+        GeometryError: the file is missing, unreadable or not a JSON object.
+    """
+    return _load_config(config)
+
+
 def _load_config(config: Mapping[str, Any] | str | Path) -> tuple[dict[str, Any], str | None]:
     if isinstance(config, Mapping):
         cfg, source = dict(config), None

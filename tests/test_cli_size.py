@@ -1,6 +1,8 @@
 """`kvtier size`: the real command in a subprocess, and its pure `size_report`.
 
-Cost: a few seconds; each subprocess test starts `python -m kvtier` once.
+The planner's arithmetic is tested by hand in tests/test_planner.py; here the command line end to end.
+Cost: about a second per subprocess test (each starts `python -m kvtier` once); the plot test imports
+matplotlib and writes one PNG under tmp_path.
 """
 
 from __future__ import annotations
@@ -128,3 +130,97 @@ def test_report_rejects_non_positive_inputs(contexts, concurrency, block_tokens,
 )  # fmt: skip
 def test_format_bytes(num_bytes, text):
     assert format_bytes(num_bytes) == text
+
+
+# --- the planner from the command line --------------------------------------------------------
+
+SEED = ("--model", "llama-2-7b", "--context", "4096", "--concurrency", "8")
+
+
+def test_seed_example_on_a_24_gb_card_json():
+    # RTX 4090: 24,564 MiB; reserve floor(10%); weights 2 x 6,738,415,616 bytes.
+    report = size_json(*SEED, "--gpu", "RTX-4090-24")
+    hbm_bytes = 24564 * MiB
+    reserve = hbm_bytes // 10
+    assert report["kv_bytes_per_token"] == 512 * KiB and report["kv_bytes_total"] == 16 * GiB  # old keys hold
+    assert report["weights"]["bytes"] == 13_476_831_232
+    hbm = report["hbm"]
+    assert (hbm["hbm_bytes"], hbm["reserve_bytes"]) == (hbm_bytes, reserve)
+    assert hbm["fits"] is False
+    assert hbm["overflow_bytes"] == 16 * GiB - (hbm_bytes - 13_476_831_232 - reserve) == 7_475_201_638
+    assert report["tiers"]["per_server"]["dram_bytes"] == 7_475_201_638
+
+
+def test_seed_example_table_says_it_does_not_fit():
+    out = kvtier_size(*SEED, "--hbm", "24GiB")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # rich wraps long lines
+    for expected in ("DOES NOT FIT in HBM", "13.48 GB", "KV 16 GiB", "6.95 GiB of KV per GPU (43%) must overflow",
+                     "it fits at tensor-parallel 2", "Where the KV lives", "PCIe-Gen4-x16"):
+        assert expected in text, expected
+
+
+def test_a_cluster_plan_with_a_distribution_and_capacities():
+    report = size_json("--model", "llama-3-70b", "--context-dist", "p50=4k,p90=32k,max=128k", "--concurrency", "32",
+                       "--gpu", "H100-80", "--tp", "4", "--gpus-per-server", "8", "--servers", "4",
+                       "--dram", "8GiB", "--pool", "16GiB", "--ttft-target", "500ms")  # fmt: skip
+    assert report["workload"]["source"] == "distribution"
+    assert report["kv_bytes_total"] == 32 * (2048 * 5 + 18432 * 4 + 81920) * 320 * KiB // 10  # exact
+    assert report["parallel"]["replicas_per_server"] == 2 and report["parallel"]["num_replicas"] == 8
+    tiers = report["tiers"]
+    overflow = tiers["overflow_bytes_per_server"]
+    assert overflow == 2 * 4 * report["hbm"]["overflow_bytes"]  # 2 replicas x 4 GPUs' shares
+    assert tiers["per_server"]["dram_bytes"] == 8 * GiB
+    assert tiers["cluster"]["pool_bytes"] == 16 * GiB
+    assert tiers["cluster"]["ssd_bytes"] == 4 * (overflow - 8 * GiB) - 16 * GiB
+    assert report["reload"]["ttft_target_s"] == 0.5
+
+
+def test_context_trace_draws_from_input_lengths(tmp_path):
+    lines = [{"timestamp": 0, "input_length": n, "output_length": 1, "hash_ids": list(range(-(-n // 512)))}
+             for n in (100, 200, 200, 400)]  # fmt: skip
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in lines))
+    report = size_json("--model", "tiny", "--context-trace", str(trace), "--concurrency", "2")
+    assert report["kv_bytes_total"] == 450 * 512
+    assert [c["label"] for c in report["contexts"]] == ["p50", "p90", "p99", "max"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "plan.png"
+    out = kvtier_size(*SEED, "--hbm", "24GiB", "--dram", "4GiB", "--pool", "1GiB", "--plot", str(path))
+    assert out.returncode == 0, out.stderr
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_weights_are_optional_without_a_gpu(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}))
+    assert "weights" not in size_json("--model", str(path), "--context", "16")
+    out = kvtier_size("--model", str(path), "--context", "16", "--hbm", "1GiB")
+    assert out.returncode == 2 and "vocab_size" in out.stderr and "--params" in out.stderr
+    assert size_json("--model", str(path), "--context", "16", "--hbm", "1GiB", "--params", "1M")["hbm"]["fits"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--gpu", "A100"], "unknown GPU 'A100' (did you mean A100-40 or A100-80?)"),
+     (["--gpu", "H100-90"], "did you mean H100-80"),
+     (["--tp", "3"], "tensor-parallel degree 3 does not divide its 32 attention heads"),
+     (["--hbm", "24XB"], "hbm: cannot read '24XB'"),
+     (["--hbm", "24GiB", "--reserve", "1.5"], "reserve must be a fraction in [0, 1)"),
+     (["--tp", "2", "--gpus-per-server", "3"], "must be a multiple of tensor_parallel"),
+     (["--ttft-target", "0s"], "ttft_target must be positive"),
+     (["--weight-dtype", "int3"], "unknown weight_dtype 'int3'")],
+)  # fmt: skip
+def test_bad_planner_input_exits_2(args, message):
+    out = kvtier_size("--model", "llama-2-7b", "--context", "4k", *args)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_distribution_exits_2():
+    out = kvtier_size("--model", "tiny", "--context-dist", "p50=4k,p90=32k")
+    assert out.returncode == 2 and "give max=" in out.stderr
