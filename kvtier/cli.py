@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "size": "kvtier.cli_size",
     "run": "kvtier.cli_run",
     "simulate": "kvtier.cli_simulate",
+    "pool": "kvtier.cli_pool",
 }
 
 

@@ -20,6 +20,7 @@ import yaml
 from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
+from kvtier.pool.detect import TransportKind
 from kvtier.tiers.base import TierKind
 
 
@@ -69,6 +70,13 @@ class TierConfig:
     o_direct: bool | None = None  # SSD only: None tries O_DIRECT and falls back with a warning
     persist: bool = False  # SSD only: keep blocks across restarts (a journal records each slot)
     device: str | None = None  # HBM only: "cuda", "cuda:1", "cpu"; None picks CUDA when present
+    nodes: tuple[str, ...] = ()  # POOL only: "host:port" of each pool node
+    tenant: str = "default"  # POOL only: the tenant this process authenticates as
+    secret: str | None = field(default=None, repr=False)  # POOL only; prefer secret_file
+    secret_file: Path | None = None  # POOL only: a file holding the tenant's secret
+    timeout_s: float = 2.0  # POOL only: the longest any one call to a node may take
+    reconnect_s: float = 1.0  # POOL only: how long a failed node is skipped before it is retried
+    transport: TransportKind = TransportKind.AUTO  # POOL only
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +172,36 @@ def _admission(raw: Any, where: str) -> AdmissionRule:
 
 _TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark"}
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
-_KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"}}
+_KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"},
+                TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport"}}
+
+
+def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
+    """The POOL tier's own fields, validated."""
+    from kvtier.pool.units import parse_address
+
+    nodes = raw.get("nodes")
+    nodes = [nodes] if isinstance(nodes, str) else nodes
+    if not isinstance(nodes, list) or not nodes:
+        raise ConfigError(f"{where}.nodes: expected a list of HOST:PORT, got {nodes!r}")
+    for i, node in enumerate(nodes):
+        parse_address(node, f"{where}.nodes[{i}]")
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError(f"{where}.nodes: a node appears twice in {nodes}")
+    tenant = raw.get("tenant", "default")
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= 64 or not tenant.isprintable():
+        raise ConfigError(f"{where}.tenant: expected a printable name of 1-64 characters, got {tenant!r}")
+    secret, secret_file = raw.get("secret"), raw.get("secret_file")
+    if secret is not None and secret_file is not None:
+        raise ConfigError(f"{where}.secret: give secret or secret_file, not both")
+    for name, value in (("secret", secret), ("secret_file", secret_file)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"{where}.{name}: expected a non-empty string")
+    return {"nodes": tuple(nodes), "tenant": tenant, "secret": secret,
+            "secret_file": Path(secret_file).expanduser() if secret_file else None,
+            "timeout_s": _number(raw.get("timeout_s", 2.0), f"{where}.timeout_s", float, 0.001, 3600),
+            "reconnect_s": _number(raw.get("reconnect_s", 1.0), f"{where}.reconnect_s", float, 0.0, 3600),
+            "transport": _enum(TransportKind, raw.get("transport", "auto"), f"{where}.transport")}
 
 
 def _tier(name: str, raw: Any) -> TierConfig:
@@ -197,6 +234,7 @@ def _tier(name: str, raw: Any) -> TierConfig:
         o_direct=None if o_direct in ("auto", None) else bool(o_direct),
         persist=_bool(raw.get("persist", False), f"{where}.persist"),
         device=str(raw["device"]) if raw.get("device") else None,
+        **(_pool_fields(raw, where) if kind is TierKind.POOL else {}),
     )
 
 

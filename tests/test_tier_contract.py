@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError, TierIOError
 from kvtier.layout import BlockLayout
+from kvtier.pool.client import PoolClient
+from kvtier.pool.tier import PoolTier
 from kvtier.tiers.base import SlotIO, Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.hbm import HBMTier
@@ -33,6 +35,7 @@ DISK_DIR = "/var/tmp"
 MakeTier = Callable[[int, int], Tier]
 MEMORY_TIERS = ["hbm-cpu", "dram"]  # offer `view`
 SSD_TIERS = ["ssd-direct-tmp_path", "ssd-direct-var-tmp", "ssd-buffered"]  # `view` is None
+REMOTE_TIERS = ["pool"]  # PoolTier on a `kvtier pool serve` subprocess; `view` is None
 
 
 @pytest.fixture
@@ -45,17 +48,28 @@ def disk_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(params=MEMORY_TIERS + SSD_TIERS)
+@pytest.fixture(scope="module")
+def pool_node() -> Iterator[str]:
+    """A pool node subprocess shared by the module's pool tiers (each tier keys its slots apart)."""
+    from kvtier.pool.testing import running_node
+
+    with running_node(capacity="16MiB", region_size="1MiB") as node:
+        yield node.address
+
+
+@pytest.fixture(params=MEMORY_TIERS + SSD_TIERS + REMOTE_TIERS)
 def make_tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[MakeTier]:
     """A factory `(capacity_bytes, slot_bytes) -> Tier` for one implementation; closes what it made."""
     kind = request.param
     directory = request.getfixturevalue("disk_dir") if kind == "ssd-direct-var-tmp" else str(tmp_path)
+    pool = request.getfixturevalue("pool_node") if kind in REMOTE_TIERS else None
     factories: dict[str, MakeTier] = {
         "hbm-cpu": lambda cap, slot: HBMTier(cap, slot, device="cpu"),
         "dram": lambda cap, slot: DRAMTier(cap, slot),
         "ssd-direct-tmp_path": lambda cap, slot: SSDTier(directory, cap, slot, num_files=4),
         "ssd-direct-var-tmp": lambda cap, slot: SSDTier(directory, cap, slot, num_files=4),
         "ssd-buffered": lambda cap, slot: SSDTier(directory, cap, slot, num_files=3, direct=False),
+        "pool": lambda cap, slot: PoolTier(PoolClient([pool], timeout_s=30), cap, slot, owns_client=True),
     }
     made: list[Tier] = []
 

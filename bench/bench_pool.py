@@ -1,0 +1,213 @@
+"""Pool benchmark: put/get of one block through a `kvtier pool serve` node over TCP, against a raw
+socket moving the same bytes to and from another process, measured in the same run.
+
+For each block size (64 KiB to 4 MiB) every pool op is paired with a raw op of the same bytes, run
+back to back with the order alternating, and each is timed alone. Reported: p50 and p99 latency of
+the pool op, GB/s (block bytes / median op time) for both, and the ratio = median over pairs of
+raw time / pool time (goal >= 0.8 at 1-4 MiB). Queue depth 1, one client thread. Rows "x8" move
+8 blocks per call (`batch_put`/`batch_get`, one lookup for all), against one raw transfer of the
+same bytes: what the runtime's multi-block loads see.
+
+What a pool op includes that the raw one does not: put = PUT_BEGIN (so that a block the node holds
+already is never sent) then WRITE_COMMIT with the bytes, two round trips, plus the block's xxh3-64;
+get = one GET answered with the bytes inline, plus the xxh3-64 check. The raw baseline is the
+floor: one request, the bytes, one ack.
+Both servers are subprocesses of this one on 127.0.0.1; the default run takes about 30 s.
+
+    python bench/bench_pool.py [--sizes-kib 64 256 1024 2048 4096] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.pool.client import PoolClient
+from kvtier.pool.testing import NodeProcess
+
+KIB, MIB = 1 << 10, 1 << 20
+GOAL = 0.8
+GOAL_FROM_BYTES = MIB
+
+# A raw socket server: "P" + u64 n + n bytes -> 1-byte ack; "G" + u64 n -> n bytes.
+RAW_SERVER = r"""
+import socket, struct, sys
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = memoryview(bytearray(64 << 20))
+head = memoryview(bytearray(9))
+def fill(view):
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if k == 0: sys.exit(0)
+        got += k
+while True:
+    fill(head)
+    op, n = bytes(head[:1]), struct.unpack("!Q", head[1:])[0]
+    if op == b"P":
+        fill(buf[:n]); conn.sendall(b"k")
+    else:
+        conn.sendall(buf[:n])
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    op: str
+    block_bytes: int
+    ops: int
+    p50_us: float
+    p99_us: float
+    pool_gbps: float
+    raw_gbps: float
+    ratio: float
+    goal: float | None
+
+
+class RawClient:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER], stdout=subprocess.PIPE, text=True)
+        port = int(self.proc.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, data: memoryview) -> None:
+        sent = self.sock.sendmsg([b"P" + struct.pack("!Q", len(data)), data])  # blocking: all of it
+        if sent < 9 + len(data):
+            raise ConnectionError(f"raw put sent {sent} of {9 + len(data)} bytes")
+        self._fill(memoryview(bytearray(1)))
+
+    def get(self, into: memoryview) -> None:
+        self.sock.sendall(b"G" + struct.pack("!Q", len(into)))
+        self._fill(into)
+
+    def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("raw server closed")
+            got += k
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(10)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def median(xs: list[float]) -> float:
+    return percentile(xs, 0.5)
+
+
+def timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
+def bench_size(pool: PoolClient, raw: RawClient, size: int, ops: int, batch: int, run_id: bytes) -> list[Result]:
+    """`ops` pool calls of `batch` blocks of `size` bytes each, paired with raw transfers of the same bytes."""
+    blocks = [memoryview(bytearray(os.urandom(size))) for _ in range(batch)]
+    intos = [memoryview(bytearray(size)) for _ in range(batch)]
+    raw_out, raw_in = memoryview(bytearray(size * batch)), memoryview(bytearray(size * batch))
+    working = max(1, min(ops, (128 * MIB) // (size * batch)))  # the last batches put: resident for the gets
+    keys = [[run_id + b"/%d/%d/%d" % (size, i, j) for j in range(batch)] for i in range(ops)]
+
+    def put(i: int) -> None:
+        if not all(pool.batch_put(keys[i], blocks)):
+            raise RuntimeError(f"pool put of {batch} x {size} bytes failed: {pool.counters}")
+
+    def get(i: int) -> None:
+        if not all(pool.batch_get(keys[ops - working + i % working], intos)):
+            raise RuntimeError(f"pool get of {batch} x {size} bytes missed: {pool.counters}")
+
+    results = []
+    name = "" if batch == 1 else f" x{batch}"
+    for op, pool_op, raw_op, raw_buf in (("put", put, raw.put, raw_out), ("get", get, raw.get, raw_in)):
+        pool_op(0), raw_op(raw_buf)  # warm connections and pages
+        pool_t, raw_t, ratios = [], [], []
+        for i in range(ops):
+            if i % 2:
+                r, p = timed(raw_op, raw_buf), timed(pool_op, i)
+            else:
+                p, r = timed(pool_op, i), timed(raw_op, raw_buf)
+            pool_t.append(p)
+            raw_t.append(r)
+            ratios.append(r / p)
+        nbytes = size * batch
+        results.append(Result(op + name, size, ops, median(pool_t) * 1e6, percentile(pool_t, 0.99) * 1e6,
+                              nbytes / median(pool_t) / 1e9, nbytes / median(raw_t) / 1e9, median(ratios),
+                              GOAL if size >= GOAL_FROM_BYTES and batch == 1 else None))
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096])
+    p.add_argument("--bytes-per-size-mib", type=int, default=256, help="bytes moved per size and op (default 256)")
+    p.add_argument("--min-ops", type=int, default=60)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8],
+                   help="blocks per call (default 1 and 8); the raw baseline moves the same bytes at once")
+    p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    started = time.perf_counter()
+    biggest = max(args.sizes_kib) * KIB
+    region = max(4 * MIB, -(-biggest // (4 * KIB)) * 4 * KIB)
+    node = NodeProcess(capacity=str(max(512 * MIB, 8 * region * max(args.batches))), region_size=str(region))
+    raw = RawClient()
+    results: list[Result] = []
+    try:
+        with PoolClient([node.address], timeout_s=30) as pool:
+            for batch in args.batches:
+                for kib in args.sizes_kib:
+                    size = kib * KIB
+                    ops = max(args.min_ops, (args.bytes_per_size_mib * MIB) // (size * batch))
+                    results += bench_size(pool, raw, size, ops, batch, os.urandom(8))
+            node_facts = pool.stats()[0]
+    finally:
+        raw.close()
+        node.close()
+    facts = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+             "transport": node_facts["transport"], "transport_reason": node_facts["transport_reason"],
+             "elapsed_s": round(time.perf_counter() - started, 1), "results": [asdict(r) for r in results]}
+    table = Table("op", "block", "calls", "p50 µs", "p99 µs", "pool GB/s", "raw GB/s", "ratio", "goal",
+                  title=f"kvtier pool over {facts['transport']} ({facts['transport_reason']}), queue depth 1")
+    for r in results:
+        verdict = "" if r.goal is None else ("≥ 0.8 ✓" if r.ratio >= r.goal else "≥ 0.8 ✗")
+        table.add_row(r.op, f"{r.block_bytes // KIB} KiB", str(r.ops), f"{r.p50_us:,.0f}", f"{r.p99_us:,.0f}",
+                      f"{r.pool_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}", verdict)
+    console.print(table)
+    console.print(f"{facts['machine']['cpus']} CPUs, {facts['elapsed_s']} s")
+    if args.json:
+        args.json.write_text(json.dumps(facts, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

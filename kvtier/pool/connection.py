@@ -1,0 +1,283 @@
+"""The client's side of the control connection: one authenticated socket to one node, and a
+`NodeLink` that pools such sockets and remembers whether the node is reachable.
+
+Every call carries a deadline (`timeout_s` from its start). Whatever goes wrong on the way — a
+refused connection, a timeout, a reset, a frame that breaks the protocol, a fatal error reply —
+closes that socket and raises `NodeUnavailable`; the caller turns it into misses. A node that
+failed is skipped (calls fail at once) for `reconnect_s`, then tried afresh, so a restarted node
+rejoins without anyone noticing more than a few misses.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import TransferError
+from kvtier.pool import wire
+from kvtier.pool.protocol import FATAL, ErrorCode, MsgType, ProtocolError, encode
+from kvtier.pool.tenants import proof
+
+PIPELINE_DEPTH = 64  # requests in flight on one socket: bounded so neither side's buffers fill up
+
+
+class NodeUnavailable(TransferError):
+    """A node could not be reached, timed out or broke the protocol; its blocks are misses."""
+
+
+class AuthFailed(NodeUnavailable):
+    """The node refused this tenant's credentials, or failed to prove it knows the secret."""
+
+
+class RemoteError(Exception):
+    """A non-fatal error reply to one request (STALE, BOUNDS, FORBIDDEN); the socket stays usable."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request. `into` is where the reply's payload goes: a buffer of exactly its size (READ),
+    or (GET inline) a function from the reply header to the buffers, in order, that it fills;
+    `max_reply_payload` bounds what the node may send then."""
+
+    msg: MsgType
+    header: dict[str, Any]
+    payload: memoryview | None = None
+    into: memoryview | Callable[[dict[str, Any]], list[memoryview]] | None = None
+    max_reply_payload: int = 0
+
+
+class NodeConnection:
+    """One authenticated socket. Not thread-safe: a `NodeLink` lends it to one caller at a time.
+
+    Raises (constructor):
+        NodeUnavailable: the node cannot be reached or timed out.
+        AuthFailed: the node refused the credentials or could not prove its own.
+    """
+
+    def __init__(self, name: str, address: tuple[str, int], tenant: str, secret: bytes, timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self._next_id = 0
+        self.max_payload = 0
+        try:
+            self.sock = socket.create_connection(address, timeout=timeout_s)
+        except OSError as e:
+            raise NodeUnavailable(f"pool node {name}: cannot connect: {e}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        wire.set_kernel_timeouts(self.sock, timeout_s)  # each call then arms its own deadline
+        try:
+            self._handshake(tenant, secret)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, tenant: str, secret: bytes) -> None:
+        nonce = os.urandom(32)
+        hello = self.call(MsgType.HELLO, {"tenant": tenant, "nonce": nonce})
+        try:
+            welcome = self.call(MsgType.AUTH, {"mac": proof(secret, b"client", tenant, nonce, hello["nonce"])})
+        except AuthFailed:
+            raise AuthFailed(f"pool node {self.name} refused tenant {tenant!r}: authentication failed") from None
+        if not hmac.compare_digest(welcome["mac"], proof(secret, b"node", tenant, nonce, hello["nonce"])):
+            raise AuthFailed(f"pool node {self.name} could not prove it knows tenant {tenant!r}'s secret")
+        self.node_id, self.transport = welcome["node"], welcome["transport"]
+        self.max_payload, self.lease_s = welcome["max_payload"], welcome["lease_s"]
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.fileno() < 0
+
+    def peer_closed(self) -> bool:
+        """True when the node closed this (idle) socket, e.g. because it restarted."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)  # end of stream, or bytes nobody asked for: either way unusable
+
+    def call(self, msg: MsgType, header: dict[str, Any], payload: memoryview | None = None,
+             into: memoryview | None = None) -> dict[str, Any]:
+        """One request and its reply header.
+
+        Raises:
+            RemoteError: a non-fatal error reply.
+            NodeUnavailable: as the class says; the socket is closed.
+        """
+        reply = self.call_many([Request(msg, header, payload, into)])[0]
+        if isinstance(reply, RemoteError):
+            raise reply
+        return reply
+
+    def call_many(self, requests: Sequence[Request],
+                  overlap: Callable[[], None] | None = None) -> list[dict[str, Any] | RemoteError]:
+        """Pipelines `requests` (up to PIPELINE_DEPTH in flight); one reply or RemoteError each, in order.
+
+        Args:
+            overlap: work to do while the first requests travel (e.g. a put's checksums).
+        Raises:
+            NodeUnavailable: as `call`; no reply of the batch is known then.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        out: list[dict[str, Any] | RemoteError] = []
+        try:
+            for start in range(0, len(requests), PIPELINE_DEPTH):
+                window = requests[start: start + PIPELINE_DEPTH]
+                ids = [self._send(r, deadline) for r in window]
+                if overlap is not None:
+                    overlap, run = None, overlap
+                    run()
+                out += [self._receive(r, rid, deadline) for r, rid in zip(window, ids)]
+        except TimeoutError:
+            self.close()
+            raise NodeUnavailable(f"pool node {self.name}: no answer within {self.timeout_s} s") from None
+        except (OSError, EOFError) as e:
+            self.close()
+            raise NodeUnavailable(f"pool node {self.name}: connection lost: {e or type(e).__name__}") from None
+        except ProtocolError as e:
+            self.close()
+            cls = AuthFailed if e.code is ErrorCode.AUTH else NodeUnavailable
+            raise cls(f"pool node {self.name}: {e.code.name}: {e}") from None
+        return out
+
+    def _send(self, r: Request, deadline: float) -> int:
+        self._next_id += 1
+        size = len(r.payload) if r.payload is not None else 0
+        wire.send(self.sock, encode(r.msg, self._next_id, r.header, size), r.payload, deadline)
+        return self._next_id
+
+    def _receive(self, r: Request, rid: int, deadline: float) -> dict[str, Any] | RemoteError:
+        limit = r.max_reply_payload if callable(r.into) else len(r.into) if r.into is not None else 0
+        prefix, msg, header = wire.read_head(self.sock, limit, reply=True, deadline=deadline)
+        if prefix.request_id != rid and not (msg is MsgType.ERROR and prefix.request_id == 0):
+            raise ProtocolError(ErrorCode.MALFORMED, f"reply to request {prefix.request_id}, expected {rid}")
+        if msg is MsgType.ERROR:
+            try:
+                code = ErrorCode(header["code"])
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            if code in FATAL or prefix.request_id == 0:
+                raise ProtocolError(code, header["message"])
+            return RemoteError(code, header["message"])
+        if msg is not r.msg:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply to a {r.msg.name} request")
+        views = r.into(header) if callable(r.into) else [r.into] if r.into is not None else []
+        if prefix.payload_len != sum(len(v) for v in views):
+            raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply of {prefix.payload_len} bytes, "
+                                                     f"expected {sum(len(v) for v in views)}")
+        for view in views:
+            wire.recv_into(self.sock, view, deadline)
+        return header
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class NodeLink:
+    """One node as the client sees it: its address, a pool of idle connections, up or down.
+
+    Args:
+        address: "host:port" as configured; also the node's name in placement and messages.
+        max_idle: idle connections kept for reuse (more may be open while many threads call).
+    """
+
+    def __init__(self, address: str, addr: tuple[str, int], tenant: str, secret: bytes, *,
+                 timeout_s: float, reconnect_s: float, max_idle: int = 8) -> None:
+        self.name, self._addr = address, addr
+        self._tenant, self._secret = tenant, secret
+        self.timeout_s, self.reconnect_s, self._max_idle = timeout_s, reconnect_s, max_idle
+        self._idle: list[NodeConnection] = []
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.transport: str | None = None  # as the node reported it
+        self.last_error: str | None = None
+
+    @property
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    @contextmanager
+    def connection(self) -> Iterator[NodeConnection]:
+        """Lends a connection for a sequence of calls.
+
+        Raises:
+            NodeUnavailable: the node is marked down or cannot be reached (then it is marked down).
+            AuthFailed: the credentials were refused (the node is not marked down: this is loud).
+        """
+        conn = self._acquire()
+        try:
+            yield conn
+        except NodeUnavailable as e:
+            self._fail(conn, e)
+            raise
+        except BaseException:
+            conn.close()  # a caller's error mid-exchange: the socket's state is unknown
+            raise
+        else:
+            self._release(conn)
+
+    def call(self, msg: MsgType, header: dict[str, Any]) -> dict[str, Any]:
+        return self.request(Request(msg, header))
+
+    def request(self, request: Request, overlap: Callable[[], None] | None = None) -> dict[str, Any]:
+        """One request on a lent connection (`overlap` runs while it travels); raises as
+        `connection()` and `NodeConnection.call`."""
+        with self.connection() as conn:
+            reply = conn.call_many([request], overlap)[0]
+        if isinstance(reply, RemoteError):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _acquire(self) -> NodeConnection:
+        if self.down:
+            raise NodeUnavailable(f"pool node {self.name}: down ({self.last_error})")
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            if not conn.peer_closed():
+                return conn
+            conn.close()
+        try:
+            conn = NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s)
+        except AuthFailed:
+            raise
+        except NodeUnavailable as e:
+            self._fail(None, e)
+            raise
+        self.transport = conn.transport
+        return conn
+
+    def _release(self, conn: NodeConnection) -> None:
+        with self._lock:
+            if not conn.closed and len(self._idle) < self._max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _fail(self, conn: NodeConnection | None, error: Exception) -> None:
+        if conn is not None:
+            conn.close()
+        self.last_error = str(error)
+        self._down_until = time.monotonic() + self.reconnect_s
+        self.close()  # the other idle sockets to a failed node are as dead as this one

@@ -1,0 +1,319 @@
+"""The pool wire protocol, sans-I/O: frames in, frames out, nothing touches a socket here.
+
+A frame is a fixed 20-byte prefix, a msgpack header and an optional raw payload:
+
+    magic "KT" | version u8 | type u8 | request id u64 | header length u32 | payload length u32
+    header: a msgpack map whose fields depend on the type (see `REQUESTS` and `REPLIES`)
+    payload: raw block bytes; only WRITE/WRITE_COMMIT requests and READ/GET replies carry one
+
+Block bytes travel outside msgpack so that both ends can `recv_into` their final place (the node's
+region, the caller's buffer) without a copy. A reply has the request's id and type | `REPLY`, or
+type `ERROR` with `{code, message}`. Every decode path raises `ProtocolError` and nothing else on
+bad input: a frame that is malformed, truncated, oversized or of another version.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+MAGIC = b"KT"
+VERSION = 1
+PREFIX = struct.Struct("!2sBBQII")
+PREFIX_BYTES = PREFIX.size  # 20
+MAX_HEADER_BYTES = 1 << 20
+MAX_HANDSHAKE_HEADER_BYTES = 1024  # before authentication a peer may not make the node buffer more
+MAX_BATCH = 4096  # keys, leases or grants in one frame
+MAX_KEY_BYTES = 64
+MAX_NAME_BYTES = 64
+MAX_INLINE_BYTES = 256 << 20  # block bytes one GET reply may carry; a node leases further hits instead
+REPLY = 0x80
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1  # tenant, client nonce -> server nonce
+    AUTH = 2  # HMAC proof -> server proof, transport, limits
+    PUT_BEGIN = 3  # keys, lengths -> one grant per key (a write lease on a fresh slot)
+    PUT_COMMIT = 4  # keys, gens, checksums -> ok per key; the block becomes visible
+    PUT_ABORT = 5
+    GET = 6  # keys -> per key a miss, a hit under a read lease, or (inline) a hit with its bytes
+    RELEASE = 7  # lease ids
+    CONTAINS = 8
+    DELETE = 9
+    ALLOC = 10  # keys, lengths -> grants on mutable blocks (the Tier adapter's slots)
+    READ = 11  # data plane: region, offset, length, gen -> payload
+    WRITE = 12  # data plane: region, offset, gen + payload
+    STATS = 13
+    WRITE_COMMIT = 14  # data plane: WRITE of a whole WRITING block, then its commit with `checksum`
+    ERROR = 0xFF
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1  # fatal: the connection closes after the reply
+    TOO_LARGE = 2  # fatal
+    VERSION = 3  # fatal
+    AUTH = 4  # fatal
+    BUSY = 5  # fatal: the node is at its connection limit
+    FORBIDDEN = 6  # the region or block is not this tenant's, or is not writable
+    BOUNDS = 7  # offset/length outside the region or the block
+    STALE = 8  # the slot no longer holds that block (evicted, deleted, reused): a miss
+    SHUTTING_DOWN = 9  # fatal
+    INTERNAL = 10  # fatal
+
+
+FATAL = frozenset({ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.VERSION, ErrorCode.AUTH,
+                   ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL})
+
+
+class GrantStatus(enum.IntEnum):
+    """The answer to one key of PUT_BEGIN or ALLOC."""
+
+    GRANTED = 0
+    EXISTS = 1  # already stored and ready: nothing to write
+    BUSY = 2  # another writer holds the key
+    FULL = 3  # no slot could be freed (everything is leased)
+    QUOTA = 4  # the tenant's quota is reached and nothing of its own can be evicted
+    TOO_LARGE = 5  # longer than a region
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol; `code` is what the peer is told."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.code, self.request_id = code, request_id
+
+
+# ---- header schemas -----------------------------------------------------------------------
+# A spec is a type name, ("list", spec) or ("tuple", (spec, ...)); a schema maps field -> spec.
+U64 = (1 << 64) - 1
+_KEYS = ("list", "key")
+_UINTS = ("list", "uint")
+_GRANT = ("tuple", ("uint", "uint", "uint", "uint", "uint"))  # status, region, offset, gen, lease
+# found, region, offset, length, gen, checksum, lease (0 when inline), inline (bytes in the payload)
+_HIT = ("tuple", ("bool", "uint", "uint", "uint", "uint", "uint", "uint", "bool"))
+
+REQUESTS: dict[MsgType, dict[str, Any]] = {
+    MsgType.HELLO: {"tenant": "name", "nonce": "nonce"},
+    MsgType.AUTH: {"mac": "mac"},
+    MsgType.PUT_BEGIN: {"keys": _KEYS, "lengths": _UINTS, "lease_s": "num"},
+    MsgType.PUT_COMMIT: {"keys": _KEYS, "gens": _UINTS, "checksums": _UINTS},
+    MsgType.PUT_ABORT: {"keys": _KEYS, "gens": _UINTS},
+    # release: leases done with; inline: send the hits' bytes in the reply (TCP), else lease them
+    MsgType.GET: {"keys": _KEYS, "lease_s": "num", "release": _UINTS, "inline": "bool"},
+    MsgType.RELEASE: {"leases": _UINTS},
+    MsgType.CONTAINS: {"keys": _KEYS},
+    MsgType.DELETE: {"keys": _KEYS},
+    MsgType.ALLOC: {"keys": _KEYS, "lengths": _UINTS},
+    MsgType.READ: {"region": "uint", "offset": "uint", "length": "uint", "gen": "uint"},
+    MsgType.WRITE: {"region": "uint", "offset": "uint", "gen": "uint"},
+    MsgType.WRITE_COMMIT: {"region": "uint", "offset": "uint", "gen": "uint", "checksum": "uint"},
+    MsgType.STATS: {},
+}
+REPLIES: dict[MsgType, dict[str, Any]] = {
+    MsgType.HELLO: {"nonce": "nonce", "node": "name"},
+    MsgType.AUTH: {"mac": "mac", "node": "name", "transport": "name", "max_payload": "uint", "lease_s": "num"},
+    MsgType.PUT_BEGIN: {"grants": ("list", _GRANT)},
+    MsgType.PUT_COMMIT: {"ok": ("list", "bool")},
+    MsgType.PUT_ABORT: {},
+    MsgType.GET: {"hits": ("list", _HIT)},
+    MsgType.RELEASE: {},
+    MsgType.CONTAINS: {"found": ("list", "bool")},
+    MsgType.DELETE: {"deleted": "uint"},
+    MsgType.ALLOC: {"grants": ("list", _GRANT)},
+    MsgType.READ: {},
+    MsgType.WRITE: {},
+    MsgType.WRITE_COMMIT: {"committed": "bool"},
+    MsgType.STATS: {"stats": "map"},
+    MsgType.ERROR: {"code": "uint", "message": "text"},
+}
+# Fields that must be lists of equal length.
+_PARALLEL = {MsgType.PUT_BEGIN: ("keys", "lengths"), MsgType.PUT_COMMIT: ("keys", "gens", "checksums"),
+             MsgType.PUT_ABORT: ("keys", "gens"), MsgType.ALLOC: ("keys", "lengths")}
+
+
+def _valid(value: Any, spec: Any) -> bool:
+    if isinstance(spec, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if spec[0] == "list":
+            return len(value) <= MAX_BATCH and all(_valid(v, spec[1]) for v in value)
+        return len(value) == len(spec[1]) and all(_valid(v, s) for v, s in zip(value, spec[1]))
+    if spec == "uint":
+        return type(value) is int and 0 <= value <= U64
+    if spec == "bool":
+        return type(value) is bool
+    if spec == "num":
+        return type(value) in (int, float) and 0 <= value < 1e9
+    if spec == "key":
+        return type(value) is bytes and 1 <= len(value) <= MAX_KEY_BYTES
+    if spec == "nonce":
+        return type(value) is bytes and 16 <= len(value) <= 64
+    if spec == "mac":
+        return type(value) is bytes and len(value) == 32
+    if spec == "name":
+        return type(value) is str and 1 <= len(value) <= MAX_NAME_BYTES and value.isprintable()
+    if spec == "text":
+        return type(value) is str and len(value) <= 4096
+    if spec == "map":
+        return isinstance(value, dict)
+    raise AssertionError(f"unknown spec {spec!r}")  # a bug in the tables above, not bad input
+
+
+def check_header(msg: MsgType, header: Any, schema: Mapping[MsgType, dict[str, Any]],
+                 request_id: int = 0) -> dict[str, Any]:
+    """Returns `header` if it is a map with exactly the fields `schema[msg]` names, well typed.
+
+    Raises:
+        ProtocolError(MALFORMED): naming the first field at fault.
+    """
+    fields = schema.get(msg)
+    if fields is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame type {int(msg)} is not valid here", request_id)
+    if not isinstance(header, dict) or set(header) != set(fields):
+        got = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
+        raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}: expected fields {sorted(fields)}, got {got}",
+                            request_id)
+    for name, spec in fields.items():
+        if not _valid(header[name], spec):
+            raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}.{name}: invalid value", request_id)
+    lengths = {len(header[f]) for f in _PARALLEL.get(msg, ()) if schema is REQUESTS}
+    if len(lengths) > 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}: lists of unequal length", request_id)
+    return header
+
+
+# ---- frames -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    type: int
+    request_id: int
+    header_len: int
+    payload_len: int
+
+
+def encode(msg: int, request_id: int, header: Mapping[str, Any], payload_len: int = 0) -> bytes:
+    """The prefix and header of a frame; the caller sends `payload_len` payload bytes after it."""
+    body = msgpack.packb(dict(header), use_bin_type=True)
+    return PREFIX.pack(MAGIC, VERSION, msg, request_id, len(body), payload_len) + body
+
+
+def encode_error(request_id: int, code: ErrorCode, message: str) -> bytes:
+    return encode(MsgType.ERROR, request_id, {"code": int(code), "message": message[:4096]})
+
+
+def parse_prefix(data: bytes | bytearray | memoryview, max_payload: int,
+                 max_header: int = MAX_HEADER_BYTES) -> Prefix:
+    """Decodes and checks the 20-byte prefix (`max_header`: smaller before authentication).
+
+    Raises:
+        ProtocolError: bad magic (MALFORMED), other version (VERSION), header or payload above
+            the limits (TOO_LARGE).
+    """
+    if len(data) != PREFIX_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame prefix of {len(data)} bytes, expected {PREFIX_BYTES}")
+    magic, version, msg, request_id, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.MALFORMED, f"bad magic {magic!r}: not a kvtier pool frame")
+    if version != VERSION:
+        raise ProtocolError(ErrorCode.VERSION, f"protocol version {version}; this node speaks {VERSION}",
+                            request_id)
+    if header_len > max_header:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header of {header_len} bytes exceeds {max_header}", request_id)
+    if payload_len > max_payload:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"payload of {payload_len} bytes exceeds {max_payload}",
+                            request_id)
+    return Prefix(msg, request_id, header_len, payload_len)
+
+
+def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply: bool) -> tuple[MsgType, dict]:
+    """Decodes the msgpack header of a frame whose prefix is `prefix` and checks it.
+
+    Args:
+        reply: True on the client (expects replies), False on the node (expects requests).
+    Returns:
+        The message type (for a reply: the request's type, or ERROR) and the checked header.
+    Raises:
+        ProtocolError(MALFORMED): unknown type, bad msgpack, wrong fields, or a payload where
+            this type carries none.
+    """
+    rid = prefix.request_id
+    raw_type = prefix.type
+    if reply and raw_type != MsgType.ERROR:
+        if not raw_type & REPLY:
+            raise ProtocolError(ErrorCode.MALFORMED, f"frame type {raw_type} is not a reply", rid)
+        raw_type &= ~REPLY
+    try:
+        msg = MsgType(raw_type)
+    except ValueError:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown frame type {prefix.type}", rid) from None
+    carries = (MsgType.READ, MsgType.GET) if reply else (MsgType.WRITE, MsgType.WRITE_COMMIT)
+    if prefix.payload_len and msg not in carries:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} frame carries a payload", rid)
+    header = _unpack(body, rid)
+    return msg, check_header(msg, header, REPLIES if reply else REQUESTS, rid)
+
+
+def _unpack(body: bytes | bytearray | memoryview, request_id: int) -> Any:
+    limit = len(body)
+    try:
+        return msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True,
+                               max_str_len=limit, max_bin_len=limit, max_array_len=limit,
+                               max_map_len=limit, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of types on bad input; all mean "malformed"
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not valid msgpack: {type(e).__name__}",
+                            request_id) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: MsgType
+    request_id: int
+    header: dict[str, Any]
+    payload: bytes = b""
+
+
+class FrameDecoder:
+    """Incremental decoder of whole frames (payload included) from a byte stream.
+
+    The node and the client read frames straight off their sockets with `parse_prefix` and
+    `parse_header`; this composes the same two functions over a buffer, for tests and tools.
+    After a `ProtocolError` the stream cannot be resynchronised: the decoder stays failed.
+    """
+
+    def __init__(self, *, reply: bool, max_payload: int) -> None:
+        self._reply, self._max_payload = reply, max_payload
+        self._buf = bytearray()
+        self._failed: ProtocolError | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or None until more bytes arrive.
+
+        Raises:
+            ProtocolError: as `parse_prefix`/`parse_header`; again on every later call.
+        """
+        if self._failed is not None:
+            raise self._failed
+        if len(self._buf) < PREFIX_BYTES:
+            return None
+        try:
+            prefix = parse_prefix(bytes(self._buf[:PREFIX_BYTES]), self._max_payload)
+            end = PREFIX_BYTES + prefix.header_len
+            if len(self._buf) < end + prefix.payload_len:
+                return None
+            msg, header = parse_header(prefix, bytes(self._buf[PREFIX_BYTES:end]), reply=self._reply)
+        except ProtocolError as e:
+            self._failed = e
+            raise
+        payload = bytes(self._buf[end: end + prefix.payload_len])
+        del self._buf[: end + prefix.payload_len]
+        return Frame(msg, prefix.request_id, header, payload)

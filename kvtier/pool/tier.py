@@ -1,0 +1,183 @@
+"""`PoolTier`: the pool nodes as the manager's third tier — `num_slots` slots of `slot_bytes`.
+
+The manager addresses slots, not keys, and writes a block layer by layer into a slot it chose.
+So each slot of this process is a *mutable* block on the pool under a key private to this tier
+instance (`xxh3_128(instance id, slot)`), allocated on the slot's first write (`alloc`), placed on
+its home node by rendezvous hashing, and thereafter read and written one-sided at byte ranges.
+
+Trade-off: blocks stored through this adapter are not shared with other processes — the slot
+interface carries no block key, so another process cannot find them; sharing goes through
+`PoolClient.put/get` with real block keys. In exchange the manager's model holds exactly: its
+index, policies, watermarks and two-phase moves work unchanged, and per-layer loads are range
+reads. The pool may still drop a slot (recency eviction under pressure from other clients, a node
+restart): a read or write of it then raises `TierIOError`, which the transfer engine turns into a
+miss, and the next write allocates the slot afresh. Keep `capacity` within the tenant's quota.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import xxhash
+
+from kvtier.errors import TierIOError, TransferError
+from kvtier.pool.client import PoolClient, Slot
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+
+log = logging.getLogger(__name__)
+
+
+class PoolTier(Tier):
+    """`num_slots` slots on the pool nodes behind `client`.
+
+    Args:
+        client: the pool client; closed with the tier when `owns_client`.
+        capacity_bytes: this process's share of the pool; rounded down to whole slots.
+        slot_bytes: bytes per slot (one block).
+    Raises:
+        CapacityError: capacity is below one slot.
+    """
+
+    kind = TierKind.POOL
+    medium = Medium.REMOTE
+
+    def __init__(self, client: PoolClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False) -> None:
+        self.slot_bytes = slot_bytes
+        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "pool")
+        self._client, self._owns_client = client, owns_client
+        self._instance = os.urandom(16)
+        self._slots: list[Slot | None] = [None] * self.num_slots
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
+        """Writes `src` at `offset` of `slot`, allocating the slot on the pool on first use.
+
+        Raises:
+            TypeError, IndexError: as the `Tier` contract.
+            TierIOError: the pool has no room, is unreachable, or dropped the slot (its earlier
+                content is then lost; the next write starts it afresh).
+        """
+        src = as_byte_buffer(src, "pool write source")
+        self._check_range(slot, offset, src.numel())
+        if src.numel() == 0:
+            return self._check_open()
+        handle = self._slot(slot, allocate=True)
+        self._io(slot, handle, lambda: self._client.write_at(handle, offset, _host(src)), "write")
+
+    def read(self, slot: int, dst: torch.Tensor, offset: int = 0) -> None:
+        """Reads `dst.numel()` bytes at `offset` of `slot`.
+
+        Raises:
+            TypeError, IndexError: as the `Tier` contract.
+            TierIOError: the slot was never written here, was dropped by the pool, or the pool is
+                unreachable.
+        """
+        dst = as_byte_buffer(dst, "pool read destination")
+        self._check_range(slot, offset, dst.numel())
+        if dst.numel() == 0:
+            return self._check_open()
+        handle = self._slot(slot, allocate=False)
+        if dst.is_cuda:
+            host = torch.empty(dst.numel(), dtype=torch.uint8)
+            self._io(slot, handle, lambda: self._client.read_at(handle, offset, host), "read")
+            dst.copy_(host)
+        else:
+            self._io(slot, handle, lambda: self._client.read_at(handle, offset, dst), "read")
+
+    def describe(self) -> dict[str, object]:
+        links = self._client.links
+        return {**super().describe(), "nodes": [link.name for link in links],
+                "transport": ", ".join(sorted({link.transport or "tcp" for link in links})),
+                "tenant": self._client.tenant, "sharing": "per process (slot adapter)"}
+
+    def close(self) -> None:
+        """Frees this tier's blocks on the pool (best effort) and closes the client if owned. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            held = [s for s in self._slots if s is not None]
+            self._slots = [None] * self.num_slots
+        try:
+            self._client.free(held)
+        finally:
+            if self._owns_client:
+                self._client.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierIOError("POOL tier is closed")
+
+    def _slot(self, slot: int, allocate: bool) -> Slot:
+        with self._lock:
+            self._check_open()
+            handle = self._slots[slot]
+        if handle is not None:
+            return handle
+        if not allocate:
+            raise TierIOError(f"POOL slot {slot}: holds no block (never written, or dropped by the pool)")
+        key = xxhash.xxh3_128_digest(self._instance + slot.to_bytes(8, "little"))
+        try:
+            handle = self._client.alloc(key, self.slot_bytes)
+        except TransferError as e:
+            raise TierIOError(f"POOL slot {slot}: {e}") from None
+        with self._lock:
+            self._check_open()
+            self._slots[slot] = handle
+        return handle
+
+    def _io(self, slot: int, handle: Slot, op, verb: str) -> None:
+        try:
+            if op():
+                return
+            reason = "the pool dropped the slot (evicted or node restarted)"
+        except TransferError as e:
+            reason = str(e)
+        with self._lock:
+            if self._slots[slot] is handle:
+                self._slots[slot] = None
+        raise TierIOError(f"POOL slot {slot}: {verb} failed: {reason}")
+
+
+def build_pool_tier(cfg, slot_bytes: int) -> PoolTier:
+    """The pool tier a `TierConfig` of kind POOL describes, its nodes' credentials checked.
+
+    A node that cannot be reached now is only logged (it may come up later: its slots are misses
+    until then); a node that refuses the credentials is a configuration error.
+
+    Raises:
+        ConfigError: RDMA asked for, a secret file unreadable, or a node refused the tenant.
+        CapacityError: capacity below one slot.
+    """
+    from kvtier.errors import ConfigError
+    from kvtier.pool.connection import AuthFailed
+    from kvtier.pool.detect import TransportKind
+    from kvtier.pool.tenants import read_secret
+
+    if cfg.transport is TransportKind.RDMA:
+        raise ConfigError("tiers.pool.transport: rdma is not available in this build yet; use auto or tcp")
+    secret = read_secret(cfg.secret, str(cfg.secret_file) if cfg.secret_file else None, "tiers.pool")
+    client = PoolClient(cfg.nodes, tenant=cfg.tenant, secret=secret, timeout_s=cfg.timeout_s,
+                        reconnect_s=cfg.reconnect_s)
+    try:
+        tier = PoolTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
+        for facts in client.stats():
+            if "error" in facts:
+                log.warning("tiers.pool: node %s unreachable for now: %s", facts["address"], facts["error"])
+    except AuthFailed as e:
+        client.close()
+        raise ConfigError(f"tiers.pool: {e}") from None
+    except BaseException:
+        client.close()
+        raise
+    return tier
+
+
+def _host(src: torch.Tensor) -> torch.Tensor:
+    return src.cpu() if src.is_cuda else src

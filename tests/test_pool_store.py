@@ -1,0 +1,213 @@
+"""The pool node's block store without sockets: allocation, recency eviction, leases on a fake clock,
+quotas, isolation, bounds and generations. Cost: well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.pool.protocol import ErrorCode, GrantStatus
+from kvtier.pool.store import AccessError, BlockStore
+
+KIB = 1024
+REGION = 64 * KIB
+BLOCK = 16 * KIB  # 4 blocks per region
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make_store(clock: Clock, regions: int = 2, quotas: dict[str, int] | None = None) -> BlockStore:
+    return BlockStore(regions * REGION, REGION, quotas or {"a": regions * REGION, "b": regions * REGION}, clock)
+
+
+def put(store: BlockStore, key: bytes, tenant: str = "a", length: int = BLOCK) -> GrantStatus:
+    """A whole put: begin, write every byte, commit."""
+    g = store.put_begin(tenant, key, length, lease_s=30)
+    if g.block is None:
+        return g.status
+    access = store.begin_access(tenant, g.block.region.id, g.block.offset, length, g.block.gen, write=True)
+    store.end_access(access, ok=True)
+    assert store.commit(tenant, key, g.block.gen, checksum=123)
+    return g.status
+
+
+def read_lease(store: BlockStore, key: bytes, tenant: str = "a", lease_s: float = 30):
+    (g,) = store.get(tenant, [key], lease_s)
+    return g
+
+
+def test_put_get_and_exists(clock) -> None:
+    store = make_store(clock)
+    assert put(store, b"k") is GrantStatus.GRANTED
+    assert store.put_begin("a", b"k", BLOCK, 1).status is GrantStatus.EXISTS
+    g = read_lease(store, b"k")
+    assert (g.block.length, g.block.checksum) == (BLOCK, 123)
+    assert store.get("a", [b"missing"], 1) == [None]
+    assert store.counters["hits"] == 1 and store.counters["misses"] == 1
+
+
+def test_writing_blocks_are_invisible_and_commit_needs_every_byte(clock) -> None:
+    store = make_store(clock)
+    g = store.put_begin("a", b"k", BLOCK, 30)
+    assert store.get("a", [b"k"], 1) == [None] and store.contains("a", [b"k"]) == [False]
+    assert store.put_begin("a", b"k", BLOCK, 30).status is GrantStatus.BUSY
+    half = store.begin_access("a", g.block.region.id, g.block.offset, BLOCK // 2, g.block.gen, write=True)
+    store.end_access(half, ok=True)
+    assert not store.commit("a", b"k", g.block.gen, 1)  # half written: dropped, slot freed
+    assert store.stats()["used_bytes"] == 0
+
+
+def test_recency_eviction_spares_recently_read_blocks(clock) -> None:
+    store = make_store(clock, regions=1)
+    for i in range(4):
+        put(store, b"k%d" % i)
+    store.release("a", [read_lease(store, b"k0").lease])  # k0 becomes the most recent
+    assert put(store, b"k4") is GrantStatus.GRANTED
+    assert store.contains("a", [b"k0", b"k1", b"k2", b"k3", b"k4"]) == [True, False, True, True, True]
+    assert store.counters["evictions"] == 1
+
+
+def test_a_leased_block_is_never_evicted_until_its_lease_expires(clock) -> None:
+    store = make_store(clock, regions=1)
+    put(store, b"k0")
+    lease = read_lease(store, b"k0", lease_s=5)
+    for i in range(1, 4):
+        put(store, b"k%d" % i)
+    for i in range(4, 10):  # each evicts the oldest *idle* block, never k0
+        assert put(store, b"k%d" % i) is GrantStatus.GRANTED
+        assert store.contains("a", [b"k0"]) == [True]
+    clock.now += 5
+    put(store, b"k10")  # k0's lease has expired: it is now the least recent block
+    assert store.contains("a", [b"k0"]) == [False]
+    assert store.counters["leases_expired"] == 1
+    store.release("a", [lease.lease])  # a late release of an expired lease changes nothing
+
+
+def test_full_of_leases_rejects_and_changes_nothing(clock) -> None:
+    store = BlockStore(REGION, REGION, {"a": 10 * REGION}, clock)
+    for i in range(4):
+        put(store, b"k%d" % i)
+        read_lease(store, b"k%d" % i)
+    before = store.stats()
+    assert store.put_begin("a", b"new", BLOCK, 30).status is GrantStatus.FULL
+    assert store.stats()["used_bytes"] == before["used_bytes"] and store.counters["rejected_full"] == 1
+
+
+def test_expired_lease_lets_the_slot_be_reused_and_old_locations_read_stale(clock) -> None:
+    store = make_store(clock, regions=1)
+    for i in range(4):
+        put(store, b"k%d" % i)
+    old = read_lease(store, b"k0", lease_s=0).block
+    for i in range(4, 8):
+        put(store, b"k%d" % i)  # every old block, k0 included (lease expired), is evicted
+    reused = {(g.block.region.id, g.block.offset) for g in store.get("a", [b"k4", b"k5", b"k6", b"k7"], 1)}
+    assert (old.region.id, old.offset) in reused
+    with pytest.raises(AccessError) as info:
+        store.begin_access("a", old.region.id, old.offset, BLOCK, old.gen, write=False)
+    assert info.value.code is ErrorCode.STALE
+
+
+def test_an_access_in_flight_pins_the_block_past_its_lease(clock) -> None:
+    store = make_store(clock, regions=1)
+    for i in range(4):
+        put(store, b"k%d" % i)
+    g = read_lease(store, b"k0", lease_s=0)
+    access = store.begin_access("a", g.block.region.id, g.block.offset, BLOCK, g.block.gen, write=False)
+    clock.now += 100
+    for i in range(4, 8):
+        put(store, b"k%d" % i)
+    assert store.contains("a", [b"k0"]) == [True]  # the read in flight kept it
+    store.end_access(access, ok=True)
+    put(store, b"k8")
+    assert store.contains("a", [b"k0"]) == [False]
+
+
+def test_abandoned_put_is_reclaimed_when_its_write_lease_expires(clock) -> None:
+    store = make_store(clock)
+    store.put_begin("a", b"k", BLOCK, lease_s=2)
+    clock.now += 2
+    assert store.stats()["used_bytes"] == 0 and store.put_begin("a", b"k", BLOCK, 2).status is GrantStatus.GRANTED
+
+
+def test_tenants_see_only_their_own_blocks_and_regions(clock) -> None:
+    store = make_store(clock)
+    put(store, b"k", tenant="a")
+    assert store.contains("b", [b"k"]) == [False] and store.get("b", [b"k"], 1) == [None]
+    block = read_lease(store, b"k").block
+    with pytest.raises(AccessError) as info:
+        store.begin_access("b", block.region.id, block.offset, BLOCK, block.gen, write=False)
+    assert info.value.code is ErrorCode.STALE and store.counters["forbidden"] == 1
+    assert store.delete("b", [b"k"]) == 0
+    assert put(store, b"k", tenant="b") is GrantStatus.GRANTED  # b's own "k" is another block
+    assert read_lease(store, b"k", tenant="b").block is not block
+
+
+@pytest.mark.parametrize("offset,length,code", [
+    (0, BLOCK + 1, ErrorCode.BOUNDS), (BLOCK - 1, 2, ErrorCode.BOUNDS), (REGION - 1, 2, ErrorCode.BOUNDS),
+    (-1, 1, ErrorCode.BOUNDS), (BLOCK, 1, ErrorCode.STALE)])
+def test_every_access_is_bounds_checked(clock, offset, length, code) -> None:
+    store = make_store(clock)
+    put(store, b"k")
+    block = read_lease(store, b"k").block
+    with pytest.raises(AccessError) as info:
+        store.begin_access("a", block.region.id, block.offset + offset, length, block.gen, write=False)
+    assert info.value.code is code
+    with pytest.raises(AccessError):
+        store.begin_access("a", 99, 0, 1, block.gen, write=False)
+
+
+def test_committed_blocks_are_immutable_and_mutable_ones_are_not(clock) -> None:
+    store = make_store(clock)
+    put(store, b"k")
+    block = read_lease(store, b"k").block
+    with pytest.raises(AccessError, match="committed"):
+        store.begin_access("a", block.region.id, block.offset, 1, block.gen, write=True)
+    slot = store.alloc("a", b"slot", 100).block
+    store.end_access(store.begin_access("a", slot.region.id, slot.offset + 10, 90, slot.gen, write=True), True)
+    assert store.alloc("a", b"slot", 100).block is slot  # the same key again: the same block
+    assert store.get("a", [b"slot"], 1) == [None]  # mutable blocks are not keyed content
+
+
+def test_quota_evicts_the_tenants_own_blocks_first_then_refuses(clock) -> None:
+    store = make_store(clock, regions=4, quotas={"a": 3 * BLOCK, "b": 4 * REGION})
+    put(store, b"b0", tenant="b")
+    for i in range(5):
+        assert put(store, b"a%d" % i) is GrantStatus.GRANTED
+    assert store.stats("a")["tenant"]["used_bytes"] == 3 * BLOCK
+    assert store.contains("a", [b"a0", b"a1", b"a2", b"a3", b"a4"]) == [False, False, True, True, True]
+    assert store.contains("b", [b"b0"]) == [True]
+    for key in (b"a2", b"a3", b"a4"):
+        read_lease(store, key)
+    assert store.put_begin("a", b"a5", BLOCK, 30).status is GrantStatus.QUOTA
+
+
+def test_a_full_node_reclaims_the_least_recent_region_of_another_class_or_tenant(clock) -> None:
+    store = make_store(clock, regions=2)
+    put(store, b"small", tenant="b", length=4 * KIB)  # b's region of 4 KiB slots
+    for i in range(4):
+        put(store, b"a%d" % i)  # a's region of 16 KiB slots: the node is now out of regions
+    read_lease(store, b"a0")
+    assert put(store, b"a4") is GrantStatus.GRANTED  # b's region is the least recent: reclaimed
+    assert store.contains("b", [b"small"]) == [False]
+    assert store.contains("a", [b"a0", b"a1", b"a2", b"a3", b"a4"]) == [True] * 5
+
+
+def test_too_large_and_generations_are_unique(clock) -> None:
+    store = make_store(clock)
+    assert store.put_begin("a", b"big", REGION + 1, 1).status is GrantStatus.TOO_LARGE
+    gens = set()
+    for i in range(20):
+        put(store, b"k%d" % i)
+        gens.add(read_lease(store, b"k%d" % i, lease_s=0).block.gen)
+    assert len(gens) == 20
