@@ -19,19 +19,24 @@ COMMANDS: dict[str, str] = {
     "run": "kvtier.cli_run",
     "simulate": "kvtier.cli_simulate",
     "pool": "kvtier.cli_pool",
+    "bench": "kvtier.cli_bench",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; with `only`, just that subcommand's module is imported (a fast start)."""
     parser = argparse.ArgumentParser(prog="kvtier", description="A four-tier KV-cache runtime for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        importlib.import_module(module).add_parser(sub)
+        if only is None or name == only:
+            importlib.import_module(module).add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KVTierError as e:

@@ -26,7 +26,7 @@ from kvtier.simulate import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREF
                              SimPolicy, VirtualTier, parse_capacity, simulate)
 from kvtier.simulate_sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
 from kvtier.simulate_trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.kinds import TierKind
 
 EXAMPLES = """examples:
   kvtier simulate --trace conversation --capacity hbm=18279

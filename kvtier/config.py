@@ -21,7 +21,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.pool.detect import TransportKind
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.kinds import TierKind
 
 
 class CacheMode(enum.Enum):

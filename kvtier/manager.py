@@ -21,7 +21,7 @@ from kvtier.index import BlockEntry, BlockIndex, Copy, CopyState, SlotAllocator
 from kvtier.plans import LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
 from kvtier.policy.admission import AdmissionKind
 from kvtier.stats import DropReason, Stats
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.kinds import TierKind
 
 
 # Enum members as module constants for the per-block hot paths: a class attribute lookup on an Enum

@@ -16,7 +16,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.simulate import SimConfig, SimPolicy, VirtualTier, simulate
 from kvtier.simulate_trace import Trace
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.kinds import TierKind
 
 # Default sweep points, as shares of the trace's distinct blocks (1.0 holds every block: no evictions).
 DEFAULT_SWEEP_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.kinds import TierKind
 
 
 # Upper bounds of the transfer latency histogram buckets, seconds (a last bucket catches the rest).
