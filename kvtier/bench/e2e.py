@@ -1,0 +1,162 @@
+"""End to end: spill from HBM to one lower tier and fill back, through a real `KVTier`.
+
+The runtime holds two tiers: HBM, whose watermarks are set so low that every block stored there is
+demoted at once, and the lower tier under test, which never demotes (watermarks at 1.0) and is
+sized to hold the blocks a row cycles over. Loads do not promote, so a fill reads the lower tier
+straight into the caller's device buffer.
+
+One op is one call with `queue_depth` blocks (the engine's `io_workers` is set to the same number):
+  spill: `store(keys, blocks_on_device)` into HBM, its handle waited for, then `quiesce()` until the
+         demotions into the lower tier have landed (checksums computed on the way below DRAM);
+  fill:  `load(keys, device_buffer)` of blocks held by the lower tier, its handle waited for
+         (checksums verified on the way up from below DRAM).
+Its limit moves the same `queue_depth` blocks with the lower medium's raw op, one thread per block:
+pinned cudaMemcpy / memcpy for DRAM, a raw TCP socket for the pool, raw O_DIRECT for the SSD.
+The engine's device<->host leg has no limit of its own here; the hbm-dram path measures it alone.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.limits import CopyLimit, DirectIOLimit, SocketLimit, random_fill
+from kvtier.bench.measure import Budget, Measured
+from kvtier.bench.paths import BenchEnv, PathFn, record_facts, spill_and_fill
+from kvtier.errors import TransferError
+from kvtier.tiers.base import TierKind
+
+NUM_LAYERS = 32  # a block is laid out as this many equal layers, as a 7-8B model's are
+CHUNK_BYTES = 1 << 20  # the runtime's default: layers copied in runs of at least 1 MiB
+DEMOTE_AT_ONCE = 1e-6  # an HBM watermark any one block passes
+TIMEOUT_S = 120.0  # a safety net against a hung transfer, never a measurement
+
+
+def runtime_config(env: BenchEnv, lower: TierKind, block_bytes: int, depth: int, num_blocks: int):
+    """The two-tier `KVTierConfig`: HBM of 2 x depth slots over `lower` of `num_blocks + depth`."""
+    from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
+
+    hbm = TierConfig(TierKind.HBM, 2 * depth * block_bytes, high_watermark=DEMOTE_AT_ONCE,
+                     low_watermark=DEMOTE_AT_ONCE, device=str(env.device))
+    capacity = (num_blocks + depth) * block_bytes
+    if lower is TierKind.SSD:
+        low = TierConfig(TierKind.SSD, capacity, high_watermark=1.0, low_watermark=1.0,
+                         path=Path(env.workdir) / "e2e-ssd", num_files=4)
+    elif lower is TierKind.POOL:
+        low = TierConfig(TierKind.POOL, capacity, high_watermark=1.0, low_watermark=1.0,
+                         nodes=(env.pool_address,), timeout_s=env.pool_timeout_s)
+    else:
+        low = TierConfig(lower, capacity, high_watermark=1.0, low_watermark=1.0)
+    return KVTierConfig(model="kvtier-bench", tiers=(hbm, low), promote_to=None,
+                        transfer=TransferConfig(io_workers=depth, chunk_bytes=CHUNK_BYTES),
+                        prefetch=PrefetchConfig(target=TierKind.HBM))
+
+
+class _Calls:
+    """The kvtier side: `spill(0, i)` stores a fresh batch as call `i`, `fill(0, i)` loads it back."""
+
+    def __init__(self, kv, lower: TierKind, depth: int, num_calls: int, device: torch.device) -> None:
+        self.kv, self.lower, self.depth = kv, lower, depth
+        self.src = random_fill(torch.empty((depth, kv.layout.block_bytes), dtype=torch.uint8, device=device))
+        self.dst = torch.empty_like(self.src)
+        self.batches: list[list[bytes]] = [[] for _ in range(num_calls)]  # the latest keys stored as call i
+        self._next_key = 0
+
+    def spill(self, t: int, call: int) -> None:
+        keys = [(self._next_key + j).to_bytes(16, "little") for j in range(self.depth)]
+        self._next_key += self.depth
+        handle = self.kv.store(keys, self.src, target=TierKind.HBM)
+        handle.wait(TIMEOUT_S)
+        self.kv.quiesce(TIMEOUT_S)
+        if handle.failed:
+            raise TransferError(f"e2e spill to {self.lower.name}: {len(handle.failed)} blocks failed: "
+                                f"{next(iter(handle.failed.values())).error}")
+        self.batches[call] = keys
+
+    def fill(self, t: int, call: int) -> None:
+        handle = self.kv.load(self.batches[call], self.dst)
+        handle.wait(TIMEOUT_S)
+        if handle.failed:
+            raise TransferError(f"e2e fill from {self.lower.name}: {len(handle.failed)} blocks failed: "
+                                f"{next(iter(handle.failed.values())).error}")
+
+    def check(self) -> None:
+        """After one spill pass: every block went down to the lower tier, and comes back intact."""
+        where = set(self.kv.where(self.batches[0]))
+        if where != {self.lower}:
+            raise TransferError(f"e2e: blocks stored into HBM ended in {sorted(w.name for w in where if w)}, "
+                                f"not demoted to {self.lower.name}")
+        self.fill(0, 0)
+        if not torch.equal(self.dst, self.src):
+            raise TransferError(f"e2e: blocks filled back from {self.lower.name} differ from those spilled")
+
+
+class _Parallel:
+    """A limit's op on the `depth` blocks of one call, one thread per block."""
+
+    def __init__(self, limit, depth: int) -> None:
+        self.limit, self.depth = limit, depth
+        self.pool = ThreadPoolExecutor(depth, thread_name_prefix="kvtier-bench") if depth > 1 else None
+        suffix = f" x{depth} threads" if depth > 1 else ""
+        self.spill_name, self.fill_name = limit.spill_name + suffix, limit.fill_name + suffix
+
+    def spill(self, t: int, call: int) -> None:
+        self._run(self.limit.spill, call)
+
+    def fill(self, t: int, call: int) -> None:
+        self._run(self.limit.fill, call)
+
+    def _run(self, op, call: int) -> None:
+        first = call * self.depth
+        if self.pool is None:
+            op(0, first)
+            return
+        for f in [self.pool.submit(op, j, first + j) for j in range(self.depth)]:
+            f.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.limit.close()
+
+
+def _limit(env: BenchEnv, kv, lower: TierKind, num_blocks: int, block_bytes: int, depth: int):
+    if lower is TierKind.SSD:
+        return DirectIOLimit(env.workdir, num_blocks, block_bytes, kv.tiers[TierKind.SSD].o_direct)
+    if lower is TierKind.POOL:
+        return SocketLimit(env.rawsock, num_blocks, block_bytes, depth)
+    return CopyLimit(num_blocks, block_bytes, env.device)
+
+
+def e2e_path(lower: TierKind) -> PathFn:
+    """The end-to-end path from HBM to `lower`, as a `paths.PathFn`."""
+    name = f"e2e-hbm-{lower.name.lower()}"
+
+    def run(env: BenchEnv, block_bytes: int, depth: int, num_blocks: int, budget: Budget) -> list[Measured]:
+        from kvtier.layout import BlockLayout
+        from kvtier.runtime import KVTier
+
+        num_calls = max(2, num_blocks // depth)
+        layout = BlockLayout.uniform(16, NUM_LAYERS, block_bytes // NUM_LAYERS)
+        kv = KVTier(runtime_config(env, lower, block_bytes, depth, num_calls * depth), layout=layout)
+        record_facts(env, kv.tiers[lower])
+        try:
+            calls = _Calls(kv, lower, depth, num_calls, env.device)
+            limit = _Parallel(_limit(env, kv, lower, num_calls * depth, block_bytes, depth), depth)
+        except BaseException:
+            kv.close()
+            raise
+        try:
+            return spill_and_fill(name, block_bytes, depth, num_calls, budget, (calls.spill, calls.fill), limit,
+                                  bytes_per_op=depth * block_bytes, concurrency=1, after_warm=calls.check)
+        finally:
+            limit.close()
+            kv.close()
+
+    return run
+
+
+E2E_PATHS: dict[str, PathFn] = {f"e2e-hbm-{k.name.lower()}": e2e_path(k)
+                                for k in (TierKind.DRAM, TierKind.POOL, TierKind.SSD)}

@@ -1,0 +1,138 @@
+"""`kvtier bench`: the real command in subprocesses — a real pool node, real files, real sockets.
+
+Asserts structure and sanity, never speed: every tier path has spill and fill rows with positive
+GB/s and ratios, p50 <= p99 <= p999; the PNG plots exist and decode; nothing is left behind in the
+SSD directory. A bad SSD directory (missing, refusing files, read-only, full) exits 2 with a message
+before anything is written: read-only and full are real tmpfs mounts in a private mount namespace
+(`unshare -m`), skipped where the machine does not allow one.
+Cost: about 25 s on a busy 2-core machine (one `--quick` run of ~17 s, five refusals in parallel
+at ~3 s of torch import each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.limits import check_ssd_dir
+from kvtier.cli import main
+from kvtier.errors import TierIOError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("hbm-dram", "dram-pool", "dram-ssd", "e2e-hbm-dram", "e2e-hbm-pool", "e2e-hbm-ssd")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def bench_cmd(*args: object) -> list[str]:
+    return [sys.executable, "-m", "kvtier", "bench", *map(str, args)]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, check=False)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    ssd = out / "ssd"
+    ssd.mkdir()
+    done = run(bench_cmd("--quick", "--ssd-dir", ssd, "--json", out / "bench.json", "--plot", out / "plots"))
+    assert done.returncode == 0, done.stderr
+    yield done, json.loads((out / "bench.json").read_text()), out
+
+
+def test_quick_run_has_sane_rows_for_every_path(quick_run):
+    _, report, _ = quick_run
+    rows = report["rows"]
+    assert {(r["path"], r["op"]) for r in rows} == {(p, op) for p in PATHS for op in ("spill", "fill")}
+    for r in rows:
+        where = f"{r['path']} {r['op']} {r['block_bytes']} qd {r['queue_depth']}"
+        assert r["num_ops"] >= 4, where
+        assert r["gbps"] > 0 and r["limit_gbps"] > 0 and r["ratio"] > 0, where
+        assert 0 < r["p50_us"] <= r["p99_us"] <= r["p999_us"], where
+        assert r["limit"], where
+    sizes = {r["block_bytes"] for r in rows}
+    assert sizes == {64 << 10, 1 << 20}
+    assert {r["queue_depth"] for r in rows} == {1, 4}
+
+
+def test_quick_run_reports_where_it_ran(quick_run):
+    done, report, _ = quick_run
+    assert report["pool"]["started_here"] and report["pool"]["transport"] in ("tcp", "rdma")
+    assert report["ssd"]["o_direct"] in (True, False) and report["ssd"]["reason"]
+    assert report["hbm"]["stand_in"] is (not report["machine"]["cuda"])
+    table = report["table_markdown"].splitlines()
+    assert len(table) == 2 + len(report["rows"]) and table[0].startswith("| path | op |")
+    assert table[0] in done.stdout  # the same table is printed
+    assert "transport" in done.stdout and "HBM" in done.stdout
+
+
+def test_quick_run_writes_valid_pngs_and_cleans_up(quick_run):
+    import matplotlib.image
+
+    _, _, out = quick_run
+    expected = {f"latency-cdf-{p}.png" for p in PATHS} | {"bandwidth.png"}
+    assert {p.name for p in (out / "plots").iterdir()} == expected
+    for name in expected:
+        data = (out / "plots" / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE), name
+        height, width, _ = matplotlib.image.imread(out / "plots" / name).shape
+        assert height > 100 and width > 100, name
+    assert list((out / "ssd").iterdir()) == []  # the scratch directory is gone
+
+
+def test_refuses_bad_input_before_writing(tmp_path):
+    cases = {  # case -> (arguments, what stderr must name)
+        "missing": (["--ssd-dir", tmp_path / "nope"], "no such directory"),
+        "not-writable": (["--ssd-dir", "/proc"], "cannot create a file"),
+        "unreachable-pool": (["--tiers", "dram-pool", "--pool", "127.0.0.1:1"], "127.0.0.1:1"),
+    }
+    with ThreadPoolExecutor(len(cases)) as pool:
+        done = dict(zip(cases, pool.map(lambda c: run(bench_cmd("--quick", *c[0])), cases.values())))
+    for case, (_, message) in cases.items():
+        assert done[case].returncode == 2, (case, done[case].stderr)
+        assert "kvtier bench: error:" in done[case].stderr and message in done[case].stderr, case
+
+
+def _can_mount_privately() -> bool:
+    if shutil.which("unshare") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_privately(), reason="needs root and unshare -m for a private tmpfs mount")
+@pytest.mark.parametrize("options, message", [("ro,size=1m", "read-only"), ("size=1m", "MiB free")])
+def test_refuses_read_only_or_full_filesystem(tmp_path, options, message):
+    cmd = " ".join(map(shlex.quote, bench_cmd("--quick", "--tiers", "dram-ssd", "--ssd-dir", tmp_path)))
+    script = f"mount -t tmpfs -o {options} kvtier-bench-test {shlex.quote(str(tmp_path))} && exec {cmd}"
+    done = run(["unshare", "-m", "sh", "-c", script])
+    if "mount:" in done.stderr:
+        pytest.skip(f"tmpfs mount refused here: {done.stderr.strip()}")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "--ssd-dir" in done.stderr
+
+
+def test_check_ssd_dir_refuses_more_than_the_free_space(tmp_path):
+    stat = os.statvfs(tmp_path)
+    check_ssd_dir(tmp_path, 1 << 20)  # room for a MiB: accepted
+    with pytest.raises(TierIOError, match="MiB free"):
+        check_ssd_dir(tmp_path, stat.f_bavail * stat.f_frsize + (1 << 40))
+    assert list(tmp_path.iterdir()) == []  # the writability probe leaves nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "1000"], "multiples of 4 KiB"),
+    (["--tiers", "hbm-nvme"], "hbm-nvme"),
+    (["--depths", "0"], "--depths"),
+])
+def test_bad_options_exit_2(capsys, args, message):
+    assert main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
