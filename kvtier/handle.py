@@ -50,6 +50,7 @@ class TransferHandle:
         self._cancelled: set[Hashable] | None = None  # None: nothing; empty set: everything
         self._cond = threading.Condition()
         self.error: BaseException | None = None  # a bug in completion handling, re-raised by wait()
+        self.cuda_ready = None  # with CUDA: an event after the caller's queued work on its buffers
 
     # ---- caller side ---------------------------------------------------------------------
 

@@ -122,6 +122,8 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
+        if self._cuda is not None:  # the caller's pending GPU work on its buffers comes first
+            handle.cuda_ready = self._cuda.mark_caller()
         self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
         return handle
 
@@ -198,7 +200,7 @@ class TransferEngine:
 
     def _copy_guarded(self, op: CopyOp, handle: TransferHandle, first: int, last: int) -> None:
         try:
-            checksums = self._copy_span(op, first, last)
+            checksums = self._copy_span(op, first, last, handle.cuda_ready)
         except _StageError as e:
             handle.fail(op.key, e.stage, e.layer if e.layer is not None else first, e.cause)
             return
@@ -206,7 +208,7 @@ class TransferEngine:
             handle.checksums.setdefault(op.key, []).extend(checksums)
         self.stats.add_bytes(op.src.name, op.dst.name, self._span_bytes(first, last))
 
-    def _copy_span(self, op: CopyOp, first: int, last: int) -> list[int]:
+    def _copy_span(self, op: CopyOp, first: int, last: int, ready=None) -> list[int]:
         """Copies layers `first..last` of one block; returns their checksums when asked to compute them."""
         offset, length = self.layout.offsets[first], self._span_bytes(first, last)
         src, dst = op.src.view(offset, length), op.dst.view(offset, length)
@@ -218,12 +220,12 @@ class TransferEngine:
             self._verify(op, host, first, last)
         if host is None and (op.checksum or dst is None):  # a device source bound for a checksum or a disk
             host = self._staging(length, 1)
-            self._cuda.copy(host, src, blocking=True)
+            self._cuda.copy(host, src, blocking=True, after=ready)
         checksums = self._checksums(host, first, last) if op.checksum else []
         if dst is None:
             _stage(Stage.WRITE, op.dst.tier.write, op.dst.slot, host, offset)
         elif host is not dst:
-            self._copy_tensor(dst, host if host is not None else src, staged=host is not None and src is None)
+            self._copy_tensor(dst, host if host is not None else src, host is not None and src is None, ready)
         return checksums
 
     def _checksums(self, host: torch.Tensor, first: int, last: int) -> list[int]:
@@ -238,9 +240,9 @@ class TransferEngine:
                     f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
                     "checksum mismatch"), layer)
 
-    def _copy_tensor(self, dst: torch.Tensor, src: torch.Tensor, staged: bool) -> None:
+    def _copy_tensor(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, ready=None) -> None:
         if dst.is_cuda or src.is_cuda:
-            self._cuda.copy(dst, src, blocking=staged)  # a staging buffer is reused at once: wait
+            self._cuda.copy(dst, src, blocking=staged, after=ready)  # a staging buffer is reused at once: wait
         else:
             dst.copy_(src)
 
@@ -291,8 +293,18 @@ class _CudaCopier:
             s = self._local.stream = torch.cuda.Stream()
         return s
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, blocking: bool) -> None:
+    @staticmethod
+    def mark_caller() -> "torch.cuda.Event":
+        """An event after the work the caller's current stream has queued (e.g. the kernel that
+        wrote a buffer now being stored); copies wait on it, not on the whole device."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, blocking: bool, after=None) -> None:
         stream = self._stream()
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         if blocking:
