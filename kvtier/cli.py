@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "kvtier.cli_simulate",
     "pool": "kvtier.cli_pool",
     "bench": "kvtier.cli_bench",
+    "doctor": "kvtier.cli_doctor",
 }
 
 

@@ -241,6 +241,19 @@ class NodeLink:
             raise reply
         return reply
 
+    def dedicated(self) -> NodeConnection:
+        """A new connection outside the pool, owned (and closed) by the caller: for state tied to
+        one connection, such as the node's end of an RDMA queue pair. Raises as `connection()`."""
+        if self.down:
+            raise NodeUnavailable(f"pool node {self.name}: down ({self.last_error})")
+        try:
+            return NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s)
+        except AuthFailed:
+            raise
+        except NodeUnavailable as e:
+            self._fail(None, e)
+            raise
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -21,7 +22,11 @@ class TransportKind(enum.Enum):
 
 
 def rdma_devices(sysfs: Path = SYSFS_RDMA) -> list[str]:
-    """Names of the RDMA devices the kernel exposes (mlx5_0, rxe0, ...)."""
+    """Names of the RDMA devices the kernel exposes (mlx5_0, rxe0, ...); with `KVTIER_VERBS=fake`,
+    the fake fabric's device when its directory is set."""
+    if os.environ.get("KVTIER_VERBS") == "fake":
+        fabric = os.environ.get("KVTIER_FAKE_FABRIC")
+        return ["fake0"] if fabric and Path(fabric).is_dir() else []
     try:
         return sorted(p.name for p in sysfs.iterdir())
     except OSError:
@@ -34,16 +39,24 @@ def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA) -> tupl
     Raises:
         ConfigError: RDMA was asked for and cannot be used.
     """
-    devices = rdma_devices(sysfs)
     if requested is TransportKind.TCP:
         return TransportKind.TCP, "requested"
-    if not devices:
+    devices = rdma_devices(sysfs)
+    why = f"no RDMA device ({sysfs} is empty or missing)" if not devices else _verbs_problem()
+    if why:
         if requested is TransportKind.RDMA:
-            raise ConfigError(f"transport rdma: no RDMA device ({sysfs} is empty or missing); "
-                              "use --transport tcp or auto")
-        return TransportKind.TCP, "no RDMA device"
-    # TODO(issue 3): the pyverbs data plane; until then a device is reported, not used.
-    if requested is TransportKind.RDMA:
-        raise ConfigError(f"transport rdma: device(s) {', '.join(devices)} found, but this build has no "
-                          "RDMA data plane yet; use --transport tcp or auto")
-    return TransportKind.TCP, f"RDMA device(s) {', '.join(devices)} present; RDMA data plane not in this build"
+            raise ConfigError(f"transport rdma: {why}; use --transport tcp or auto")
+        return TransportKind.TCP, why.split(" (")[0] if not devices else why
+    how = "requested" if requested is TransportKind.RDMA else "auto"
+    return TransportKind.RDMA, f"{how}: RDMA device(s) {', '.join(devices)}"
+
+
+def _verbs_problem() -> str:
+    """Why the verbs library cannot be used here ("" when it can)."""
+    from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
+
+    try:
+        device_names(load_verbs())
+    except NoRDMADevice as e:
+        return str(e)
+    return ""

@@ -50,6 +50,8 @@ class MsgType(enum.IntEnum):
     WRITE = 12  # data plane: region, offset, gen + payload
     STATS = 13
     WRITE_COMMIT = 14  # data plane: WRITE of a whole WRITING block, then its commit with `checksum`
+    RDMA_CONNECT = 15  # the client's RC QP (qpn, psn, gid, lid, mtu) -> the node's, and the tenant's regions
+    RDMA_REGIONS = 16  # -> the tenant's regions as (id, addr, rkey, length), after it gained some
     ERROR = 0xFF
 
 
@@ -96,6 +98,8 @@ _KEYS = ("list", "key")
 _UINTS = ("list", "uint")
 _GRANT = ("tuple", ("uint", "uint", "uint", "uint", "uint"))  # status, region, offset, gen, lease
 # found, region, offset, length, gen, checksum, lease (0 when inline), inline (bytes in the payload)
+_QP_INFO = {"qpn": "uint", "psn": "uint", "gid": "text", "lid": "uint", "mtu": "uint"}
+_REGIONS = ("list", ("tuple", ("uint", "uint", "uint", "uint")))  # region id, addr, rkey, length
 _HIT = ("tuple", ("bool", "uint", "uint", "uint", "uint", "uint", "uint", "bool"))
 
 REQUESTS: dict[MsgType, dict[str, Any]] = {
@@ -114,6 +118,8 @@ REQUESTS: dict[MsgType, dict[str, Any]] = {
     MsgType.WRITE: {"region": "uint", "offset": "uint", "gen": "uint"},
     MsgType.WRITE_COMMIT: {"region": "uint", "offset": "uint", "gen": "uint", "checksum": "uint"},
     MsgType.STATS: {},
+    MsgType.RDMA_CONNECT: _QP_INFO,
+    MsgType.RDMA_REGIONS: {},
 }
 REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"nonce": "nonce", "node": "name"},
@@ -130,6 +136,8 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.WRITE: {},
     MsgType.WRITE_COMMIT: {"committed": "bool"},
     MsgType.STATS: {"stats": "map"},
+    MsgType.RDMA_CONNECT: {**_QP_INFO, "regions": _REGIONS},
+    MsgType.RDMA_REGIONS: {"regions": _REGIONS},
     MsgType.ERROR: {"code": "uint", "message": "text"},
 }
 # Fields that must be lists of equal length.

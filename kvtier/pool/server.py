@@ -68,6 +68,10 @@ class PoolNode:
                                 {t.name: t.quota_bytes for t in config.tenants.values()}, time.monotonic,
                                 config.max_lease_s, id_base=int.from_bytes(os.urandom(5), "little") << 20)
         self.arena = Arena(self.store.capacity_bytes, config.hugepages)
+        self.rdma = None
+        if config.transport == "rdma":
+            from kvtier.pool.rdma_node import RdmaNode  # pyverbs only where RDMA is used
+            self.rdma = RdmaNode(self.arena, self.store)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Lock] = {}
         self._threads: set[threading.Thread] = set()
@@ -81,7 +85,7 @@ class PoolNode:
                          MsgType.PUT_COMMIT: self._commit, MsgType.PUT_ABORT: self._abort,
                          MsgType.RELEASE: self._release,
                          MsgType.CONTAINS: self._contains, MsgType.DELETE: self._delete,
-                         MsgType.STATS: self._stats}
+                         MsgType.STATS: self._stats, MsgType.RDMA_REGIONS: self._rdma_regions}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -119,6 +123,8 @@ class PoolNode:
         for t in list(self._threads):
             t.join(max(deadline - time.monotonic(), 0.1))
         if not any(t.is_alive() for t in self._threads):
+            if self.rdma is not None:
+                self.rdma.close()
             self.arena.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -202,6 +208,8 @@ class PoolNode:
         finally:
             with self._lock:
                 self._conns.pop(sock, None)
+            if self.rdma is not None:
+                self.rdma.disconnect(sock)
             wire.linger_close(sock)
 
     def _reply_error(self, sock: socket.socket, request_id: int, code: ErrorCode, message: str) -> None:
@@ -242,6 +250,13 @@ class PoolNode:
             return self._read(sock, tenant, rid, header)
         if msg is MsgType.GET:
             return self._get(sock, tenant, rid, header)
+        if msg in (MsgType.RDMA_CONNECT, MsgType.RDMA_REGIONS) and self.rdma is None:
+            return wire.send(sock, encode_error(rid, ErrorCode.FORBIDDEN, "this node's data plane is "
+                                                f"{self.config.transport}, not rdma"))
+        if msg is MsgType.RDMA_CONNECT:
+            with self._lock:  # the region table must not change while it is read
+                reply = self.rdma.connect(sock, tenant, header)
+            return wire.send(sock, encode(REPLY | msg, rid, reply))
         handler = self._control.get(msg)
         if handler is None:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} is not valid after authentication", rid)
@@ -338,6 +353,9 @@ class PoolNode:
 
     def _delete(self, tenant: str, h: dict) -> dict:
         return {"deleted": self.store.delete(tenant, h["keys"])}
+
+    def _rdma_regions(self, tenant: str, h: dict) -> dict:
+        return {"regions": self.rdma.regions(tenant)}
 
     def _stats(self, tenant: str, h: dict) -> dict:
         return {"stats": self._facts(tenant)}
