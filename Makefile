@@ -41,7 +41,7 @@ $(VENV)/pyverbs/pyverbs: $(STAMP) system
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvtier run
+	$(BIN)/kvtier demo
 
 test: $(STAMP) system $(VENV)/pyverbs/pyverbs
 	$(BIN)/python -m pytest -q

@@ -19,8 +19,9 @@ COMMANDS: dict[str, str] = {
     "run": "kvtier.cli_run",
     "simulate": "kvtier.cli_simulate",
     "pool": "kvtier.cli_pool",
-    "bench": "kvtier.cli_bench",
     "doctor": "kvtier.cli_doctor",
+    "bench": "kvtier.cli_bench",
+    "demo": "kvtier.cli_demo",
 }
 
 

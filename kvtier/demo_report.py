@@ -1,0 +1,155 @@
+"""What the demo measures besides time, and how it shows results: memory probes, per-tier
+figures from the runtime's counters, rich tables, the PNG plot.
+
+Memory is measured the way an operator should under load, three ways at once, because each alone
+misleads: the framework's allocator (`torch.cuda` allocated vs reserved: reserved is what the
+process really took from the GPU), the process's resident set (RSS, and its peak), and the share
+of each tier's blocks in use (a tier's memory is allocated up front, so RSS does not show how full
+it is).
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def proc_memory(pid: int | str = "self") -> dict[str, int | None]:
+    """`VmRSS` and `VmHWM` (peak RSS) of a process, in bytes, from /proc; None where unavailable."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        text = ""
+    fields = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) * 1024
+    peak = fields.get("VmHWM")
+    if peak is None and pid == "self":
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"rss_bytes": fields.get("VmRSS"), "peak_rss_bytes": peak}
+
+
+def memory_probe(phase: str, kv: Any, device: torch.device, pool_pid: int | None = None) -> dict[str, Any]:
+    """One memory row: framework allocator, process RSS, pool node RSS, share of each tier in use."""
+    if device.type == "cuda":
+        framework = "torch.cuda"
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    else:
+        framework = "cpu: torch keeps no allocator counters on CPU; RSS is the measure"
+        allocated = reserved = None
+    usage = kv.usage()
+    return {"phase": phase, "framework": framework, "allocated_bytes": allocated, "reserved_bytes": reserved,
+            **proc_memory(),
+            "pool_node_rss_bytes": proc_memory(pool_pid)["rss_bytes"] if pool_pid else None,
+            "tier_share": {t: u["used"] / u["slots"] if u["slots"] else 0.0 for t, u in usage.items()},
+            "tier_blocks": usage}
+
+
+def tier_figures(snapshot: dict[str, Any], block_bytes: int) -> dict[str, dict[str, Any]]:
+    """Per tier: hits, bytes loaded out of it into request buffers, mean ms per block, slots in use."""
+    out = {}
+    for tier, usage in snapshot["usage"].items():
+        routes = [r for r in snapshot["transfer_latency"] if r.startswith(f"{tier}->buffer")]
+        num_blocks = sum(sum(snapshot["transfer_latency"][r][0]) for r in routes)
+        seconds = sum(snapshot["transfer_latency"][r][1] for r in routes)
+        out[tier] = {"hits": snapshot["hits"].get(tier, 0),
+                     "bytes_loaded": sum(snapshot["bytes_moved"].get(r, 0) for r in routes),
+                     "mean_load_ms_per_block": 1e3 * seconds / num_blocks if num_blocks else None,
+                     "used_blocks": usage["used"], "slots": usage["slots"],
+                     "bytes_held": usage["used"] * block_bytes}
+    return out
+
+
+def tier_table(figures: dict[str, dict[str, Any]], title: str) -> Table:
+    table = Table("tier", "hits", "MiB loaded", "ms/block", "blocks in use", title=title)
+    for tier, f in figures.items():
+        ms = f["mean_load_ms_per_block"]
+        table.add_row(tier, str(f["hits"]), f"{f['bytes_loaded'] / 2**20:.1f}", "-" if ms is None else f"{ms:.2f}",
+                      f"{f['used_blocks']}/{f['slots']} ({100 * f['used_blocks'] / max(f['slots'], 1):.0f}%)")
+    return table
+
+
+def ttft_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table("prefix tokens", "prefix in", "recompute ms", "kvtier ms", "ratio", "speedup", "blocks hit",
+                  "same token", title="TTFT: stored prefix vs recomputing it (ratio = kvtier / recompute)")
+    for r in rows:
+        table.add_row(f"{r['prefix_tokens']:,}", r["tier"], f"{r['recompute_ms']:.1f}", f"{r['kvtier_ms']:.1f}",
+                      f"{r['ratio']:.3f}", f"{r['speedup']:.1f}x", f"{r['hits_from_tier']}/{r['num_blocks']}",
+                      "yes" if r["identical"] else "[red]NO[/]")
+    return table
+
+
+def workload_ttft_table(summary: dict[str, Any]) -> Table:
+    table = Table("turns", "prompt tokens (mean)", "served by kvtier", "recompute TTFT ms", "kvtier TTFT ms",
+                  "ratio", title="Workload TTFT (turns whose prefix kvtier held; medians)")
+    table.add_row(str(summary["num_turns"]), f"{summary['mean_prompt_tokens']:.0f}",
+                  f"{100 * summary['cached_share']:.0f}%", f"{summary['recompute_ms']:.1f}",
+                  f"{summary['kvtier_ms']:.1f}", f"{summary['ratio']:.3f}")
+    return table
+
+
+def memory_table(rows: list[dict[str, Any]]) -> Table:
+    def mib(n: int | None) -> str:
+        return "n/a" if n is None else f"{n / 2**20:.0f}"
+
+    table = Table("phase", "allocated MiB", "reserved MiB", "RSS MiB", "peak RSS MiB", "pool node RSS MiB",
+                  "tier blocks in use", title="Memory under load")
+    for r in rows:
+        shares = " ".join(f"{t} {100 * s:.0f}%" for t, s in r["tier_share"].items())
+        table.add_row(r["phase"], mib(r["allocated_bytes"]), mib(r["reserved_bytes"]), mib(r["rss_bytes"]),
+                      mib(r["peak_rss_bytes"]), mib(r["pool_node_rss_bytes"]), shares)
+    return table
+
+
+def print_report(console: Console, result: dict[str, Any]) -> None:
+    console.print(tier_table(result["workload"]["tiers"], "Per tier over the workload"))
+    console.print(workload_ttft_table(result["workload"]["ttft"]))
+    console.print(ttft_table(result["ttft"]))
+    console.print(memory_table(result["memory"]))
+    if result["memory"] and result["memory"][0]["allocated_bytes"] is None:
+        console.print(f"framework memory: {result['memory'][0]['framework']}")
+
+
+def plot(result: dict[str, Any], directory: Path) -> Path:
+    """`kvtier-demo-ttft.png`: workload TTFT per turn, and the prefix experiment's TTFT per tier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    turns = [t for t in result["workload"]["turns"] if t["cached_tokens"]]
+    x = [t["prompt_tokens"] for t in turns]
+    left.scatter(x, [t["recompute_ms"] for t in turns], label="recompute", marker="x")
+    left.scatter(x, [t["kvtier_ms"] for t in turns], label="kvtier", marker="o")
+    left.set(xlabel="prompt tokens", ylabel="TTFT (ms)", yscale="log", title="Multi-turn workload")
+    left.legend()
+    lengths = sorted({r["prefix_tokens"] for r in result["ttft"]})
+    tiers = list(dict.fromkeys(r["tier"] for r in result["ttft"]))
+    width = 0.8 / (len(tiers) + 1)
+    for i, name in enumerate(["recompute", *tiers]):
+        ms = [_experiment_ms(result["ttft"], n, name) for n in lengths]
+        right.bar([j + i * width for j in range(len(lengths))], ms, width, label=name)
+    right.set_xticks([j + width * len(tiers) / 2 for j in range(len(lengths))], [f"{n:,}" for n in lengths])
+    right.set(xlabel="prefix tokens", ylabel="TTFT (ms)", yscale="log", title="Prefix placed in one tier")
+    right.legend()
+    fig.tight_layout()
+    path = directory / "kvtier-demo-ttft.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _experiment_ms(rows: list[dict[str, Any]], length: int, name: str) -> float:
+    same = [r for r in rows if r["prefix_tokens"] == length]
+    if name == "recompute":
+        return sorted(r["recompute_ms"] for r in same)[len(same) // 2]
+    return next(r["kvtier_ms"] for r in same if r["tier"] == name)
