@@ -38,6 +38,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--lease-s", type=float, default=10.0, help="read lease granted per hit (default 10)")
     serve.add_argument("--max-lease-s", type=float, default=60.0, help="longest lease a client may ask for")
     serve.add_argument("--max-connections", type=int, default=1024)
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port)")
     serve.set_defaults(func=run_serve)
     stats = sub.add_parser("stats", help="show a node's capacity, use, hits, evictions and transport")
     stats.add_argument("address", metavar="HOST:PORT")
@@ -92,6 +94,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.tenants:
         print("kvtier pool: no --tenants file: every client is tenant 'default' without a secret; "
               "serve only a trusted network", file=sys.stderr)
+    metrics = None
+    if args.metrics_port is not None:
+        from kvtier.metrics import NodeCollector, serve_metrics
+
+        metrics, bound = serve_metrics(NodeCollector(node.stats), args.metrics_port, host)
+        _emit({"event": "metrics", "url": f"http://{host}:{bound}/metrics"})
     facts = node.stats()
     _emit({"event": "ready", "listen": f"{host}:{port}", "transport": config.transport,
            "transport_reason": config.transport_reason, "capacity_bytes": facts["capacity_bytes"],
@@ -99,6 +107,8 @@ def run_serve(args: argparse.Namespace) -> int:
            "tenants": sorted(config.tenants)})
     while not stop.wait(3600):
         pass
+    if metrics is not None:
+        metrics.shutdown()
     node.stop()
     _emit({"event": "stopped", "listen": f"{host}:{port}"})
     return 0

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
-from kvtier.stats import TRANSFER_BUCKETS_S
+from kvtier.stats import TRANSFER_BUCKETS_S  # no torch: the pool node imports this module too
 
 
 class RuntimeCollector:
@@ -77,6 +77,33 @@ class RuntimeCollector:
         yield hist
 
 
+class NodeCollector:
+    """Exports a pool node's `stats()`: capacity and use as gauges, event counts as counters,
+    and the active transport (with the reason it was chosen) as an info metric."""
+
+    GAUGES = frozenset({"capacity_bytes", "used_bytes", "region_bytes", "num_regions", "free_regions",
+                        "num_blocks", "active_leases", "accesses_in_flight", "active_connections", "uptime_s"})
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        facts = self._stats()
+        info = InfoMetricFamily("kvtier_pool_node", "The node's data plane and memory")
+        info.add_metric([], {k: str(facts[k]) for k in ("transport", "transport_reason", "memory", "hugepages")
+                             if k in facts})
+        yield info
+        for key, value in sorted(facts.items()):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if key in self.GAUGES:
+                family = GaugeMetricFamily(f"kvtier_pool_{key}", f"Pool node {key.replace('_', ' ')}")
+            else:
+                family = CounterMetricFamily(f"kvtier_pool_{key}", f"Pool node {key.replace('_', ' ')}")
+            family.add_metric([], value)
+            yield family
+
+
 def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
     family = CounterMetricFamily(name, help_text, labels=[label])
     for key, n in values.items():
@@ -84,7 +111,7 @@ def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> 
     return family
 
 
-def serve_metrics(collector: RuntimeCollector, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
+def serve_metrics(collector: RuntimeCollector | NodeCollector, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
     """Serves `collector` over HTTP on `addr:port` (0: any free port) from a daemon thread.
 
     Returns:

@@ -43,3 +43,40 @@ def test_metrics_follow_the_work(tmp_path):
         assert evictions == sum(kv.stats.evictions.values()) > 0
         assert after[("kvtier_checksum_errors_total", ())] == 0
         assert ("kvtier_tier_info", (("device", "cpu"), ("medium", "device"), ("tier", "hbm"))) in after
+
+
+def test_pool_node_metrics_follow_the_work():
+    import json
+    import subprocess
+    import sys
+
+    from kvtier.pool.client import PoolClient
+
+    cmd = [sys.executable, "-m", "kvtier", "pool", "serve", "--listen", "127.0.0.1:0", "--capacity", "8MiB",
+           "--region-size", "1MiB", "--metrics-port", "0"]
+    node = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        events = {}
+        while "ready" not in events:
+            line = node.stdout.readline()
+            assert line, "the node exited before it was ready"
+            event = json.loads(line)
+            events[event["event"]] = event
+        url, address = events["metrics"]["url"], events["ready"]["listen"]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        before = scrape(port)
+        assert before[("kvtier_pool_capacity_bytes", ())] == 8 << 20
+        assert before[("kvtier_pool_num_blocks", ())] == 0
+        assert ("kvtier_pool_node_info", (("hugepages", "False"), ("memory", events["ready"]["memory"]),
+                                          ("transport", "tcp"), ("transport_reason", events["ready"]["transport_reason"]))) in before
+        with PoolClient([address], timeout_s=WAIT_S) as client:
+            assert client.put(b"k" * 16, bytes(range(256)) * 64)
+            buf = bytearray(256 * 64)
+            assert client.get(b"k" * 16, buf) and client.get(b"x" * 16, buf) is False
+        after = scrape(port)
+        assert after[("kvtier_pool_num_blocks", ())] == 1 and after[("kvtier_pool_used_bytes", ())] >= 256 * 64
+        assert after[("kvtier_pool_hits_total", ())] == before.get(("kvtier_pool_hits_total", ()), 0) + 1
+        assert after[("kvtier_pool_misses_total", ())] >= 1
+    finally:
+        node.terminate()
+        node.wait(WAIT_S)
