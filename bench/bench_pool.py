@@ -12,9 +12,12 @@ What a pool op includes that the raw one does not: put = PUT_BEGIN (so that a bl
 already is never sent) then WRITE_COMMIT with the bytes, two round trips, plus the block's xxh3-64;
 get = one GET answered with the bytes inline, plus the xxh3-64 check. The raw baseline is the
 floor: one request, the bytes, one ack.
-Both servers are subprocesses of this one on 127.0.0.1; the default run takes about 30 s.
+Side by side, the same ops on Mooncake Store (a `mooncake_master` subprocess, TCP, this process's own
+segment; upsert from and get into a registered staging region, plus the xxh3 trailer) and on Redis
+(Debian `redis-server`, no persistence; redis-py with hiredis, SET / MGET pipelined per batch).
+Every server is a subprocess of this one on 127.0.0.1; the default run takes about a minute.
 
-    python bench/bench_pool.py [--sizes-kib 64 256 1024 2048 4096] [--json out.json]
+    python bench/bench_pool.py [--sizes-kib 64 256 1024 2048 4096] [--no-others] [--json out.json]
 """
 
 from __future__ import annotations
@@ -79,6 +82,56 @@ class Result:
     raw_gbps: float
     ratio: float
     goal: float | None
+    mooncake_p50_us: float | None = None
+    mooncake_p99_us: float | None = None
+    mooncake_gbps: float | None = None
+    redis_p50_us: float | None = None
+    redis_p99_us: float | None = None
+    redis_gbps: float | None = None
+
+
+class RedisServer:
+    """Debian's redis-server on a free loopback port, nothing persisted; a hiredis-parsed client."""
+
+    def __init__(self) -> None:
+        import redis
+
+        from kvtier.pool.mooncake import _free_port
+
+        port = _free_port("127.0.0.1")
+        self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL)
+        self.client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not come up") from None
+                time.sleep(0.02)  # polling a port: nothing to wait on
+
+    def batch_put(self, keys: list[bytes], blocks: list[memoryview]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for k, b in zip(keys, blocks):
+            pipe.set(k, b)
+        return [bool(r) for r in pipe.execute()]
+
+    def batch_get(self, keys: list[bytes], intos: list[memoryview]) -> list[bool]:
+        values = self.client.mget(keys)
+        for v, into in zip(values, intos):
+            if v is not None:
+                into[:] = v
+        return [v is not None for v in values]
+
+    def delete(self, keys: list[bytes]) -> int:
+        return self.client.delete(*keys)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 class RawClient:
@@ -162,6 +215,37 @@ def bench_size(pool: PoolClient, raw: RawClient, size: int, ops: int, batch: int
     return results
 
 
+def bench_side(store, size: int, ops: int, batch: int, run_id: bytes) -> dict[str, tuple[float, float, float]]:
+    """(p50 µs, p99 µs, GB/s) of put and get on another store, same sizes and batches, queue depth 1."""
+    blocks = [memoryview(bytearray(os.urandom(size))) for _ in range(batch)]
+    intos = [memoryview(bytearray(size)) for _ in range(batch)]
+    working = max(1, min(ops, (128 * MIB) // (size * batch)))
+    keys = [[run_id + b"/%d/%d/%d" % (size, i, j) for j in range(batch)] for i in range(working)]
+    # puts overwrite a working set of at most 128 MiB (both stores upsert), so no store fills up
+    put = lambda i: all(store.batch_put(keys[i % working], blocks)) or sys.exit(f"put failed on {store}")
+    get = lambda i: all(store.batch_get(keys[i % working], intos)) or sys.exit(f"get missed on {store}")
+    out = {}
+    for op, fn in (("put", put), ("get", get)):
+        fn(0)
+        ts = [timed(fn, i) for i in range(ops)]
+        out[op] = (median(ts) * 1e6, percentile(ts, 0.99) * 1e6, size * batch / median(ts) / 1e9)
+    for i in range(0, working, 64):  # leave the store empty for the next size
+        store.delete([k for ks in keys[i: i + 64] for k in ks])
+    return out
+
+
+def with_sides(results: list[Result], sides: dict[str, dict]) -> list[Result]:
+    """`results` with the other stores' figures of the same op filled in."""
+    from dataclasses import replace
+
+    out = []
+    for r in results:
+        extra = {f"{name}_{f}": v for name, figures in sides.items()
+                 for f, v in zip(("p50_us", "p99_us", "gbps"), figures[r.op.split()[0]])}
+        out.append(replace(r, **extra))
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-kib", type=int, nargs="+", default=[64, 256, 1024, 2048, 4096])
@@ -169,6 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-ops", type=int, default=60)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8],
                    help="blocks per call (default 1 and 8); the raw baseline moves the same bytes at once")
+    p.add_argument("--no-others", action="store_true", help="skip the Mooncake Store and Redis columns")
     p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
     return p.parse_args(argv)
 
@@ -182,26 +267,47 @@ def main(argv: list[str] | None = None) -> int:
     node = NodeProcess(capacity=str(max(512 * MIB, 8 * region * max(args.batches))), region_size=str(region))
     raw = RawClient()
     results: list[Result] = []
+    others, closers = {}, []
     try:
+        if not args.no_others:
+            from kvtier.pool.mooncake import MasterProcess, MooncakeClient
+
+            master = MasterProcess()
+            closers.append(master.close)
+            mooncake = MooncakeClient(master.address, master.metadata_server, segment_bytes=1 << 30,
+                                      staging_bytes=max(64 * MIB, 2 * biggest * max(args.batches)))
+            closers.insert(0, mooncake.close)
+            redis_server = RedisServer()
+            closers.append(redis_server.close)
+            others = {"mooncake": mooncake, "redis": redis_server}
         with PoolClient([node.address], timeout_s=30) as pool:
             for batch in args.batches:
                 for kib in args.sizes_kib:
                     size = kib * KIB
                     ops = max(args.min_ops, (args.bytes_per_size_mib * MIB) // (size * batch))
-                    results += bench_size(pool, raw, size, ops, batch, os.urandom(8))
+                    rows = bench_size(pool, raw, size, ops, batch, os.urandom(8))
+                    sides = {name: bench_side(store, size, ops, batch, os.urandom(8)) for name, store in others.items()}
+                    results += with_sides(rows, sides) if sides else rows
             node_facts = pool.stats()[0]
     finally:
+        for close in closers:
+            close()
         raw.close()
         node.close()
     facts = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
              "transport": node_facts["transport"], "transport_reason": node_facts["transport_reason"],
              "elapsed_s": round(time.perf_counter() - started, 1), "results": [asdict(r) for r in results]}
     table = Table("op", "block", "calls", "p50 µs", "p99 µs", "pool GB/s", "raw GB/s", "ratio", "goal",
+                  "mooncake p50/p99 µs", "mooncake GB/s", "redis p50/p99 µs", "redis GB/s",
                   title=f"kvtier pool over {facts['transport']} ({facts['transport_reason']}), queue depth 1")
+    side = lambda p50, p99: "" if p50 is None else f"{p50:,.0f} / {p99:,.0f}"
+    gbps = lambda g: "" if g is None else f"{g:.2f}"
     for r in results:
         verdict = "" if r.goal is None else ("≥ 0.8 ✓" if r.ratio >= r.goal else "≥ 0.8 ✗")
         table.add_row(r.op, f"{r.block_bytes // KIB} KiB", str(r.ops), f"{r.p50_us:,.0f}", f"{r.p99_us:,.0f}",
-                      f"{r.pool_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}", verdict)
+                      f"{r.pool_gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}", verdict,
+                      side(r.mooncake_p50_us, r.mooncake_p99_us), gbps(r.mooncake_gbps),
+                      side(r.redis_p50_us, r.redis_p99_us), gbps(r.redis_gbps))
     console.print(table)
     console.print(f"{facts['machine']['cpus']} CPUs, {facts['elapsed_s']} s")
     if args.json:

@@ -24,6 +24,13 @@ from kvtier.pool.detect import TransportKind
 from kvtier.tiers.kinds import TierKind
 
 
+class PoolBackend(enum.Enum):
+    """Who serves the pool tier: kvtier's own pool nodes, or a Mooncake Store master."""
+
+    KVTIER = "kvtier"
+    MOONCAKE = "mooncake"
+
+
 class CacheMode(enum.Enum):
     """Exclusive keeps one copy of a block; inclusive writes through to every lower tier."""
 
@@ -77,6 +84,8 @@ class TierConfig:
     timeout_s: float = 2.0  # POOL only: the longest any one call to a node may take
     reconnect_s: float = 1.0  # POOL only: how long a failed node is skipped before it is retried
     transport: TransportKind = TransportKind.AUTO  # POOL only
+    backend: PoolBackend = PoolBackend.KVTIER  # POOL only: mooncake takes nodes = [master HOST:PORT]
+    metadata_server: str | None = None  # POOL mooncake only: http://HOST:PORT/metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +182,8 @@ def _admission(raw: Any, where: str) -> AdmissionRule:
 _TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark"}
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
 _KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"},
-                TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport"}}
+                TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport",
+                                 "backend", "metadata_server"}}
 
 
 def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
@@ -197,7 +207,18 @@ def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
     for name, value in (("secret", secret), ("secret_file", secret_file)):
         if value is not None and (not isinstance(value, str) or not value):
             raise ConfigError(f"{where}.{name}: expected a non-empty string")
-    return {"nodes": tuple(nodes), "tenant": tenant, "secret": secret,
+    backend = _enum(PoolBackend, raw.get("backend", "kvtier"), f"{where}.backend")
+    metadata_server = raw.get("metadata_server")
+    if backend is PoolBackend.MOONCAKE:
+        if len(nodes) != 1:
+            raise ConfigError(f"{where}.nodes: the mooncake backend takes one master HOST:PORT, got {nodes}")
+        if not isinstance(metadata_server, str) or not metadata_server.startswith("http://"):
+            raise ConfigError(f"{where}.metadata_server: the mooncake backend needs http://HOST:PORT/metadata, "
+                              f"got {metadata_server!r}")
+    elif metadata_server is not None:
+        raise ConfigError(f"{where}.metadata_server: only the mooncake backend reads it")
+    return {"nodes": tuple(nodes), "tenant": tenant, "secret": secret, "backend": backend,
+            "metadata_server": metadata_server,
             "secret_file": Path(secret_file).expanduser() if secret_file else None,
             "timeout_s": _number(raw.get("timeout_s", 2.0), f"{where}.timeout_s", float, 0.001, 3600),
             "reconnect_s": _number(raw.get("reconnect_s", 1.0), f"{where}.reconnect_s", float, 0.0, 3600),

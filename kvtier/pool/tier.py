@@ -145,7 +145,7 @@ class PoolTier(Tier):
         raise TierIOError(f"POOL slot {slot}: {verb} failed: {reason}")
 
 
-def build_pool_tier(cfg, slot_bytes: int) -> PoolTier:
+def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     """The pool tier a `TierConfig` of kind POOL describes, its nodes' credentials checked.
 
     A node that cannot be reached now is only logged (it may come up later: its slots are misses
@@ -162,6 +162,10 @@ def build_pool_tier(cfg, slot_bytes: int) -> PoolTier:
 
     if cfg.transport is TransportKind.RDMA:
         raise ConfigError("tiers.pool.transport: rdma is not available in this build yet; use auto or tcp")
+    if cfg.backend.value == "mooncake":
+        from kvtier.pool.mooncake import build_mooncake_tier
+
+        return build_mooncake_tier(cfg, slot_bytes)
     secret = read_secret(cfg.secret, str(cfg.secret_file) if cfg.secret_file else None, "tiers.pool")
     client = PoolClient(cfg.nodes, tenant=cfg.tenant, secret=secret, timeout_s=cfg.timeout_s,
                         reconnect_s=cfg.reconnect_s)

@@ -1,0 +1,480 @@
+"""The pool tier on Mooncake Store: `MooncakeClient` (keyed blocks) and `MooncakeTier` (the slot adapter).
+
+Facts of `mooncake-transfer-engine-non-cuda==0.3.13.post1` this module relies on (checked against a
+real `mooncake_master` in tests/test_pool_mooncake.py):
+- `batch_put_from` on a key that exists returns 0 and *keeps the old value*; `batch_upsert_from`
+  replaces it (a different size too). So every write here is an upsert.
+- `batch_get_into` returns, per key, the object's size, -704 (OBJECT_NOT_FOUND) for a missing key,
+  -600 for a buffer smaller than the object, -900 (RPC_FAIL) when the master is gone.
+- `setup()` without a reachable master blocks for about 90 s, holding the GIL (so a thread with a
+  deadline cannot bound it); `close()` after the master died takes about 10 s. Hence a TCP probe of
+  the master and an HTTP probe of the metadata server, each with a timeout, before `setup()`.
+
+Why a staging region: Mooncake moves bytes zero-copy only from and to memory registered with
+`register_buffer`, and registering each caller's buffer per call costs more than a memcpy. So each
+client registers one staging region once; a put copies the blocks in, appends each block's xxh3-64
+(an 8-byte trailer, verified on every read: a mismatch is a miss), and upserts them straight from
+there; a get lands in it and is copied out after the check. Calls of one client are serialised on
+that region.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvtier.errors import ConfigError, TierIOError, TransferError
+from kvtier.pool.client import byte_view
+from kvtier.pool.units import parse_address
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+
+log = logging.getLogger(__name__)
+
+OBJECT_NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
+TRAILER_BYTES = 8
+_ALIGN = 64
+
+
+class Outcome(enum.Enum):
+    """What a get of one key came to. Only HIT leaves valid bytes in the buffer."""
+
+    HIT = "hit"
+    MISS = "miss"  # no such key, or its bytes failed their checksum
+    FAILED = "failed"  # the transfer or the master call failed: counted as an error
+
+
+def probe(address: str, timeout_s: float, what: str) -> str:
+    """Connects once to `address` (HOST:PORT); returns the local IP that reaches it.
+
+    Raises:
+        TransferError: naming `what` and the address, when nothing accepts there within `timeout_s`.
+    """
+    host, port = parse_address(address, what)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            return sock.getsockname()[0]
+    except OSError as e:
+        raise TransferError(f"{what} {address}: not reachable ({e}); is mooncake_master running there?") from None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _metadata_address(url: str) -> str:
+    """HOST:PORT of an http:// metadata server URL."""
+    if not url.startswith("http://"):
+        raise ConfigError(f"mooncake metadata_server: expected http://HOST:PORT/metadata, got {url!r}")
+    return url[len("http://"):].split("/", 1)[0]
+
+
+class MooncakeClient:
+    """Keyed blocks in Mooncake Store, the same calls as `PoolClient`. Thread-safe.
+
+    Args:
+        master: HOST:PORT of `mooncake_master`'s RPC port.
+        metadata_server: http://HOST:PORT/metadata (the master's `--enable_http_metadata_server`).
+        segment_bytes: memory this process lends to the store (its objects may land there).
+        staging_bytes: the registered region every call goes through; bounds bytes per batch.
+        local_hostname: HOST:PORT this client's transfer engine serves on; None picks the local IP
+            that reaches the master and a free port.
+        tenant: prefixes every key, so tenants never see each other's blocks.
+        setup_timeout_s: the longest each probe of the master and metadata server may take. A
+            master that is absent fails at once; a port that accepts but never answers RPC still
+            costs Mooncake's own RPC timeout (about 30 s).
+    Raises:
+        TransferError: the master or metadata server is not reachable, or `setup()` failed or timed out.
+        ConfigError: a malformed address, or the mooncake package is missing.
+    """
+
+    def __init__(self, master: str, metadata_server: str, *, segment_bytes: int = 64 << 20,
+                 staging_bytes: int = 64 << 20, local_hostname: str | None = None, tenant: str = "default",
+                 setup_timeout_s: float = 10.0) -> None:
+        self.master, self.metadata_server, self.tenant = master, metadata_server, tenant
+        self._prefix = f"kvtier/{tenant}/"
+        local_ip = probe(master, setup_timeout_s, "mooncake master")
+        probe(_metadata_address(metadata_server), setup_timeout_s, "mooncake metadata server")
+        _probe_metadata(metadata_server, setup_timeout_s)
+        self.local_hostname = local_hostname or f"{local_ip}:{_free_port(local_ip)}"
+        self._store = _setup_store(self.local_hostname, metadata_server, segment_bytes, master)
+        self._staging = _np().zeros(staging_bytes, dtype=_np().uint8)
+        self._base = self._staging.ctypes.data
+        if (rc := self._store.register_buffer(self._base, staging_bytes)) != 0:
+            self._store.close()
+            raise TransferError(f"mooncake: register_buffer of {staging_bytes} bytes failed ({rc})")
+        self._lock = threading.Lock()
+        self._counters: Counter = Counter()
+        self._closed = False
+
+    def key(self, key: bytes) -> str:
+        return self._prefix + key.hex()
+
+    def put(self, key: bytes, data: Any) -> bool:
+        return self.batch_put([key], [data])[0]
+
+    def get(self, key: bytes, into: Any) -> bool:
+        return self.batch_get([key], [into])[0]
+
+    def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
+        """Stores (upserts) each block under its key. True: stored. False: not stored (counted)."""
+        views = [byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
+        return [ok for chunk in self._chunks(views) for ok in self._put_chunk(keys, views, chunk)]
+
+    def batch_get(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[bool]:
+        """As `batch_get_outcomes`, True for a HIT only."""
+        return [o is Outcome.HIT for o in self.batch_get_outcomes(keys, intos)]
+
+    def batch_get_outcomes(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[Outcome]:
+        """Copies each stored block into its buffer, which must be the block's exact size.
+
+        Raises:
+            ValueError: a buffer is not the stored block's size.
+        """
+        views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
+        return [o for chunk in self._chunks(views) for o in self._get_chunk(keys, views, chunk)]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (an error answers False)."""
+        return [r == 1 for r in self._call(lambda s: s.batch_is_exist([self.key(k) for k in keys]))]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drops keys; returns how many were dropped.
+
+        Forced: without `force` the master keeps any key put or read within its lease TTL (10 s by
+        default); a read racing the removal is caught by the block's checksum and becomes a miss.
+        """
+        return sum(r == 0 for r in self._call(lambda s: s.batch_remove([self.key(k) for k in keys], True)))
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """hits, misses, puts, put_errors, get_errors, checksum_errors."""
+        with self._lock:
+            return dict(self._counters)
+
+    def describe(self) -> dict[str, object]:
+        return {"backend": "mooncake", "master": self.master, "metadata_server": self.metadata_server,
+                "local_hostname": self.local_hostname, "transport": "tcp", "tenant": self.tenant}
+
+    def close(self) -> None:
+        """Unregisters the staging region and leaves the store (its segment's blocks go). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._store.unregister_buffer(self._base)
+            self._store.close()
+
+    def __enter__(self) -> MooncakeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _chunks(self, views: list[memoryview]) -> list[list[int]]:
+        """Positions grouped so that each group's blocks and trailers fit the staging region."""
+        chunks, used = [[]], 0
+        for j, v in enumerate(views):
+            need = _slot_bytes(len(v))
+            if need > len(self._staging):
+                raise ValueError(f"mooncake: block {j} of {len(v)} bytes exceeds the staging region")
+            if used + need > len(self._staging):
+                chunks, used = chunks + [[]], 0
+            chunks[-1].append(j)
+            used += need
+        return [c for c in chunks if c]
+
+    def _layout(self, views: list[memoryview], chunk: list[int]) -> list[int]:
+        offsets, at = [], 0
+        for j in chunk:
+            offsets.append(at)
+            at += _slot_bytes(len(views[j]))
+        return offsets
+
+    def _put_chunk(self, keys: Sequence[bytes], views: list[memoryview], chunk: list[int]) -> list[bool]:
+        offsets = self._layout(views, chunk)
+        sizes = [len(views[j]) + TRAILER_BYTES for j in chunk]
+        with self._lock:
+            self._check_open()
+            for j, at in zip(chunk, offsets):
+                n = len(views[j])
+                self._staging[at: at + n] = views[j]
+                self._staging[at + n: at + n + TRAILER_BYTES] = _np().frombuffer(
+                    xxhash.xxh3_64_digest(views[j]), dtype=_np().uint8)
+            codes = self._store.batch_upsert_from([self.key(keys[j]) for j in chunk],
+                                                  [self._base + at for at in offsets], sizes)
+            ok = [c == 0 for c in codes]
+            self._counters["puts"] += sum(ok)
+            self._counters["put_errors"] += len(ok) - sum(ok)
+        for j, c in zip(chunk, codes):
+            if c != 0:
+                log.debug("mooncake: put of %s failed (%d)", self.key(keys[j]), c)
+        return ok
+
+    def _get_chunk(self, keys: Sequence[bytes], views: list[memoryview], chunk: list[int]) -> list[Outcome]:
+        offsets = self._layout(views, chunk)
+        names = [self.key(keys[j]) for j in chunk]
+        with self._lock:
+            self._check_open()
+            codes = self._store.batch_get_into(names, [self._base + at for at in offsets],
+                                               [len(views[j]) + TRAILER_BYTES for j in chunk])
+            out = [self._land(names[i], views[j], at, c) for i, (j, at, c) in enumerate(zip(chunk, offsets, codes))]
+        return out
+
+    def _land(self, name: str, view: memoryview, at: int, code: int) -> Outcome:
+        """The outcome of one get, its bytes copied out of staging on a verified hit (lock held)."""
+        n = len(view)
+        if code == OBJECT_NOT_FOUND:
+            self._counters["misses"] += 1
+            return Outcome.MISS
+        if code == BUFFER_TOO_SMALL or (code >= 0 and code != n + TRAILER_BYTES):
+            size = self._store.get_size(name)
+            if size >= 0:
+                raise ValueError(f"mooncake block {name}: stored {size - TRAILER_BYTES} bytes, buffer holds {n}")
+        if code != n + TRAILER_BYTES:
+            self._counters["get_errors"] += 1
+            log.debug("mooncake: get of %s failed (%d)", name, code)
+            return Outcome.FAILED
+        data = self._staging[at: at + n]
+        if xxhash.xxh3_64_digest(data) != self._staging[at + n: at + n + TRAILER_BYTES].tobytes():
+            self._counters["checksum_errors"] += 1
+            self._counters["misses"] += 1
+            return Outcome.MISS
+        view[:] = data.data
+        self._counters["hits"] += 1
+        return Outcome.HIT
+
+    def _call(self, fn):
+        with self._lock:
+            self._check_open()
+            return fn(self._store)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"mooncake client of {self.master} is closed")
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _slot_bytes(n: int) -> int:
+    return -(-(n + TRAILER_BYTES) // _ALIGN) * _ALIGN
+
+
+def _setup_store(local_hostname: str, metadata_server: str, segment_bytes: int, master: str):
+    """A set-up `MooncakeDistributedStore`, else TransferError.
+
+    Why no thread with a deadline: `setup()` holds the GIL while it blocks (measured: a thread's
+    `join(2)` returned after 30 s), so only the probes before it can bound the wait.
+    """
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ConfigError(f"tiers.pool.backend: mooncake needs mooncake-transfer-engine ({e})") from None
+    store = MooncakeDistributedStore()
+    rc = store.setup(local_hostname, metadata_server, segment_bytes, 16 << 20, "tcp", "", master)
+    if rc != 0:
+        raise TransferError(f"mooncake master {master}: setup() failed ({rc}); metadata {metadata_server}")
+    return store
+
+
+def _probe_metadata(url: str, timeout_s: float) -> None:
+    """One GET of a key that does not exist: a Mooncake metadata server answers 404 at once.
+
+    Raises:
+        TransferError: nothing answers HTTP there within `timeout_s`.
+    """
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{url}?key=kvtier%2Fprobe", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it speaks HTTP: 404 is the expected answer
+    except OSError as e:
+        raise TransferError(f"mooncake metadata server {url}: no HTTP answer within {timeout_s} s ({e})") from None
+
+
+class MooncakeTier(Tier):
+    """`num_slots` slots, each a Mooncake object under a key private to this tier instance.
+
+    Mooncake objects are written whole, so a write of part of a slot reads the block, patches it and
+    upserts it again (a whole-slot write is one upsert); a read fetches and checks the whole block.
+    The store may drop a block (eviction, its segment's owner left): a read then raises `TierIOError`,
+    which the transfer engine turns into a miss.
+
+    Args:
+        client: the Mooncake client; closed with the tier when `owns_client`.
+        capacity_bytes, slot_bytes: as every tier.
+    """
+
+    kind = TierKind.POOL
+    medium = Medium.REMOTE
+
+    def __init__(self, client: MooncakeClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False):
+        import os
+
+        self.slot_bytes = slot_bytes
+        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "pool")
+        self._client, self._owns_client = client, owns_client
+        self._instance = os.urandom(16)
+        self._written = [False] * self.num_slots
+        self._closed = False
+
+    def write(self, slot: int, src, offset: int = 0) -> None:
+        src = as_byte_buffer(src, "pool write source")
+        self._check_range(slot, offset, src.numel())
+        self._check_open()
+        if src.numel() == 0:
+            return
+        src = src.cpu() if src.is_cuda else src
+        if offset == 0 and src.numel() == self.slot_bytes:
+            block = src
+        else:
+            import torch
+
+            block = torch.zeros(self.slot_bytes, dtype=torch.uint8)
+            if self._written[slot]:
+                self._fetch(slot, block, "write")
+            block[offset: offset + src.numel()] = src
+        if not self._client.put(self._key(slot), block):
+            self._written[slot] = False
+            raise TierIOError(f"POOL slot {slot}: write to mooncake failed")
+        self._written[slot] = True
+
+    def read(self, slot: int, dst, offset: int = 0) -> None:
+        dst = as_byte_buffer(dst, "pool read destination")
+        self._check_range(slot, offset, dst.numel())
+        self._check_open()
+        if dst.numel() == 0:
+            return
+        import torch
+
+        block = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        self._fetch(slot, block, "read")
+        dst.copy_(block[offset: offset + dst.numel()])
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), **self._client.describe(), "sharing": "per process (slot adapter)"}
+
+    def close(self) -> None:
+        """Drops this tier's blocks (best effort) and closes the client if owned. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.delete([self._key(s) for s, w in enumerate(self._written) if w])
+        except TransferError as e:
+            log.debug("mooncake tier close: %s", e)
+        finally:
+            if self._owns_client:
+                self._client.close()
+
+    def _fetch(self, slot: int, block, verb: str) -> None:
+        if not self._written[slot]:
+            raise TierIOError(f"POOL slot {slot}: holds no block (never written here)")
+        outcome = self._client.batch_get_outcomes([self._key(slot)], [block])[0]
+        if outcome is not Outcome.HIT:
+            self._written[slot] = False
+            raise TierIOError(f"POOL slot {slot}: {verb} failed: mooncake answered {outcome.value}")
+
+    def _key(self, slot: int) -> bytes:
+        return xxhash.xxh3_128_digest(self._instance + slot.to_bytes(8, "little"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierIOError("POOL tier is closed")
+
+
+class MasterProcess:
+    """A `mooncake_master` subprocess on 127.0.0.1 with every port chosen here (tests, benches, trials).
+
+    Serves RPC on `rpc_port`, the HTTP metadata server on `http_port`, metrics on `metrics_port`;
+    ready once both RPC and HTTP accept connections.
+
+    Raises:
+        RuntimeError: the binary is missing, or the master did not come up within `timeout_s`.
+    """
+
+    def __init__(self, *, timeout_s: float = 30.0, log_path: Path | None = None, extra: Sequence[str] = ()) -> None:
+        import sys
+
+        binary = Path(sys.executable).parent / "mooncake_master"
+        binary = str(binary) if binary.exists() else shutil.which("mooncake_master")
+        if binary is None:
+            raise RuntimeError("mooncake_master not found next to python nor on PATH")
+        self.rpc_port, self.http_port, self.metrics_port = (_free_port("127.0.0.1") for _ in range(3))
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([
+            binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false",
+            *extra], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        for port in (self.rpc_port, self.http_port):
+            while not _accepts(port):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"mooncake_master did not come up on port {port} (exit {self.proc.poll()})")
+                time.sleep(0.02)  # polling a port: there is nothing to wait on
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def build_mooncake_tier(cfg, slot_bytes: int) -> MooncakeTier:
+    """The tier a POOL `TierConfig` with `backend: mooncake` describes; this process lends the store
+    as much memory as its share of the tier (plus trailers).
+
+    Raises:
+        TransferError: the master or metadata server is unreachable, or `setup()` failed.
+        CapacityError: capacity below one slot.
+    """
+    num_slots = slots_needed(cfg.capacity_bytes, slot_bytes, "pool")
+    segment_bytes = -(-num_slots * _slot_bytes(slot_bytes) // (4 << 20)) * (4 << 20)  # setup() wants whole 4 MiB
+    client = MooncakeClient(cfg.nodes[0], cfg.metadata_server, segment_bytes=max(16 << 20, segment_bytes),
+                            staging_bytes=max(16 << 20, 4 * _slot_bytes(slot_bytes)), tenant=cfg.tenant,
+                            setup_timeout_s=cfg.timeout_s)
+    return MooncakeTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
