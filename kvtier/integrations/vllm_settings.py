@@ -1,0 +1,333 @@
+"""Start-up of the vLLM connector: its settings, the engine it serves, and the backends it shares.
+
+Everything here runs once, when vLLM builds the connector, so a wrong setting is a clear error at
+start-up and never a surprise mid-request. `read_settings` is pure (tested without an engine);
+`engine_facts` is the only function that reads vLLM's config objects.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import ConfigError, GeometryError
+from kvtier.geometry import KVDtype
+from kvtier.handle import TransferHandle
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import BlockLayout
+
+log = logging.getLogger(__name__)
+
+EXTRA = "kv_connector_extra_config"
+_KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
+         "model_id": "what identifies the weights in block keys (default: the engine's model and revision)",
+         "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)"}
+# Each vLLM platform lays a layer's page out its own way; the connector stores pages as they are
+# (one copy, no permute) and names the format in the keys, so two formats never share a block.
+# CPU: [num_blocks, num_kv_heads, block_size, 2 * head_size], a page being [heads][K rows, V rows].
+PAGE_FORMATS = {"cpu": "vllm-cpu:h(kv)nd"}
+
+
+class Backend(Protocol):
+    """What the connector needs from kvtier: blocks by key, layer-major (see `kvtier.layout`).
+
+    `KVTier` is one (a process-local runtime over HBM/DRAM/SSD). `vllm_pool.PoolBackend` is the
+    other (lookups, loads and stores by key against `kvtier pool serve` nodes, which every process
+    and server can see, with the local tiers in front): `open_backend` picks it when the kvtier
+    config has a `pool` tier; nothing else changes.
+
+    Contract:
+        lookup(keys) -> the number of leading keys stored and ready; never raises on a miss.
+        load(keys, into) -> a handle; `wait_layer(l)` returns once layer l of every block is in
+            `into` (a `[len(keys), block_bytes]` uint8 tensor) or failed; failed blocks are in
+            `handle.failed` and their bytes are garbage.
+        store(keys, blocks) -> a handle; the caller keeps `blocks` unchanged until it is done.
+        close() -> waits for transfers in flight and releases everything.
+    Any of them may raise when the backend is broken or unreachable: the connector turns that into
+    misses (lookup), failed loads (load) or dropped stores (store).
+    """
+
+    layout: BlockLayout
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def load(self, keys: Sequence[BlockKey], into: torch.Tensor) -> TransferHandle: ...
+
+    def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> TransferHandle: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the connector must know about the engine, read once from vLLM's config.
+
+    Attributes:
+        model_id: identifies the weights (goes into every block key).
+        block_size: tokens per engine block.
+        kv_dtype: the cache's exact element format: `fp32`, `bf16`, `fp16`, `fp8_e4m3`, ...
+        layer_names: attention layers in model order (layer i of a kvtier block is layer_names[i]).
+        page_bytes: bytes of one layer of one engine block (K and V together).
+        device_type: vLLM's platform (`cpu`, `cuda`, ...), which decides the page format.
+        load_failure_policy: vLLM's `kv_load_failure_policy`.
+        kv_role: `kv_both`, `kv_producer` (stores only) or `kv_consumer` (loads only).
+    """
+
+    model_id: str
+    block_size: int
+    kv_dtype: str
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    device_type: str
+    load_failure_policy: str
+    kv_role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The connector's validated settings; both roles compute the same ones."""
+
+    config_path: Path
+    config: KVTierConfig
+    layout: BlockLayout
+    namespace: Namespace
+    layer_index: Mapping[str, int]
+    load_timeout_s: float
+    can_load: bool
+    can_store: bool
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+
+def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
+    """Validates the connector's extra config against the engine.
+
+    Raises:
+        ConfigError: a field is missing, unknown or wrong, or the engine does not match the kvtier
+            config (block size, KV dtype, model geometry, page format, failure policy); the message
+            names the field and the fix.
+    """
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{EXTRA}: expected a mapping, got {extra!r}")
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"{EXTRA}.{unknown[0]}: unknown field; expected "
+                          + "; ".join(f"{k}: {v}" for k, v in _KEYS.items()))
+    path = extra.get("kvtier_config")
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ConfigError(f"{EXTRA}.kvtier_config: missing; expected {_KEYS['kvtier_config']}, got {path!r}")
+    config_path = Path(path).expanduser().resolve()
+    config = load_config(config_path)
+    layout = _check_engine(config, config_path, facts)
+    model_id = extra.get("model_id", facts.model_id)
+    if not isinstance(model_id, str) or not model_id:
+        raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
+    timeout = extra.get("load_timeout_s", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ConfigError(f"{EXTRA}.load_timeout_s: expected a positive number of seconds, got {timeout!r}")
+    namespace = Namespace(model_id, f"{facts.kv_dtype};{PAGE_FORMATS[facts.device_type]}",
+                          facts.block_size, config.tenant)
+    return Settings(config_path, config, layout, namespace,
+                    {name: i for i, name in enumerate(facts.layer_names)}, float(timeout),
+                    can_load=facts.kv_role in ("kv_both", "kv_consumer"),
+                    can_store=facts.kv_role in ("kv_both", "kv_producer"))
+
+
+def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> BlockLayout:
+    """The kvtier block layout, checked against the engine's KV cache."""
+    if facts.device_type not in PAGE_FORMATS:
+        raise ConfigError(f"kv_connector: vLLM on {facts.device_type!r} is not supported yet (its KV page layout "
+                          f"is unverified); supported platforms: {', '.join(PAGE_FORMATS)}")
+    if facts.load_failure_policy != "recompute":
+        raise ConfigError(f"kv_load_failure_policy: kvtier is a cache, a block it cannot deliver must be recomputed; "
+                          f"set kv_load_failure_policy='recompute' (got {facts.load_failure_policy!r})")
+    if config.block_tokens != facts.block_size:
+        raise ConfigError(f"block_tokens: {path} has block_tokens={config.block_tokens} but the engine's block_size "
+                          f"is {facts.block_size}; they must be equal (set block_tokens: {facts.block_size} "
+                          f"or --block-size {config.block_tokens})")
+    engine_dtype = _kv_dtype(facts.kv_dtype, "the engine's KV cache dtype")
+    from kvtier.catalog import resolve_model
+    try:
+        geometry = resolve_model(config.model, kv_dtype=config.kv_dtype)
+    except GeometryError as e:
+        raise ConfigError(f"model: {path}: {e}") from None
+    if geometry.kv_dtype is not engine_dtype:
+        raise ConfigError(f"kv_dtype: {path} gives {geometry.kv_dtype.value} but the engine caches KV as "
+                          f"{facts.kv_dtype}; set kv_dtype: {engine_dtype.value}")
+    layout = geometry.block_layout(config.block_tokens)
+    if layout.num_layers != len(facts.layer_names):
+        raise ConfigError(f"model: {path} describes {layout.num_layers} KV layers ({config.model}) but the engine "
+                          f"has {len(facts.layer_names)}; point model at the served model's config.json")
+    wrong = [(i, n) for i, n in enumerate(layout.layer_bytes) if n != facts.page_bytes]
+    if wrong:
+        raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes but an "
+                          f"engine page holds {facts.page_bytes}; {config.model} is not the served model's geometry")
+    return layout
+
+
+def _kv_dtype(name: str, what: str) -> KVDtype:
+    try:
+        return KVDtype.parse(name)
+    except GeometryError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
+    """Reads what the connector needs from vLLM's `VllmConfig` and `KVCacheConfig`.
+
+    Raises:
+        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window or
+            non-attention layers).
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        raise ConfigError(f"kv_connector: kvtier keys whole-model blocks; tensor_parallel_size="
+                          f"{parallel.tensor_parallel_size} and pipeline_parallel_size={parallel.pipeline_parallel_size} "
+                          "shard them across ranks, which is not supported yet")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups or len(groups) != 1:
+        raise ConfigError(f"kv_connector: kvtier holds models with one KV cache group; this one has "
+                          f"{len(groups or ())} (hybrid or sliding-window models are not supported yet)")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:  # subclasses lay pages out otherwise
+        raise ConfigError(f"kv_connector: kvtier holds full-attention KV; this model's cache is {type(spec).__name__}")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    model = vllm_config.model_config
+    model_id = str(model.model) + (f"@{model.revision}" if getattr(model, "revision", None) else "")
+    transfer = vllm_config.kv_transfer_config
+    return EngineFacts(model_id=model_id, block_size=int(vllm_config.cache_config.block_size),
+                       kv_dtype=kv_dtype, layer_names=tuple(sorted(groups[0].layer_names, key=extract_layer_index)),
+                       page_bytes=int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)),
+                       device_type=str(current_platform.device_type),
+                       load_failure_policy=str(transfer.kv_load_failure_policy), kv_role=str(transfer.kv_role))
+
+
+def open_backend(settings: Settings) -> Backend:
+    """The backend the kvtier config asks for.
+
+    Without a `pool` tier: an in-process `KVTier` over its tiers. With one: a `PoolBackend`
+    (`vllm_pool`) that keeps blocks on the pool nodes under their block keys, so that every
+    engine reaching those nodes, in any process, sees them; the config's other tiers stay in front
+    as a local `KVTier`. (The pool tier's `capacity` then does not apply: the nodes' own capacity
+    and the tenant's quota bound what the pool holds.)
+
+    Raises:
+        KVTierError: a tier cannot be built (e.g. an SSD directory that cannot be created).
+        ConfigError: the pool tier's secret cannot be read.
+    """
+    from kvtier.runtime import KVTier
+    from kvtier.tiers.kinds import TierKind
+
+    config = settings.config
+    pool = config.tier(TierKind.POOL)
+    if pool is None:
+        return KVTier(config, layout=settings.layout)
+    from kvtier.integrations.vllm_pool import PoolBackend
+    from kvtier.pool.client import PoolClient
+    from kvtier.pool.tenants import read_secret
+
+    secret = read_secret(pool.secret, str(pool.secret_file) if pool.secret_file else None, "tiers.pool")
+    client = PoolClient(pool.nodes, tenant=pool.tenant, secret=secret, timeout_s=pool.timeout_s,
+                        reconnect_s=pool.reconnect_s)
+    others = tuple(t for t in config.tiers if t.kind is not TierKind.POOL)
+    try:
+        local = KVTier(_without_pool(config, others), layout=settings.layout) if others else None
+    except BaseException:
+        client.close()
+        raise
+    return PoolBackend(client, settings.layout, local)
+
+
+def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:
+    """`config` over `tiers` only: loads no longer promote into the pool, prefetches go to the top tier."""
+    from dataclasses import replace
+
+    from kvtier.tiers.kinds import TierKind
+
+    promote_to = None if config.promote_to is TierKind.POOL else config.promote_to
+    prefetch = config.prefetch
+    if prefetch.target is TierKind.POOL:
+        prefetch = replace(prefetch, target=tiers[0].kind)
+    return replace(config, tiers=tiers, promote_to=promote_to, prefetch=prefetch)
+
+
+class SharedBackends:
+    """Backends by kvtier config path, shared by the connectors of one process.
+
+    vLLM builds two connectors per engine, one per role. The worker's owns the backend (it opens and
+    closes it); the scheduler's looks it up here to answer `lookup` exactly — that works whenever
+    both live in one process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the engine-core process of the
+    default mode with the uni-process executor. Where the worker runs in another process the
+    scheduler finds nothing here and falls back to the keys the worker reports (see
+    `vllm_scheduler.KeyDirectory`). Engines of one process with the same config share one backend.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Path, list] = {}  # path -> [backend, number of owners]
+
+    def acquire(self, path: Path, open_fn: Callable[[], Backend]) -> Backend:
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is None:
+                entry = self._entries[path] = [open_fn(), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def get(self, path: Path) -> Backend | None:
+        with self._lock:
+            entry = self._entries.get(path)
+            return entry[0] if entry else None
+
+    def backends(self) -> list[Backend]:
+        with self._lock:
+            return [entry[0] for entry in self._entries.values()]
+
+    def release(self, path: Path) -> None:
+        """Drops one owner; the last one closes the backend."""
+        with self._lock:
+            entry = self._entries.get(path)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._entries[path]
+        entry[0].close()
+
+    def close_all(self) -> None:
+        """Closes every backend still open (run at interpreter exit).
+
+        vLLM shuts its connectors down only on some paths (not when a single-process `LLM` is
+        simply dropped at exit); closing here still waits for stores in flight and, for a
+        persistent SSD tier, flushes its journal and releases its lock for the next process.
+        """
+        with self._lock:
+            backends = [entry[0] for entry in self._entries.values()]
+            self._entries.clear()
+        for backend in backends:
+            try:
+                backend.close()
+            except Exception as e:  # at exit: say so, and close the others
+                log.warning("kvtier backend failed to close at exit: %r", e)
+
+
+SHARED = SharedBackends()
+"""The process's backends (one registry per process, by design: see `SharedBackends`)."""
+atexit.register(SHARED.close_all)

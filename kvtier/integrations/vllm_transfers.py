@@ -1,0 +1,255 @@
+"""The worker side of the vLLM connector: moves KV between the engine's pages and kvtier, per step.
+
+One engine step, as vLLM drives it:
+
+    start_loads(plan.loads)   before the forward: every load starts, all layers in flight
+    wait_layer(l)             before layer l's attention: waits for layer l only, scatters it
+    save_layer(l, stores)     after layer l's attention: gathers layer l of the blocks to store
+    end_step() -> failed ids  after the forward: finishes the loads, sends the stores
+
+Loads and stores go through host or device staging rows of kvtier's layer-major block layout;
+`native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's pages (whole
+per-block pages, `kv_dim=None`, so bytes stay in the engine's own page format).
+
+A block that fails to load at any layer is reported by engine block id; the KV that this step
+computed on top of it is wrong, so every store whose prefix holds such a block is dropped.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import KVTierError
+from kvtier.handle import TransferHandle
+from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
+from kvtier.integrations.vllm_settings import Backend
+from kvtier.keys import BlockKey
+from kvtier.layout import BlockLayout
+from kvtier.native import gather_blocks, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker, for tests and logs."""
+
+    num_loads: int = 0
+    num_blocks_loaded: int = 0
+    num_blocks_failed: int = 0
+    num_layer_waits: int = 0
+    num_blocks_stored: int = 0
+    num_blocks_not_stored: int = 0
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    staging: torch.Tensor
+    handle: TransferHandle | None  # None: the backend raised, every block failed
+    num_layers_placed: int = 0
+    timed_out: bool = False
+
+    def failed_rows(self) -> list[int]:
+        if self.handle is None or self.timed_out:
+            return list(range(len(self.spec.keys)))
+        return [i for i, k in enumerate(self.spec.keys) if k in self.handle.failed]
+
+
+@dataclass
+class _Stores:
+    specs: list[StoreSpec]
+    staging: torch.Tensor
+    block_ids: list[int]
+    layers_gathered: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _InFlight:
+    keys: tuple[BlockKey, ...]  # blocks being stored; () for a load given up on
+    staging: torch.Tensor  # kept alive until the backend is done with it
+    handle: TransferHandle | None
+
+
+class WorkerSide:
+    """Moves one worker's blocks; see the module docstring for the call order.
+
+    Args:
+        backend: where blocks live.
+        layout: kvtier's block layout; layer i is `layers[i]`.
+        layers: the engine's paged KV tensor of each layer, `[num_engine_blocks, ...]`.
+        timeout_s: the longest one layer of a load may take before its blocks count as failed.
+    """
+
+    def __init__(self, backend: Backend, layout: BlockLayout, layers: Sequence[torch.Tensor],
+                 timeout_s: float, stats: WorkerStats | None = None) -> None:
+        self.backend, self.layout, self.layers = backend, layout, list(layers)
+        self.timeout_s = timeout_s
+        self.stats = stats or WorkerStats()
+        self._loads: list[_Load] = []
+        self._stores: _Stores | None = None
+        self._in_flight: list[_InFlight] = []
+        self._stored: list[BlockKey] = []
+        self._missing: list[BlockKey] = []
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Starts every load; returns at once, unless a block to load is still being stored here:
+        that store is waited for first (the scheduler counts blocks being stored as hits)."""
+        for spec in specs:
+            self._wait_stores_of(spec.keys)
+            staging = self._staging(len(spec.keys))
+            try:
+                handle = self.backend.load(spec.keys, staging)
+            except Exception as e:  # a broken backend: the blocks are failed loads, vLLM recomputes them
+                log.warning("kvtier load of %d blocks failed: %r", len(spec.keys), e)
+                handle = None
+            self._loads.append(_Load(spec, staging, handle))
+            self.stats.num_loads += 1
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer `layer` of every block loading in this step is in the engine's pages."""
+        for load in self._loads:
+            while load.num_layers_placed <= layer:
+                self._place_next_layer(load)
+        if self._loads:
+            self.stats.num_layer_waits += 1
+
+    def save_layer(self, layer: int, specs: Sequence[StoreSpec]) -> None:
+        """Copies layer `layer` of the blocks to store out of the engine's pages."""
+        if not specs:
+            return
+        if self._stores is None:
+            block_ids = [b for s in specs for b in s.block_ids]
+            self._stores = _Stores(list(specs), self._staging(len(block_ids)), block_ids)
+        if layer not in self._stores.layers_gathered:
+            gather_blocks([self.layers[layer]], self._stores.block_ids, self._stores.staging, self.layout,
+                          None, layers=[layer])
+            self._stores.layers_gathered.add(layer)
+
+    def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
+        """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
+        failed: set[int] = set()
+        for load in self._loads:
+            while load.num_layers_placed < self.layout.num_layers:
+                self._place_next_layer(load)
+            failed.update(self._finish(load))
+        self._loads = []
+        for layer in range(self.layout.num_layers):  # layers vLLM did not hand to save_layer
+            self.save_layer(layer, specs)
+        if self._stores is not None:
+            self._send(self._stores, failed)
+            self._stores = None
+        self.reap()
+        return failed
+
+    # ---- between steps -------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Collects finished stores."""
+        still = []
+        for store in self._in_flight:
+            if store.handle is not None and not store.handle.done():
+                still.append(store)
+                continue
+            ok = store.handle.ok_keys if store.handle is not None and store.keys else []
+            self._stored += ok
+            landed = set(ok)
+            self._missing += [k for k in store.keys if k not in landed]
+            self.stats.num_blocks_stored += len(ok)
+            self.stats.num_blocks_not_stored += len(store.keys) - len(ok)
+        self._in_flight = still
+
+    def take_reports(self) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Keys stored and keys found missing since the last call (for the scheduler's directory)."""
+        stored, missing = self._stored, self._missing
+        self._stored, self._missing = [], []
+        return stored, missing
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits for transfers in flight; one that does not end in time is left to the backend's close."""
+        for store in self._in_flight:
+            try:
+                if store.handle is not None:
+                    store.handle.wait(timeout_s)
+            except (TimeoutError, KVTierError) as e:
+                log.warning("kvtier transfer of %d blocks still unfinished at shutdown: %r", len(store.keys), e)
+        self.reap()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _wait_stores_of(self, keys: Sequence[BlockKey]) -> None:
+        """Waits (up to the load timeout) for the stores in flight that carry any of `keys`."""
+        wanted = set(keys)
+        for store in self._in_flight:
+            if store.handle is None or wanted.isdisjoint(store.keys):
+                continue
+            try:
+                store.handle.wait(self.timeout_s)
+            except (TimeoutError, KVTierError) as e:  # the load then misses those blocks; vLLM recomputes
+                log.warning("kvtier store of %d blocks not done before their load: %r", len(store.keys), e)
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        # vLLM runs the model under inference mode; kvtier's threads write these rows outside it,
+        # which an inference tensor refuses.
+        with torch.inference_mode(False):
+            return torch.empty((num_blocks, self.layout.block_bytes), dtype=torch.uint8,
+                               device=self.layers[0].device)
+
+    def _place_next_layer(self, load: _Load) -> None:
+        layer = load.num_layers_placed
+        load.num_layers_placed += 1
+        if load.handle is None or load.timed_out:
+            return
+        try:
+            load.handle.wait_layer(layer, self.timeout_s)
+        except TimeoutError:
+            log.warning("kvtier load of %d blocks: layer %d not in after %ss; recomputing them",
+                        len(load.spec.keys), layer, self.timeout_s)
+            load.timed_out = True
+            return
+        failed = set(load.failed_rows())
+        rows = [i for i in range(len(load.spec.keys)) if i not in failed]
+        if rows:
+            scatter_blocks([self.layers[layer]], [load.spec.block_ids[i] for i in rows], load.staging,
+                           self.layout, None, slots=rows, layers=[layer])
+
+    def _finish(self, load: _Load) -> set[int]:
+        """The engine block ids of `load` that failed; its staging is kept while the backend may write it."""
+        if load.handle is not None and not load.timed_out:
+            try:
+                load.handle.wait(self.timeout_s)
+            except TimeoutError:
+                load.timed_out = True
+            except Exception as e:  # completing the transfer broke: the blocks are not trusted
+                log.warning("kvtier load of %d blocks failed to complete: %r", len(load.spec.keys), e)
+                load.handle = None
+        if load.timed_out and load.handle is not None:
+            self._in_flight.append(_InFlight((), load.staging, load.handle))
+        rows = load.failed_rows()
+        self._missing += [load.spec.keys[i] for i in rows]
+        self.stats.num_blocks_failed += len(rows)
+        self.stats.num_blocks_loaded += len(load.spec.keys) - len(rows)
+        return {load.spec.block_ids[i] for i in rows}
+
+    def _send(self, stores: _Stores, failed_block_ids: set[int]) -> None:
+        row = 0
+        for spec in stores.specs:
+            rows = stores.staging[row: row + len(spec.keys)]
+            row += len(spec.keys)
+            if failed_block_ids.intersection(spec.prefix_block_ids):
+                self.stats.num_blocks_not_stored += len(spec.keys)
+                self._missing += spec.keys
+                continue
+            try:
+                handle = self.backend.store(spec.keys, rows)
+            except Exception as e:  # a broken backend: the blocks are simply not cached
+                log.warning("kvtier store of %d blocks failed: %r", len(spec.keys), e)
+                handle = None
+            self._in_flight.append(_InFlight(spec.keys, stores.staging, handle))

@@ -1,0 +1,613 @@
+"""The vLLM connector (`kvtier.integrations.vllm_connector`), with vLLM's CPU build.
+
+First the parts without an engine: settings checked against the engine at start-up (including a
+real `VllmConfig` → connector construction), the scheduler half (keys, hits, load and store plans)
+and the worker half (layer-wise loads, failures, stores) over a real `KVTier`. Then real engines on
+a tiny random Llama, each in its own process (`tests/vllm_worker.py`), compared token for token
+with an engine that runs without the connector.
+
+Cost: 2-4 minutes on 2 cores (load-dependent), nearly all of it the nine engine processes (~10-20 s
+each in single-process mode, ~25-50 s for the one that runs scheduler and worker in separate
+processes) and one `kvtier pool serve` node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError, TierIOError
+from kvtier.integrations.tiny_model import build_tiny_llama
+from kvtier.integrations.vllm_scheduler import (
+    KeyDirectory,
+    LoadSpec,
+    ScheduledRequest,
+    SchedulerSide,
+    StoreSpec,
+)
+from kvtier.integrations.vllm_settings import (
+    SHARED,
+    EngineFacts,
+    open_backend,
+    read_settings,
+)
+from kvtier.integrations.vllm_transfers import WorkerSide
+from kvtier.keys import block_keys
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+from kvtier.tiers.ssd import SSDTier
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+BLOCK = 32  # the CPU attention backend wants a multiple of 32
+NUM_LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32  # head_dim 32: the smallest the CPU backend runs
+PAGE_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # one layer of one engine block, fp32
+LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
+SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                  "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]  # 0-2 are the special tokens
+
+
+P1 = _tokens(1, 150)
+P2 = P1[:64] + _tokens(2, 86)  # shares two blocks with P1
+Q = _tokens(3, 100)
+FOLLOW_UP = _tokens(4, 20)
+SPILL = [_tokens(10 + i, 150) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("vllm-model"), hidden_size=128, num_heads=4,
+                            num_kv_heads=KV_HEADS, num_layers=NUM_LAYERS)
+
+
+def _yaml(path: Path, model: Path, tiers: dict, **top) -> Path:
+    import yaml
+    path.write_text(yaml.safe_dump({"model": str(model), "kv_dtype": "fp32", "block_tokens": BLOCK,
+                                    "tiers": tiers, **top}))
+    return path
+
+
+def _facts(**changes) -> EngineFacts:
+    facts = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="float32", layer_names=LAYER_NAMES,
+                        page_bytes=PAGE_BYTES, device_type="cpu", load_failure_policy="recompute",
+                        kv_role="kv_both")
+    return replace(facts, **changes)
+
+
+@pytest.fixture
+def dram_yaml(tmp_path, tiny_model) -> Path:
+    return _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "4MiB"}})
+
+
+# ---- settings, checked at start-up ---------------------------------------------------------------
+
+
+def test_settings_name_the_page_format_in_the_keys(dram_yaml):
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    assert settings.layout.layer_bytes == (PAGE_BYTES,) * NUM_LAYERS
+    assert settings.namespace.kv_dtype == "float32;vllm-cpu:h(kv)nd"
+    assert settings.namespace.block_tokens == BLOCK
+    assert settings.layer_index[LAYER_NAMES[2]] == 2
+    assert read_settings({"kvtier_config": str(dram_yaml), "model_id": "m@v1"}, _facts()).namespace.model == "m@v1"
+
+
+@pytest.mark.parametrize("extra, facts, message", [
+    ({"kvtier_config": None}, {}, "kvtier_config: missing"),
+    ({"kvtier_config": "/nonexistent/kvtier.yaml"}, {}, "/nonexistent/kvtier.yaml"),
+    ({"shared_storage_path": "/tmp"}, {}, "shared_storage_path: unknown field"),
+    ({"load_timeout_s": 0}, {}, "load_timeout_s"),
+    ({"model_id": ""}, {}, "model_id"),
+    ({}, {"block_size": 16}, "block_tokens=32 but the engine's block_size is 16"),
+    ({}, {"kv_dtype": "bfloat16"}, "set kv_dtype: bf16"),
+    ({}, {"layer_names": LAYER_NAMES[:3]}, "describes 4 KV layers"),
+    ({}, {"page_bytes": PAGE_BYTES // 2}, "is not the served model's geometry"),
+    ({}, {"load_failure_policy": "fail"}, "kv_load_failure_policy='recompute'"),
+    ({}, {"device_type": "tpu"}, "'tpu' is not supported yet"),
+])
+def test_bad_settings_are_clear_errors(dram_yaml, extra, facts, message):
+    extra = {k: v for k, v in {"kvtier_config": str(dram_yaml), **extra}.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_settings(extra, _facts(**facts))
+
+
+def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, policy: str = "recompute"):
+    """A connector built the way vLLM builds it, from a real `VllmConfig`."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from kvtier.integrations.vllm_connector import KVTierConnector
+
+    transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy=policy,
+                                kv_connector_module_path="kvtier.integrations.vllm_connector",
+                                kv_connector_extra_config=extra)
+    config = EngineArgs(model=str(model), block_size=block_size, dtype="float32", enforce_eager=True,
+                        max_model_len=512, kv_transfer_config=transfer).create_engine_config()
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(list(reversed(LAYER_NAMES)), spec)])
+    return KVTierConnector(config, KVConnectorRole[role], kv_cache)
+
+
+def test_connector_reads_the_engine_from_vllms_config(tiny_model, dram_yaml):
+    connector = _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml)})
+    assert connector.settings.namespace.model == str(tiny_model)
+    assert list(connector.settings.layer_index) == list(LAYER_NAMES)  # model order, whatever vLLM's order
+
+
+@pytest.mark.parametrize("extra, kwargs, message", [
+    ({}, {}, "kvtier_config: missing"),
+    ({"kvtier_config": "<yaml>"}, {"block_size": 64}, "block_size is 64"),
+    ({"kvtier_config": "<yaml>"}, {"policy": "fail"}, "kv_load_failure_policy"),
+])
+def test_connector_refuses_bad_settings_at_start_up(tiny_model, dram_yaml, extra, kwargs, message):
+    extra = {k: str(dram_yaml) if v == "<yaml>" else v for k, v in extra.items()}
+    for role in ("SCHEDULER", "WORKER"):
+        with pytest.raises(ConfigError, match=message):
+            _connector(tiny_model, role, extra, **kwargs)
+    assert SHARED.backends() == []  # a worker that failed to start holds nothing
+
+
+def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram_yaml):
+    worker = _connector(tiny_model, "WORKER", {"kvtier_config": str(dram_yaml)})
+    try:
+        assert SHARED.get(worker.settings.config_path) is not None
+        with pytest.raises(ConfigError, match="is not the CPU page layout"):
+            worker.register_kv_caches({n: torch.zeros(16, BLOCK, KV_HEADS, 2 * HEAD_DIM) for n in LAYER_NAMES})
+        worker.register_kv_caches({n: torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD_DIM) for n in LAYER_NAMES})
+    finally:
+        worker.shutdown()
+    assert SHARED.backends() == []
+
+
+# ---- the scheduler half --------------------------------------------------------------------------
+
+
+@dataclass
+class FakeRequest:
+    """The fields of vLLM's `Request` the scheduler half reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@pytest.fixture
+def shared_backend(dram_yaml):
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    backend = SHARED.acquire(settings.config_path, lambda: KVTier(settings.config, layout=settings.layout))
+    yield settings, backend
+    SHARED.release(settings.config_path)
+
+
+def _store(backend, keys) -> None:
+    blocks = torch.randint(0, 256, (len(keys), backend.layout.block_bytes), dtype=torch.uint8)
+    assert backend.store(keys, blocks).wait(10)
+
+
+def test_hits_are_whole_blocks_beyond_the_local_ones_and_leave_a_token(shared_backend):
+    settings, backend = shared_backend
+    side = SchedulerSide(settings, KeyDirectory(settings, 100))
+    keys = block_keys(settings.namespace, P1)  # 4 full blocks of 150 tokens
+    _store(backend, keys[:3])
+    request = FakeRequest("a", list(P1))
+    assert side.num_matched_tokens(request, 0) == 3 * BLOCK
+    assert side.num_matched_tokens(request, BLOCK) == 2 * BLOCK  # vLLM's own cache had block 0
+    assert side.num_matched_tokens(request, 3 * BLOCK) == 0
+    _store(backend, keys[3:])
+    exact = FakeRequest("b", list(P1[:4 * BLOCK]))  # every block stored: the last is still computed
+    assert side.num_matched_tokens(exact, 0) == 3 * BLOCK
+
+
+def test_a_load_goes_into_the_blocks_after_the_local_hit(shared_backend):
+    settings, backend = shared_backend
+    side = SchedulerSide(settings, KeyDirectory(settings, 100))
+    keys = block_keys(settings.namespace, P1)
+    _store(backend, keys)
+    request = FakeRequest("a", list(P1))
+    n = side.num_matched_tokens(request, BLOCK)
+    side.after_alloc(request, [10, 11, 12, 13, 14], n)
+    plan = side.plan_step([], lambda r: [])
+    assert plan.loads == [LoadSpec("a", tuple(keys[1:4]), (11, 12, 13))]
+    assert side.plan_step([], lambda r: []).loads == []  # each load is planned once
+
+
+def test_stores_cover_blocks_completed_in_the_step_once(shared_backend):
+    settings, _ = shared_backend
+    side = SchedulerSide(settings, KeyDirectory(settings, 100))
+    a, b = FakeRequest("a", list(P1)), FakeRequest("b", list(P1[:2 * BLOCK]) + _tokens(7, 40))
+    tables = {"a": [1, 2, 3, 4, 5], "b": [6, 7, 8]}
+    for r in (a, b):
+        side.num_matched_tokens(r, 0)
+        side.after_alloc(r, tables[r.request_id], 0)
+    plan = side.plan_step([ScheduledRequest("a", 100), ScheduledRequest("b", 104)], tables.get)
+    keys = block_keys(settings.namespace, P1)
+    assert plan.stores[0] == StoreSpec("a", tuple(keys[:3]), (1, 2, 3), (1, 2, 3))
+    # b's first two blocks hold a's tokens: queued once, by a; b stores its third block only.
+    assert [s.keys for s in plan.stores[1:]] == [tuple(block_keys(settings.namespace, b.all_token_ids)[2:3])]
+    a.num_computed_tokens = 100
+    b.num_computed_tokens = 104
+    # a's next step: 50 tokens plus 3 speculative ones that may be rejected: block 3 only.
+    plan = side.plan_step([ScheduledRequest("a", 53, num_spec_tokens=3), ScheduledRequest("b", 1)], tables.get)
+    assert [(s.req_id, s.block_ids) for s in plan.stores] == [("a", (4,))]
+
+
+def test_a_failed_load_rewinds_the_store_cursor(shared_backend):
+    settings, backend = shared_backend
+    side = SchedulerSide(settings, KeyDirectory(settings, 100))
+    _store(backend, block_keys(settings.namespace, P1))
+    request = FakeRequest("a", list(P1))
+    side.after_alloc(request, [1, 2, 3, 4, 5], side.num_matched_tokens(request, 0))
+    side.on_invalid_blocks({3}, lambda r: [1, 2, 3, 4, 5])
+    request.num_computed_tokens = 2 * BLOCK  # vLLM rewinds to the first failed block
+    plan = side.plan_step([ScheduledRequest("a", 150 - 2 * BLOCK)], lambda r: [1, 2, 3, 4, 5])
+    assert [s.block_ids for s in plan.stores] == [(3, 4)]
+
+
+def test_a_producer_only_stores_and_a_consumer_only_loads(shared_backend, dram_yaml):
+    _, backend = shared_backend
+    for role, loads, stores in (("kv_producer", False, True), ("kv_consumer", True, False)):
+        settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts(kv_role=role))
+        side = SchedulerSide(settings, KeyDirectory(settings, 100))
+        _store(backend, block_keys(settings.namespace, P1)[:1])
+        request = FakeRequest(role, list(P1))
+        n = side.num_matched_tokens(request, 0)
+        side.after_alloc(request, [1, 2, 3, 4, 5], n)
+        plan = side.plan_step([ScheduledRequest(role, 150 - n)], lambda r: [1, 2, 3, 4, 5])
+        assert (n > 0, bool(plan.loads), bool(plan.stores)) == (loads, loads, stores)
+        if stores:  # the block kvtier holds is not sent again
+            assert plan.stores[0].block_ids == (2, 3, 4)
+
+
+def test_without_a_backend_in_process_the_directory_follows_worker_reports(dram_yaml):
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    directory = KeyDirectory(settings, max_keys=3)
+    keys = block_keys(settings.namespace, P1)
+    assert directory.lookup(keys) == 0
+    directory.report(keys, [])
+    assert directory.lookup(keys) == 0  # only the 3 newest are remembered: keys[0] was dropped
+    directory.report(keys[:2], [keys[2]])
+    assert directory.lookup(keys) == 2
+
+
+def test_blocks_being_stored_count_as_held_until_reported(shared_backend):
+    settings, backend = shared_backend
+    directory = KeyDirectory(settings, 100)
+    keys = block_keys(settings.namespace, P1)
+    _store(backend, keys[:1])
+    directory.expect(keys[1:3])  # planned in a step, still on their way
+    assert directory.lookup(keys) == 3
+    directory.report([], keys[2:3])  # that store failed
+    assert directory.lookup(keys) == 2
+    directory.report(keys[1:2], [])  # reported: from now on the backend answers for it (it holds keys[0] only)
+    assert directory.lookup(keys) == 1
+
+
+def test_a_broken_backend_is_a_miss(dram_yaml):
+    class Broken:
+        def lookup(self, keys):
+            raise ConnectionError("pool node down")
+
+        def close(self):
+            pass
+
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    SHARED.acquire(settings.config_path, Broken)
+    try:
+        assert SchedulerSide(settings, KeyDirectory(settings, 10)).num_matched_tokens(FakeRequest("a", P1), 0) == 0
+    finally:
+        SHARED.release(settings.config_path)
+
+
+# ---- the worker half -----------------------------------------------------------------------------
+
+
+class InstrumentedSSD(SSDTier):
+    """A real SSD tier whose reads can be held at a layer or made to fail for one block."""
+
+    def __init__(self, *args, layer_offset: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layer_offset = layer_offset
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failing_prefix: bytes | None = None  # the first bytes of the block whose reads fail
+        self._first: dict[int, bytes] = {}
+
+    def write(self, slot, src, offset=0):
+        if offset == 0:
+            self._first[slot] = bytes(src[:16].tolist())
+        super().write(slot, src, offset)
+
+    def read(self, slot, dst, offset=0):
+        if offset >= self.layer_offset:
+            self.gate.wait()
+            if self._first.get(slot) == self.failing_prefix:
+                raise TierIOError(f"SSD slot {slot}: injected read failure")
+        super().read(slot, dst, offset)
+
+
+@pytest.fixture
+def worker(tmp_path, tiny_model):
+    """A WorkerSide over 12 engine blocks and a KVTier on an instrumented SSD tier."""
+    path = _yaml(tmp_path / "ssd.yaml", tiny_model, {"ssd": {"capacity": "4MiB", "path": str(tmp_path / "ssd"),
+                                                             "o_direct": False}},
+                 transfer={"chunk_bytes": 0, "io_workers": 2})
+    settings = read_settings({"kvtier_config": str(path)}, _facts())
+    (tmp_path / "ssd").mkdir()
+    ssd = InstrumentedSSD(tmp_path / "ssd", 4 << 20, settings.layout.block_bytes, num_files=2, direct=False,
+                          layer_offset=settings.layout.offsets[1])
+    kvtier = KVTier(settings.config, layout=settings.layout, tiers={TierKind.SSD: ssd})
+    layers = [torch.randn(12, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(NUM_LAYERS)]
+    side = WorkerSide(kvtier, settings.layout, layers, timeout_s=10)
+    yield side, ssd, settings
+    ssd.gate.set()
+    side.close(10)
+    kvtier.close()
+
+
+def _save(side: WorkerSide, specs: list[StoreSpec]) -> None:
+    for layer in range(NUM_LAYERS):
+        side.save_layer(layer, specs)
+    assert side.end_step(specs) == set()
+    side.close(10)
+
+
+def test_wait_layer_waits_for_that_layer_only(worker):
+    side, ssd, settings = worker
+    keys = tuple(block_keys(settings.namespace, P1[:3 * BLOCK]))
+    _save(side, [StoreSpec("a", keys, (0, 1, 2), (0, 1, 2))])
+    assert side.take_reports() == (list(keys), [])
+    for kv in side.layers:
+        kv[6:9] = 0
+    ssd.gate.clear()  # layers 1+ cannot arrive
+    side.start_loads([LoadSpec("b", keys, (6, 7, 8))])
+    side.wait_layer(0)
+    assert torch.equal(side.layers[0][6:9], side.layers[0][0:3])
+    assert not side.layers[1][6:9].any()
+    ssd.gate.set()
+    for layer in range(1, NUM_LAYERS):
+        side.wait_layer(layer)
+        assert torch.equal(side.layers[layer][6:9], side.layers[layer][0:3])
+    assert side.end_step() == set()
+    assert (side.stats.num_blocks_loaded, side.stats.num_layer_waits) == (3, NUM_LAYERS)
+
+
+def test_a_failed_block_is_reported_and_taints_stores_computed_on_it(worker):
+    side, ssd, settings = worker
+    keys = tuple(block_keys(settings.namespace, P1[:3 * BLOCK]))
+    _save(side, [StoreSpec("a", keys, (0, 1, 2), (0, 1, 2))])
+    side.take_reports()
+    ssd.failing_prefix = bytes(side.layers[0][1].view(torch.uint8).flatten()[:16].tolist())  # block 1
+    side.start_loads([LoadSpec("b", keys, (6, 7, 8))])
+    tainted = StoreSpec("b", tuple(block_keys(settings.namespace, P1[:4 * BLOCK])[3:]), (9,), (6, 7, 8, 9))
+    clean = StoreSpec("c", tuple(block_keys(settings.namespace, Q[:BLOCK])), (10,), (10,))
+    for layer in range(NUM_LAYERS):
+        side.wait_layer(layer)
+        side.save_layer(layer, [tainted, clean])
+    assert side.end_step([tainted, clean]) == {7}
+    side.close(10)
+    stored, missing = side.take_reports()
+    assert (stored, missing) == (list(clean.keys), [keys[1], *tainted.keys])  # failed load, dropped store
+    assert side.stats.num_blocks_failed == 1 and side.stats.num_blocks_not_stored == 1
+
+
+def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):
+    side, _, settings = worker
+
+    class Down:
+        layout = settings.layout
+
+        def load(self, keys, into):
+            raise ConnectionError("pool node down")
+
+        store = load
+
+    side.backend = Down()
+    keys = tuple(block_keys(settings.namespace, P1[:2 * BLOCK]))
+    side.start_loads([LoadSpec("a", keys, (3, 4))])
+    spec = StoreSpec("b", keys, (5, 6), (5, 6))
+    for layer in range(NUM_LAYERS):
+        side.wait_layer(layer)
+        side.save_layer(layer, [spec])
+    assert side.end_step([spec]) == {3, 4}
+    side.close(10)
+    stored, missing = side.take_reports()
+    assert (stored, set(missing)) == ([], set(keys))
+    assert side.stats.num_blocks_not_stored == 2
+
+
+# ---- the pool backend (cross-process hits) -------------------------------------------------------
+
+
+@pytest.fixture
+def pool_node():
+    from kvtier.pool.testing import running_node
+
+    with running_node(capacity="32MiB") as node:
+        yield node
+
+
+def test_pool_backend_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_path, tiny_model, pool_node):
+    path = _yaml(tmp_path / "pool.yaml", tiny_model,
+                 {"dram": {"capacity": "1MiB"}, "pool": {"capacity": "8MiB", "nodes": [pool_node.address]}})
+    settings = read_settings({"kvtier_config": str(path)}, _facts())
+    writer, reader = open_backend(settings), open_backend(settings)  # two processes' worth of state
+    try:
+        keys = block_keys(settings.namespace, P1)
+        blocks = torch.randint(0, 256, (len(keys), settings.layout.block_bytes), dtype=torch.uint8)
+        assert writer.store(keys, blocks).wait(10)
+        assert writer.lookup(keys) == reader.lookup(keys) == len(keys)  # the reader's DRAM is empty
+        into = torch.zeros_like(blocks)
+        handle = reader.load(keys, into)
+        handle.wait_layer(0, 10)
+        assert handle.wait(10) and torch.equal(into, blocks)
+        pool_node.kill()
+        assert reader.lookup(keys) == 0
+        handle = reader.load(keys[:2], into[:2])
+        assert not handle.wait(10) and set(handle.failed) == set(keys[:2])
+        assert writer.lookup(keys) == len(keys)  # its own DRAM still serves
+    finally:
+        writer.close()
+        reader.close()
+
+
+# ---- real engines ------------------------------------------------------------------------------
+
+
+def run_engine(tmp_path: Path, name: str, spec: dict, timeout_s: float = 240) -> dict:
+    """Runs tests/vllm_worker.py on `spec`; returns its RESULT (or {"startup_error": message})."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, **spec.get("env", SINGLE_PROCESS), "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, str(WORKER), str(path)], check=False, capture_output=True,
+                          text=True, timeout=timeout_s, env=env)
+    lines = done.stdout.splitlines()
+    for line in lines:
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+        if line.startswith("STARTUP_ERROR "):
+            return {"startup_error": line[len("STARTUP_ERROR "):]}
+    raise AssertionError(f"{name}: no result (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+
+
+def _spec(model: Path, kvtier: Path | None, phases: list[dict], **engine) -> dict:
+    return {"model": str(model), "kvtier": str(kvtier) if kvtier else None, "phases": phases,
+            "engine": {"enable_prefix_caching": False, "num_gpu_blocks_override": 40, **engine}}
+
+
+BASIC_PHASES = [{"prompts": [P1]}, {"prompts": [P2]}, {"prompts": [P1, P2]},
+                {"prompts": [Q], "max_tokens": 40}, {"follow_up": FOLLOW_UP, "max_tokens": 4}]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory) -> dict[str, dict]:
+    """What an engine without the connector generates, by prompt."""
+    phases = BASIC_PHASES + [{"prompts": SPILL}]
+    result = run_engine(tmp_path_factory.mktemp("reference"), "reference", _spec(tiny_model, None, phases))
+    return {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
+
+
+def assert_same_as_reference(phase: dict, reference: dict[str, dict]) -> None:
+    for prompt, out in zip(phase["prompts"], phase["outputs"]):
+        want = reference[json.dumps(prompt)]
+        assert out["finish_reason"] == "length"
+        assert out["tokens"] == want["tokens"], f"prompt of {len(prompt)} tokens"
+        assert out["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
+def test_engine_hits_load_layer_by_layer_and_generate_the_same(tmp_path, tiny_model, reference):
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "16MiB"}})
+    phases = run_engine(tmp_path, "basic", _spec(tiny_model, kvtier, BASIC_PHASES))["phases"]
+    cached = [[o["num_cached_tokens"] for o in ph["outputs"]] for ph in phases]
+    # vLLM's own prefix cache is off: every cached token came from kvtier.
+    assert cached == [[0], [2 * BLOCK], [4 * BLOCK, 4 * BLOCK], [0], [4 * BLOCK]]
+    # The follow-up's 4th block holds tokens Q generated: blocks are stored during decode too.
+    assert len(phases[4]["prompts"][0]) > 4 * BLOCK > len(Q)
+    for phase in phases:
+        assert_same_as_reference(phase, reference)
+    stats = phases[-1]["stats"]
+    assert stats["num_blocks_failed"] == 0
+    assert stats["num_blocks_loaded"] == 2 + 4 + 4 + 4
+    assert stats["num_layer_waits"] == 4 * NUM_LAYERS  # 4 steps loaded, each waited layer by layer
+
+
+def test_engine_spills_few_engine_blocks_to_kvtier_and_back(tmp_path, tiny_model, reference):
+    # 9 engine blocks of 32 tokens hold one 150-token prompt and a half; kvtier's DRAM holds 4
+    # blocks and demotes the rest to SSD.
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model,
+                   {"dram": {"capacity": "256KiB"}, "ssd": {"capacity": "8MiB", "path": str(tmp_path / "ssd")}})
+    spec = _spec(tiny_model, kvtier, [{"prompts": SPILL}, {"prompts": SPILL}],
+                 enable_prefix_caching=True, num_gpu_blocks_override=9, max_model_len=256)
+    first, second = run_engine(tmp_path, "spill", spec)["phases"]
+    for phase in (first, second):
+        assert_same_as_reference(phase, reference)
+    assert second["stats"]["num_blocks_loaded"] - first["stats"]["num_blocks_loaded"] >= 3 * len(SPILL)
+    assert second["stats"]["num_blocks_failed"] == 0
+    assert second["usage"]["ssd"]["used"] > 0 and second["usage"]["dram"]["used"] <= 4
+
+
+def test_engine_recomputes_blocks_that_fail_to_load(tmp_path, tiny_model, reference):
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"ssd": {"capacity": "8MiB", "path": str(tmp_path / "ssd")}})
+    phases = [{"prompts": [P1]}, {"prompts": [P1], "corrupt_ssd": True}, {"prompts": [P1]},
+              {"prompts": [P1], "zero_loaded_kv": True}]
+    stored, corrupted, again, lying = run_engine(tmp_path, "failure", _spec(tiny_model, kvtier, phases))["phases"]
+    assert corrupted["corrupted_files"] > 0
+    # Every block failed its checksum, was reported and recomputed: same tokens, nothing loaded.
+    assert corrupted["stats"]["num_blocks_failed"] == 4
+    assert corrupted["stats"]["num_blocks_loaded"] == stored["stats"]["num_blocks_loaded"] == 0
+    # The recomputed blocks were stored again and hit.
+    assert again["outputs"][0]["num_cached_tokens"] == 4 * BLOCK
+    assert again["stats"]["num_blocks_loaded"] == 4
+    for phase in (stored, corrupted, again):
+        assert_same_as_reference(phase, reference)
+    # Negative control: KV that arrives wrong and unreported changes the output, so the equality
+    # above is a real check.
+    assert lying["outputs"][0]["tokens"] != reference[json.dumps(P1)]["tokens"]
+
+
+def test_a_fresh_engine_process_hits_what_another_computed_on_ssd_and_pool(tmp_path, tiny_model, reference,
+                                                                          pool_node):
+    # Engine A computes P1 and P2 into a persistent SSD tier and the pool, and exits. B, a fresh
+    # process on the SSD alone, hits P1 there; C, on the pool alone, hits P2 there; then the node
+    # dies and C misses and recomputes.
+    ssd = {"capacity": "8MiB", "path": str(tmp_path / "ssd"), "persist": True}
+    pool = {"capacity": "8MiB", "nodes": [pool_node.address]}
+    both = _yaml(tmp_path / "both.yaml", tiny_model, {"ssd": ssd, "pool": pool})
+    ssd_only = _yaml(tmp_path / "ssd.yaml", tiny_model, {"ssd": ssd})
+    pool_only = _yaml(tmp_path / "pool.yaml", tiny_model, {"pool": pool})
+    (computed,) = run_engine(tmp_path, "a", _spec(tiny_model, both, [{"prompts": [P1, P2]}]))["phases"]
+    assert [o["num_cached_tokens"] for o in computed["outputs"]] == [0, 2 * BLOCK]  # P2 shares P1's blocks
+    (from_ssd,) = run_engine(tmp_path, "b", _spec(tiny_model, ssd_only, [{"prompts": [P1]}]))["phases"]
+    assert from_ssd["outputs"][0]["num_cached_tokens"] == 4 * BLOCK
+    assert from_ssd["stats"]["num_blocks_loaded"] == 4
+    phases = [{"prompts": [P2]}, {"prompts": [P1], "kill_pid": pool_node.proc.pid}]
+    from_pool, node_down = run_engine(tmp_path, "c", _spec(tiny_model, pool_only, phases))["phases"]
+    assert from_pool["outputs"][0]["num_cached_tokens"] == 4 * BLOCK
+    assert from_pool["stats"]["num_blocks_loaded"] == 4
+    assert node_down["outputs"][0]["num_cached_tokens"] == 0
+    for phase in (computed, from_ssd, from_pool, node_down):
+        assert_same_as_reference(phase, reference)
+
+
+def test_engine_with_scheduler_and_worker_in_separate_processes(tmp_path, tiny_model, reference):
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "16MiB"}})
+    spec = _spec(tiny_model, kvtier, [{"prompts": [P1]}, {"prompts": [P1, P2]}],
+                 distributed_executor_backend="mp")
+    spec["env"] = {**SINGLE_PROCESS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    first, second = run_engine(tmp_path, "multiprocess", spec, timeout_s=300)["phases"]
+    # The scheduler's process has no backend: it knows what the worker stored from its reports.
+    assert [o["num_cached_tokens"] for o in second["outputs"]] == [4 * BLOCK, 2 * BLOCK]
+    for phase in (first, second):
+        assert_same_as_reference(phase, reference)
+
+
+def test_engine_start_up_fails_clearly_on_a_block_size_mismatch(tmp_path, tiny_model):
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "16MiB"}}, block_tokens=64)
+    result = run_engine(tmp_path, "mismatch", _spec(tiny_model, kvtier, [{"prompts": [P1]}]))
+    assert "block_tokens=64 but the engine's block_size is 32" in result["startup_error"]

@@ -1,0 +1,143 @@
+"""Runs one vLLM engine on a scenario and prints its results as JSON (helper of tests/test_vllm.py).
+
+    python tests/vllm_worker.py SPEC.json
+
+Each engine runs in its own process: vLLM keeps global state (distributed groups, the KV transfer
+group) that a second engine in one process would trip over. SPEC is a JSON object:
+
+    model        the tiny model directory (built by the test)
+    kvtier       path of the kvtier YAML, or null to run without the connector
+    engine       extra `LLM(...)` keyword arguments (num_gpu_blocks_override, enable_prefix_caching, ...)
+    env          environment variables to set before vLLM is imported
+    phases       a list of phases, run in order, each {"prompts": [[token ids], ...], "max_tokens": n} and:
+                   "follow_up": [token ids]  also run, for each prompt of the previous phase, that
+                                             prompt + its completion + these tokens (a next turn)
+                   "corrupt_ssd": true       first overwrite kvtier's SSD files with random bytes
+                   "zero_loaded_kv": true    negative control: blocks loaded from kvtier reach the
+                                             engine as zeros, unreported (a connector that lies)
+                   "kill_pid": pid           first SIGKILL that process (a pool node going down)
+
+It prints one line `RESULT {"phases": [...]}`: per phase its prompts and, for each, the generated
+token ids, their logprobs and `num_cached_tokens`; then, where the worker connector lives in this
+process (single-process mode), its counters (cumulative) and kvtier's per-tier usage.
+An exception at start-up prints `STARTUP_ERROR <type>: <message>` and exits with status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+
+def _sampling(max_tokens: int):
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+
+
+def _build(spec: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs = {"model": spec["model"], "enforce_eager": True, "block_size": 32, "max_model_len": 512,
+              "max_num_seqs": 4, "dtype": "float32", "seed": 0, **spec.get("engine", {})}
+    if spec.get("kvtier"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm_connector",
+            kv_role="kv_both", kv_load_failure_policy=spec.get("failure_policy", "recompute"),
+            kv_connector_extra_config={"kvtier_config": spec["kvtier"], **spec.get("extra", {})})
+    return LLM(**kwargs)
+
+
+def _connector():
+    """The worker-side connector when it lives in this process, else None."""
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _corrupt_ssd() -> int:
+    """Overwrites every SSD slab file of this process's kvtier backends; returns the files hit."""
+    from kvtier.integrations.vllm_settings import SHARED
+    from kvtier.tiers.base import TierKind
+
+    count = 0
+    for backend in SHARED.backends():
+        tier = getattr(backend, "tiers", {}).get(TierKind.SSD)
+        for path in (tier.paths if tier is not None else ()):
+            size = os.path.getsize(path)
+            with open(path, "r+b") as f:
+                f.write(os.urandom(size))
+            count += 1
+    return count
+
+
+def _zero_loaded_kv() -> None:
+    import kvtier.integrations.vllm_transfers as transfers
+
+    scatter = transfers.scatter_blocks
+
+    def scatter_zeros(layer_kv, block_ids, blocks, *args, **kwargs):
+        blocks.zero_()
+        scatter(layer_kv, block_ids, blocks, *args, **kwargs)
+
+    transfers.scatter_blocks = scatter_zeros
+
+
+def _run_phase(llm, phase: dict, previous: dict | None) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    if phase.get("kill_pid"):
+        os.kill(phase["kill_pid"], signal.SIGKILL)
+    corrupted = _corrupt_ssd() if phase.get("corrupt_ssd") else 0
+    if phase.get("zero_loaded_kv"):
+        _zero_loaded_kv()
+    prompts = [list(p) for p in phase.get("prompts", [])]
+    if "follow_up" in phase:
+        prompts += [p + o["tokens"] + phase["follow_up"] for p, o in zip(previous["prompts"], previous["outputs"])]
+    outs = []
+    for prompt in prompts:  # one at a time: the order of stores and evictions is then fixed
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], _sampling(phase.get("max_tokens", 4)),
+                           use_tqdm=False)[0]
+        completion = out.outputs[0]
+        outs.append({"tokens": list(completion.token_ids),
+                     "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)],
+                     "num_cached_tokens": out.num_cached_tokens or 0,
+                     "finish_reason": completion.finish_reason})
+    return {"prompts": prompts, "outputs": outs, "corrupted_files": corrupted, **_facts()}
+
+
+def _facts() -> dict:
+    from kvtier.integrations.vllm_settings import SHARED
+
+    connector = _connector()
+    facts: dict = {}
+    if connector is not None and hasattr(connector, "stats"):
+        facts["stats"] = dict(vars(connector.stats))
+    for backend in SHARED.backends():
+        if hasattr(backend, "usage"):
+            facts["usage"] = backend.usage()
+    return facts
+
+
+def main(path: str) -> int:
+    with open(path) as f:
+        spec = json.load(f)
+    os.environ.update(spec.get("env", {}))
+    try:
+        llm = _build(spec)
+    except Exception as e:  # reported to the test, which asserts on the message
+        print(f"STARTUP_ERROR {type(e).__name__}: {e}", flush=True)
+        return 3
+    phases: list[dict] = []
+    for phase in spec["phases"]:
+        phases.append(_run_phase(llm, phase, phases[-1] if phases else None))
+    print("RESULT " + json.dumps({"phases": phases}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
