@@ -245,9 +245,7 @@ void emu_scatter_layers(LAUNCH_ARGS, i64* l, int np, i64* ids, i64 n, u8* b, i64
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("g++ not installed")
+    compiler = shutil.which("g++")  # present on every machine of this kind (build-essential)
     build = tmp_path_factory.mktemp("emulator")
     source = build / "emulator.cpp"
     source.write_text(_EMULATOR.replace("KERNEL_SOURCE", str(KERNEL_SOURCE)))

@@ -52,15 +52,11 @@ def one_tier(num_slots: int, policy: SimPolicy = SimPolicy.LRU, **kw) -> SimConf
 
 @pytest.fixture(scope="module")
 def conversation():
-    if not (DEFAULT_TRACE_DIR / "conversation_trace.jsonl").is_file():
-        pytest.skip(f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
     return load_trace(DEFAULT_TRACE_DIR / "conversation_trace.jsonl")
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    if not (DEFAULT_TRACE_DIR / "synthetic_trace.jsonl").is_file():
-        pytest.skip(f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
     return load_trace(DEFAULT_TRACE_DIR / "synthetic_trace.jsonl")
 
 

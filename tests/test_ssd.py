@@ -12,8 +12,10 @@ import errno
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,15 +33,26 @@ def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def mount(fstype: str, options: str, where: Path) -> None:
-    """Mounts a fresh `fstype` at `where`, or skips the test saying why it cannot."""
+def mount(fstype: str, options: str, where: Path) -> subprocess.CompletedProcess:
+    """Mounts a fresh `fstype` at `where`; returns the finished `mount` command."""
     args = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(where)]
-    try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        pytest.skip("no `mount` command here")
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype} here (needs root/CAP_SYS_ADMIN): {result.stderr.strip()}")
+    return subprocess.run(args, capture_output=True, text=True, timeout=30)
+
+
+def _mount_refusal() -> str | None:
+    """Why this host cannot mount a small tmpfs for a test (None when it can), probed once."""
+    if shutil.which("mount") is None:
+        return "no `mount` command here"
+    with tempfile.TemporaryDirectory() as where:
+        result = mount("tmpfs", "size=64k", Path(where))
+        if result.returncode != 0:
+            return f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {result.stderr.strip()}"
+        subprocess.run(["umount", where], capture_output=True, timeout=30)
+    return None
+
+
+MOUNT_REFUSAL = _mount_refusal()
+needs_mount = pytest.mark.skipif(MOUNT_REFUSAL is not None, reason=str(MOUNT_REFUSAL))
 
 
 @pytest.fixture
@@ -47,7 +60,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: a disk that really fills up."""
     where = tmp_path / "tmpfs"
     where.mkdir()
-    mount("tmpfs", "size=1m", where)
+    assert mount("tmpfs", "size=1m", where).returncode == 0
     yield where
     subprocess.run(["umount", str(where)], check=True)
 
@@ -57,7 +70,7 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A ramfs: a filesystem that refuses O_DIRECT at open (EINVAL)."""
     where = tmp_path / "ramfs"
     where.mkdir()
-    mount("ramfs", "", where)
+    assert mount("ramfs", "", where).returncode == 0
     yield where
     subprocess.run(["umount", str(where)], check=True)
 
@@ -123,6 +136,7 @@ def test_buffered_when_asked_says_so_without_a_warning(
         tier.close()
 
 
+@needs_mount
 def test_refused_o_direct_falls_back_with_one_warning(ramfs: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ssd"):
         tier = SSDTier(ramfs, 4 * SLOT_BYTES, SLOT_BYTES)
@@ -140,6 +154,7 @@ def test_refused_o_direct_falls_back_with_one_warning(ramfs: Path, caplog: pytes
         tier.close()
 
 
+@needs_mount
 def test_required_o_direct_on_a_refusing_filesystem_raises(ramfs: Path) -> None:
     with pytest.raises(TierIOError, match="O_DIRECT") as info:
         SSDTier(ramfs, 4 * SLOT_BYTES, SLOT_BYTES, direct=True)
@@ -150,6 +165,7 @@ def test_required_o_direct_on_a_refusing_filesystem_raises(ramfs: Path) -> None:
 # -- full disk, size limit, truncation ------------------------------------------------------------
 
 
+@needs_mount
 def test_full_disk_at_creation_raises_enospc_and_leaves_nothing(small_tmpfs: Path) -> None:
     with pytest.raises(TierIOError, match=str(small_tmpfs)) as info:
         SSDTier(small_tmpfs, 4 << 20, SLOT_BYTES)
@@ -157,6 +173,7 @@ def test_full_disk_at_creation_raises_enospc_and_leaves_nothing(small_tmpfs: Pat
     assert list(small_tmpfs.iterdir()) == []
 
 
+@needs_mount
 @pytest.mark.parametrize("direct", [None, False])
 def test_full_disk_at_write_raises_enospc_naming_slot(small_tmpfs: Path, direct: bool | None) -> None:
     tier = SSDTier(small_tmpfs, 2 * SLOT_BYTES, SLOT_BYTES, num_files=1, direct=direct)
