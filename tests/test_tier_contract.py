@@ -7,7 +7,6 @@ Each SSD tier uses real files. Cost: a few seconds in all; the hypothesis test i
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
