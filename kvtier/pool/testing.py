@@ -97,7 +97,10 @@ class NodeProcess:
         self.proc.wait(READY_TIMEOUT_S)
 
     def pause(self) -> None:
+        """Freezes the node, returning only once every thread of it has stopped (SIGSTOP alone is
+        asynchronous: a request sent right after could still be served)."""
         self.proc.send_signal(signal.SIGSTOP)
+        os.waitpid(self.proc.pid, os.WUNTRACED)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
