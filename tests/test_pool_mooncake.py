@@ -135,7 +135,8 @@ def test_master_absent_fails_fast() -> None:
     started = time.monotonic()
     with pytest.raises(TransferError, match=f"mooncake master 127.0.0.1:{port}: not reachable"):
         MooncakeClient(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata", setup_timeout_s=2)
-    assert time.monotonic() - started < 2
+    # The property is "no ~90 s hang in setup()"; the bound is loose so a loaded machine cannot fail it.
+    assert time.monotonic() - started < 20
 
 
 def test_silent_metadata_server_fails_within_timeout(master: MasterProcess) -> None:
@@ -146,7 +147,7 @@ def test_silent_metadata_server_fails_within_timeout(master: MasterProcess) -> N
         started = time.monotonic()
         with pytest.raises(TransferError, match="no HTTP answer within 1"):
             MooncakeClient(master.address, url, setup_timeout_s=1)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 20  # the probe's 1 s timeout, not setup()'s ~30-90 s wait
 
 
 OTHER_PROCESS = r"""
