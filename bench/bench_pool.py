@@ -96,7 +96,7 @@ class RedisServer:
     def __init__(self) -> None:
         import redis
 
-        from kvtier.pool.mooncake import _free_port
+        from kvtier.pool.mooncake_master import free_port as _free_port
 
         port = _free_port("127.0.0.1")
         self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     others, closers = {}, []
     try:
         if not args.no_others:
-            from kvtier.pool.mooncake import MasterProcess, MooncakeClient
+            from kvtier.pool.mooncake import MooncakeClient
+            from kvtier.pool.mooncake_master import MasterProcess
 
             master = MasterProcess()
             closers.append(master.close)

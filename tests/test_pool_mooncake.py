@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("mooncake.store")
 
 from kvtier.errors import TierIOError, TransferError  # noqa: E402
-from kvtier.pool.mooncake import (MasterProcess, MooncakeClient, MooncakeTier, OBJECT_NOT_FOUND,  # noqa: E402
-                                  Outcome, _free_port)
+from kvtier.pool.mooncake import MooncakeClient, MooncakeTier, OBJECT_NOT_FOUND, Outcome  # noqa: E402
+from kvtier.pool.mooncake_master import MasterProcess, free_port  # noqa: E402
 
 SIZES = [1, 4096, 64 << 10, 1 << 20, 4 << 20]
 
@@ -35,7 +35,7 @@ def master() -> Iterator[MasterProcess]:
 
 def connect(master: MasterProcess, **kw) -> MooncakeClient:
     return MooncakeClient(master.address, master.metadata_server,
-                          local_hostname=f"127.0.0.1:{_free_port('127.0.0.1')}", **kw)
+                          local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_failed_transfer_is_not_a_miss() -> None:
 
 
 def test_master_absent_fails_fast() -> None:
-    port = _free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     started = time.monotonic()
     with pytest.raises(TransferError, match=f"mooncake master 127.0.0.1:{port}: not reachable"):
         MooncakeClient(f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/metadata", setup_timeout_s=2)
@@ -152,9 +152,10 @@ def test_silent_metadata_server_fails_within_timeout(master: MasterProcess) -> N
 
 OTHER_PROCESS = r"""
 import sys
-from kvtier.pool.mooncake import MooncakeClient, _free_port
+from kvtier.pool.mooncake import MooncakeClient
+from kvtier.pool.mooncake_master import free_port
 master, meta, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with MooncakeClient(master, meta, local_hostname=f"127.0.0.1:{_free_port('127.0.0.1')}") as c:
+with MooncakeClient(master, meta, local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}") as c:
     into = bytearray(size)
     assert c.get(b"shared-by-a", into), c.counters
     assert c.put(b"shared-by-b", bytes(into[::-1]))

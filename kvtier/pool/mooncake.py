@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import enum
 import logging
-import shutil
 import socket
-import subprocess
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvtier.pool.mooncake_master import free_port
 from kvtier.errors import ConfigError, TierIOError, TransferError
 from kvtier.pool.client import byte_view
 from kvtier.pool.units import parse_address
@@ -67,12 +64,6 @@ def probe(address: str, timeout_s: float, what: str) -> str:
             return sock.getsockname()[0]
     except OSError as e:
         raise TransferError(f"{what} {address}: not reachable ({e}); is mooncake_master running there?") from None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _metadata_address(url: str) -> str:
@@ -109,7 +100,7 @@ class MooncakeClient:
         local_ip = probe(master, setup_timeout_s, "mooncake master")
         probe(_metadata_address(metadata_server), setup_timeout_s, "mooncake metadata server")
         _probe_metadata(metadata_server, setup_timeout_s)
-        self.local_hostname = local_hostname or f"{local_ip}:{_free_port(local_ip)}"
+        self.local_hostname = local_hostname or f"{local_ip}:{free_port(local_ip)}"
         self._store = _setup_store(self.local_hostname, metadata_server, segment_bytes, master)
         self._staging = _np().zeros(staging_bytes, dtype=_np().uint8)
         self._base = self._staging.ctypes.data
@@ -402,66 +393,6 @@ class MooncakeTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise TierIOError("POOL tier is closed")
-
-
-class MasterProcess:
-    """A `mooncake_master` subprocess on 127.0.0.1 with every port chosen here (tests, benches, trials).
-
-    Serves RPC on `rpc_port`, the HTTP metadata server on `http_port`, metrics on `metrics_port`;
-    ready once both RPC and HTTP accept connections.
-
-    Raises:
-        RuntimeError: the binary is missing, or the master did not come up within `timeout_s`.
-    """
-
-    def __init__(self, *, timeout_s: float = 30.0, log_path: Path | None = None, extra: Sequence[str] = ()) -> None:
-        import sys
-
-        binary = Path(sys.executable).parent / "mooncake_master"
-        binary = str(binary) if binary.exists() else shutil.which("mooncake_master")
-        if binary is None:
-            raise RuntimeError("mooncake_master not found next to python nor on PATH")
-        self.rpc_port, self.http_port, self.metrics_port = (_free_port("127.0.0.1") for _ in range(3))
-        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([
-            binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false",
-            *extra], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        for port in (self.rpc_port, self.http_port):
-            while not _accepts(port):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"mooncake_master did not come up on port {port} (exit {self.proc.poll()})")
-                time.sleep(0.02)  # polling a port: there is nothing to wait on
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self._log is not subprocess.DEVNULL:
-            self._log.close()
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def build_mooncake_tier(cfg, slot_bytes: int) -> MooncakeTier:
