@@ -81,27 +81,30 @@ class SlotAllocator:
         self.kind = kind
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A counter, not a property: the manager reads it after every completion (`_rebalance`).
+        self.num_used = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
     def allocate(self) -> int | None:
         """A free slot, or None when the tier is full."""
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        self.num_used += 1
+        return self._free.pop()
 
     def take(self, slots: set[int]) -> None:
         """Marks `slots` (all free) as used, e.g. for blocks found on disk at start-up."""
         self._free = [s for s in self._free if s not in slots]
+        self.num_used = self.num_slots - len(self._free)
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise KVTierError(f"tier {self.kind.name}: released slot {slot} out of range")
         self._free.append(slot)
+        self.num_used -= 1
 
 
 class BlockIndex:

@@ -71,7 +71,11 @@ class TierManager:
         self._below = {k: self.order[i + 1:] for i, k in enumerate(self.order)}  # tiers a victim may go to
         # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
         # `_rebalance` runs after every completion.
-        self._watermarked = tuple((k, t) for k, t in self._tiers.items() if t.high_watermark < 1)
+        # Each with its allocator and its high mark in slots, so that the check is two reads.
+        self._watermarked = tuple((k, t, self._slots[k], t.high_watermark * t.num_slots)
+                                  for k, t in self._tiers.items() if t.high_watermark < 1)
+        self._admits_all = {k: t.admission.kind is _ADMIT_ALL for k, t in self._tiers.items()}
+        self._policies = {k: t.policy for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
         self._protected = {k: self._protected_in(k) for k in self._tiers}
 
@@ -312,8 +316,31 @@ class TierManager:
             self._finish_move(entry, move, checksums)
         else:
             self._fail_move(entry, move, failure)
-        self._joined.discard(move_id)
+        if self._joined:
+            self._joined.discard(move_id)
         self._rebalance()
+        return self._drain()
+
+    def complete_moves(self, move_ids: Iterable[int]) -> tuple[Move, ...]:
+        """Applies many successful moves (no checksums), in order; returns the moves they triggered.
+
+        The same as `complete_move(id, True)` for each id in turn, concatenating what each returns
+        (a watermark check still follows every completion, so the decisions are identical), without
+        a plan tuple per move. Raises as `complete_move` does; the moves before the bad id are applied.
+        """
+        moves, inbound, outgoing, joined, get = self._moves, self._inbound, self._outgoing, self._joined, self.index.get
+        for move_id in move_ids:
+            move = moves.pop(move_id)
+            entry = get(move.key)
+            if move.reason is _DEMOTE:
+                outgoing[move.src] -= 1
+            else:
+                inbound.pop(move.key, None)
+            entry.copies[move.src].readers -= 1
+            self._finish_move(entry, move, None)
+            if joined:
+                joined.discard(move_id)
+            self._rebalance()
         return self._drain()
 
     def _finish_move(self, entry: BlockEntry, move: Move, checksums: tuple[int, ...] | None) -> None:
@@ -368,15 +395,13 @@ class TierManager:
 
     def _free_slot(self, tier: TierKind, *, demoted: bool, hits: int) -> int | None:
         """A free slot of `tier` for a block it admits, evicting one victim if that frees one now."""
-        spec = self._tiers[tier]
-        admission = spec.admission
-        if admission.kind is not _ADMIT_ALL and not admission.admits(demoted=demoted, hits=hits):
+        if not self._admits_all[tier] and not self._tiers[tier].admission.admits(demoted=demoted, hits=hits):
             return None
         slots = self._slots[tier]
         slot = slots.allocate()
         if slot is not None:
             return slot
-        victims = spec.policy.evict(1, self._protected[tier])
+        victims = self._policies[tier].evict(1, self._protected[tier])
         if victims:
             self._evict(self.index.get(victims[0]), tier)
         return slots.allocate()
@@ -404,11 +429,11 @@ class TierManager:
         if entry.prefetched:
             self.stats.prefetch_wasted += 1  # evicted before any load used it
             entry.prefetched = False
-        others = len(entry.copies) > 1 and any(
-            t != tier and c.state is not CopyState.FREEING for t, c in entry.copies.items())
-        if others:
-            self._release(entry, tier, DropReason.EVICTED)  # never the last copy
-            return
+        if len(entry.copies) > 1:
+            for t, c in entry.copies.items():
+                if t != tier and c.state is not _FREEING:
+                    self._release(entry, tier, DropReason.EVICTED)  # never the last copy
+                    return
         refused = False
         for lower in self._below[tier]:
             if lower in entry.copies:
@@ -425,10 +450,10 @@ class TierManager:
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark."""
-        for tier, spec in self._watermarked:
-            slots = self._slots[tier]
-            used = slots.num_used - self._outgoing[tier]
-            if used <= spec.high_watermark * slots.num_slots:
+        outgoing = self._outgoing
+        for tier, spec, slots, high in self._watermarked:
+            used = slots.num_used - outgoing[tier]
+            if used <= high:
                 continue
             target = math.floor(spec.low_watermark * slots.num_slots)
             while used > target:
@@ -436,7 +461,7 @@ class TierManager:
                 if not victims:
                     break
                 self._evict(self.index.get(victims[0]), tier)
-                used = self._slots[tier].num_used - self._outgoing[tier]
+                used = slots.num_used - outgoing[tier]
 
     def _load_source(self, entry: BlockEntry, tier: TierKind) -> LoadSource:
         entry.hits += 1
@@ -479,6 +504,8 @@ class TierManager:
         return move
 
     def _drain(self) -> tuple[Move, ...]:
+        if not self._new_moves:
+            return ()
         moves, self._new_moves = tuple(self._new_moves), []
         return moves
 
@@ -495,8 +522,10 @@ class TierManager:
         if copy.state is not _WRITING:
             raise KVTierError(f"block {_short(entry.key)} in {tier.name} completed twice")
         copy.state = _READY
-        entry.refresh()
-        self._tiers[tier].policy.insert(entry.key)
+        best = entry.ready_tier  # what `entry.refresh()` would find: one more READY copy
+        if best is None or tier < best:
+            entry.ready_tier = tier
+        self._policies[tier].insert(entry.key)
 
     def _release(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
         """Takes a copy (already out of its policy) out of service; frees it once unread.
@@ -506,7 +535,8 @@ class TierManager:
         copy = entry.copies[tier]
         if copy.state is not _FREEING:
             copy.state = _FREEING
-            entry.refresh()
+            if entry.ready_tier == tier:  # else the fastest READY copy is still the same one
+                entry.refresh()
             if entry.live_copies() == 0:
                 self.stats.dropped[reason] += 1
                 entry.pins = 0
@@ -515,7 +545,7 @@ class TierManager:
     def _retire(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
         """Like `_release`, for a copy that may still be in its policy."""
         if entry.copies[tier].state is _READY:
-            self._tiers[tier].policy.remove(entry.key)
+            self._policies[tier].remove(entry.key)
         self._release(entry, tier, reason)
 
     def _settle(self, entry: BlockEntry, tier: TierKind) -> None:

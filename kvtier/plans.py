@@ -33,7 +33,10 @@ class TierSlots:
     low_watermark: float = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+# Placement, Move and LoadSource are plain (not frozen) slots dataclasses: a frozen one's __init__
+# sets each field through object.__setattr__, ~0.7 us per Move, and a replay creates one per block
+# moved (bench/bench_simulate.py). Nobody mutates them; treat them as read-only.
+@dataclass(slots=True)
 class Placement:
     """Write the block `key` into `slot` of `tier`."""
 
@@ -42,7 +45,7 @@ class Placement:
     slot: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Move:
     """Copy block `key` from one tier's slot to another's; `id` names it while in flight."""
 
@@ -55,7 +58,7 @@ class Move:
     reason: MoveReason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoadSource:
     """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands."""
 

@@ -105,6 +105,18 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pending.pop(i)
         getattr(self, f"_complete_{kind}")(plan, ok > 0, data)
 
+    @precondition(lambda self: any(k == "move" for k, _ in self.pending))
+    @rule()
+    def complete_all_moves_at_once(self):
+        """`complete_moves` over every move in flight, in the order they were issued."""
+        moves = [p for k, p in self.pending if k == "move"]
+        self.pending = [(k, p) for k, p in self.pending if k != "move"]
+        for mv in moves:
+            assert self.m.owner(mv.src, mv.src_slot) == mv.key, "a move's source slot changed hands"
+            assert self.data.get((mv.src, mv.src_slot)) == mv.key, "a move read bytes of another block"
+            self.data[(mv.dst, mv.dst_slot)] = mv.key
+        self._queue_moves(self.m.complete_moves([mv.id for mv in moves]))
+
     def _pending_move_ids(self):
         return {p.id for k, p in self.pending if k == "move"}
 
@@ -337,3 +349,26 @@ def test_bad_configuration_and_misuse_raise():
     m = make_manager()
     with pytest.raises(KVTierError, match="not pinned"):
         m.unpin([42])
+
+
+@pytest.mark.parametrize("policy", list(PolicyKind))
+def test_complete_moves_decides_as_complete_move_one_at_a_time(policy):
+    def replay(batched):
+        m = make_manager((3, 4, 6), policy=policy, high=0.7, low=0.4)
+        for i in range(40):
+            keys = [i % 13, (i * 7) % 17 + 20, i + 100]
+            n = m.lookup(keys)
+            plan = m.prepare_load(keys[:n])
+            moves = list(plan.moves)
+            store = m.prepare_store(keys[n:])
+            moves += list(store.moves)
+            moves += list(m.complete_store(store))
+            moves += list(m.complete_load(plan))
+            while moves:
+                if batched:
+                    moves = list(m.complete_moves([mv.id for mv in moves]))
+                else:
+                    moves = moves[1:] + list(m.complete_move(moves[0].id, True))
+        return {k: m.where(k) for k in range(200)}, dict(m.stats.hits), dict(m.stats.dropped)
+
+    assert replay(batched=True) == replay(batched=False)
