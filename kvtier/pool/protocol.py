@@ -4,7 +4,7 @@ A frame is a fixed 20-byte prefix, a msgpack header and an optional raw payload:
 
     magic "KT" | version u8 | type u8 | request id u64 | header length u32 | payload length u32
     header: a msgpack map whose fields depend on the type (see `REQUESTS` and `REPLIES`)
-    payload: raw block bytes; only WRITE/WRITE_COMMIT requests and READ/GET replies carry one
+    payload: raw block bytes; only WRITE/WRITE_COMMIT/PUT requests and READ/GET replies carry one
 
 Block bytes travel outside msgpack so that both ends can `recv_into` their final place (the node's
 region, the caller's buffer) without a copy. A reply has the request's id and type | `REPLY`, or
@@ -52,6 +52,7 @@ class MsgType(enum.IntEnum):
     WRITE_COMMIT = 14  # data plane: WRITE of a whole WRITING block, then its commit with `checksum`
     RDMA_CONNECT = 15  # the client's RC QP (qpn, psn, gid, lid, mtu) -> the node's, and the tenant's regions
     RDMA_REGIONS = 16  # -> the tenant's regions as (id, addr, rkey, length), after it gained some
+    PUT = 17  # data plane (TCP): PUT_BEGIN + WRITE_COMMIT of one block in one frame, bytes in the payload
     ERROR = 0xFF
 
 
@@ -117,6 +118,7 @@ REQUESTS: dict[MsgType, dict[str, Any]] = {
     MsgType.READ: {"region": "uint", "offset": "uint", "length": "uint", "gen": "uint"},
     MsgType.WRITE: {"region": "uint", "offset": "uint", "gen": "uint"},
     MsgType.WRITE_COMMIT: {"region": "uint", "offset": "uint", "gen": "uint", "checksum": "uint"},
+    MsgType.PUT: {"key": "key", "lease_s": "num", "checksum": "uint"},
     MsgType.STATS: {},
     MsgType.RDMA_CONNECT: _QP_INFO,
     MsgType.RDMA_REGIONS: {},
@@ -135,6 +137,7 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.READ: {},
     MsgType.WRITE: {},
     MsgType.WRITE_COMMIT: {"committed": "bool"},
+    MsgType.PUT: {"status": "uint", "stored": "bool"},  # status: a GrantStatus; stored: the bytes are in
     MsgType.STATS: {"stats": "map"},
     MsgType.RDMA_CONNECT: {**_QP_INFO, "regions": _REGIONS},
     MsgType.RDMA_REGIONS: {"regions": _REGIONS},
@@ -261,7 +264,7 @@ def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply:
         msg = MsgType(raw_type)
     except ValueError:
         raise ProtocolError(ErrorCode.MALFORMED, f"unknown frame type {prefix.type}", rid) from None
-    carries = (MsgType.READ, MsgType.GET) if reply else (MsgType.WRITE, MsgType.WRITE_COMMIT)
+    carries = (MsgType.READ, MsgType.GET) if reply else (MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT)
     if prefix.payload_len and msg not in carries:
         raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} frame carries a payload", rid)
     header = _unpack(body, rid)

@@ -246,6 +246,8 @@ class PoolNode:
         rid = prefix.request_id
         if msg in (MsgType.WRITE, MsgType.WRITE_COMMIT):
             return self._write(sock, tenant, msg, rid, header, prefix.payload_len)
+        if msg is MsgType.PUT:
+            return self._put(sock, tenant, rid, header, prefix.payload_len)
         if msg is MsgType.READ:
             return self._read(sock, tenant, rid, header)
         if msg is MsgType.GET:
@@ -282,6 +284,31 @@ class PoolNode:
                 if ok and msg is MsgType.WRITE_COMMIT:
                     reply["committed"] = self.store.commit(tenant, access.block.key, h["gen"], h["checksum"])
         wire.send(sock, encode(REPLY | msg, rid, reply))
+
+    def _put(self, sock: socket.socket, tenant: str, rid: int, h: dict, n: int) -> None:
+        """PUT_BEGIN and WRITE_COMMIT of one block in one frame: the bytes go straight from the socket
+        into the slot granted, or (a key already stored, no room) are drained and the status told."""
+        with self._lock:
+            grant = self.store.put_begin(tenant, h["key"], n, h["lease_s"])
+            block = grant.block
+            access = None if block is None else self.store.begin_access(tenant, block.region.id, block.offset, n,
+                                                                        block.gen, write=True)
+        if access is None:
+            wire.drain(sock, n)
+            return wire.send(sock, encode(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": False}))
+        ok = stored = False
+        try:
+            wire.recv_into(sock, self.arena.view[access.arena_offset: access.arena_offset + n])
+            ok = True
+        finally:
+            with self._lock:
+                self.store.end_access(access, ok)
+                self.counters["bytes_in"] += n if ok else 0
+                if ok:
+                    stored = self.store.commit(tenant, block.key, block.gen, h["checksum"])
+                else:  # the peer went away mid-block: free the slot now, not at lease expiry
+                    self.store.abort(tenant, block.key, block.gen)
+        wire.send(sock, encode(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": stored}))
 
     def _read(self, sock: socket.socket, tenant: str, rid: int, h: dict) -> None:
         n = h["length"]
