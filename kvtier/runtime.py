@@ -97,10 +97,10 @@ class KVTier:
         except BaseException:
             self._close_tiers()
             raise
-        self.manager = TierManager(
-            [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
-            promote_to=config.promote_to, stats=self.stats)
-        try:
+        try:  # nothing built so far may leak (SSD files, pool connections) if the rest fails
+            self.manager = TierManager(
+                [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
+                promote_to=config.promote_to, stats=self.stats)
             self._journal = self._open_journal()
         except BaseException:
             self._close_tiers()
