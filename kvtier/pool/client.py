@@ -15,6 +15,11 @@ get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check;
 Faults are misses, never errors and never wrong bytes: a node that is down, slow or dies mid-call
 yields False for its keys; a block whose bytes do not match their checksum is a miss. A wrong
 tenant secret is not a fault but a configuration error, and raises `AuthFailed`.
+
+Data plane per node (`transport`): `tcp`; `rdma` (this host must open an RDMA device, and a node
+that does not serve RDMA refuses it loudly: its accesses raise `TransferError`); or `auto`, which
+picks RDMA for a node once that node's welcome says it serves RDMA and this host can open a device,
+TCP otherwise. The choice and its reason are kept per node (`transport_facts`), never swapped later.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import xxhash
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
 from kvtier.pool.connection import AuthFailed, NodeLink, NodeUnavailable, RemoteError, Request
+from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, GrantStatus, MsgType
 from kvtier.pool.transport_tcp import TCPTransport
 from kvtier.pool.units import parse_address
@@ -58,13 +64,15 @@ class PoolClient:
         reconnect_s: how long a failed node is skipped before it is tried again.
         lease_s: read lease asked for on each hit (a slot being read is not reused before).
         put_lease_s: how long a started put may take before the node reclaims its slot.
+        transport: the data plane asked for (see the module docstring).
     Raises:
-        ConfigError: no nodes, or an address that is not HOST:PORT.
+        ConfigError: no nodes, an address that is not HOST:PORT, or `rdma` asked for on a host
+            that cannot open an RDMA device.
     """
 
     def __init__(self, nodes: Sequence[str], *, tenant: str = "default", secret: bytes = b"",
                  timeout_s: float = 2.0, reconnect_s: float = 1.0, lease_s: float = 5.0,
-                 put_lease_s: float = 30.0) -> None:
+                 put_lease_s: float = 30.0, transport: TransportKind = TransportKind.TCP) -> None:
         if not nodes:
             raise ConfigError("pool client: nodes: at least one HOST:PORT is needed")
         names = [str(n) for n in nodes]
@@ -74,7 +82,14 @@ class PoolClient:
         self.lease_s, self.put_lease_s = lease_s, put_lease_s
         self.links = [NodeLink(n, parse_address(n, f"pool node {n}"), tenant, secret, timeout_s=timeout_s,
                                reconnect_s=reconnect_s) for n in names]
+        local, self._local_reason = choose_transport(transport)
         self.transports: list[Transport] = [TCPTransport(link) for link in self.links]
+        self._reasons = [self._local_reason] * len(names)
+        # auto with a usable device here: each node's data plane waits for the node to say what it serves
+        self._undecided = set(range(len(names))) if transport is TransportKind.AUTO and local is TransportKind.RDMA \
+            else set()
+        if transport is TransportKind.RDMA:
+            self.transports = [_rdma_transport(link) for link in self.links]
         self._seeds = [n.encode() for n in names]
         self._releases: list[list[int]] = [[] for _ in names]
         self._lock = threading.Lock()
@@ -148,12 +163,12 @@ class PoolClient:
             TransferError: the node is unreachable or refused the access.
         """
         view = byte_view(dst, writable=True, what="read buffer")
-        return self.transports[slot.node].read(slot.location.sub(offset, len(view)), view)
+        return self._data_plane(slot.node).read(slot.location.sub(offset, len(view)), view)
 
     def write_at(self, slot: Slot, offset: int, src: Any) -> bool:
         """Writes `src` at `offset` of a slot. False: the node dropped the slot. Raises as `read_at`."""
         view = byte_view(src, writable=False, what="write source")
-        return self.transports[slot.node].write(slot.location.sub(offset, len(view)), view)
+        return self._data_plane(slot.node).write(slot.location.sub(offset, len(view)), view)
 
     def free(self, slots: Sequence[Slot]) -> None:
         """Drops slots, best effort: a node that is down drops them by recency later."""
@@ -172,14 +187,23 @@ class PoolClient:
     def stats(self) -> list[dict[str, Any]]:
         """Each node's stats (as its tenant sees them), or `{"node": address, "error": ...}`."""
         out = []
-        for link in self.links:
+        for i, link in enumerate(self.links):
             try:
-                out.append({"address": link.name, **link.call(MsgType.STATS, {})["stats"]})
+                facts = link.call(MsgType.STATS, {})["stats"]
+                self._data_plane(i)  # the node has said which data plane it serves
+                out.append({"address": link.name, **facts})
             except AuthFailed:
                 raise
             except NodeUnavailable as e:
                 out.append({"address": link.name, "error": str(e)})
         return out
+
+    def transport_facts(self) -> list[tuple[str, str]]:
+        """Per node, the data plane in use and why, e.g. `("tcp", "auto: node serves tcp only")`;
+        `("undecided", ...)` for an `auto` node not reached yet."""
+        with self._lock:
+            return [("undecided", "auto: node not reached yet") if i in self._undecided else
+                    (self.transports[i].name, self._reasons[i]) for i in range(len(self.links))]
 
     @property
     def counters(self) -> dict[str, int]:
@@ -236,7 +260,7 @@ class PoolClient:
             return [False] * len(keys)
 
     def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        if self.transports[node].inline:
+        if self._data_plane(node).inline:
             return self._put_inline(node, keys, views)
         link, sums = self.links[node], []
         grants = link.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
@@ -293,7 +317,7 @@ class PoolClient:
         return out
 
     def _get_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        transport = self.transports[node]
+        transport = self._data_plane(node)
         wrong_size: list[int] = []
 
         def inline_buffers(header: dict) -> list[memoryview]:
@@ -326,6 +350,27 @@ class PoolClient:
             self._count("hits" if out[j] else ("checksum_errors" if moved[j] else "stale"))
         return out
 
+    def _data_plane(self, node: int) -> Transport:
+        """The node's transport; under `auto`, chosen on first use from what the node serves.
+
+        Raises:
+            NodeUnavailable: an undecided node cannot be reached (it stays undecided).
+        """
+        if node in self._undecided:
+            link = self.links[node]
+            if link.transport is None:
+                with link.connection():
+                    pass  # the node's welcome names its data plane
+            with self._lock:
+                if node in self._undecided:
+                    self._undecided.discard(node)
+                    if link.transport == TransportKind.RDMA.value:
+                        self.transports[node] = _rdma_transport(link)
+                        self._reasons[node] = f"{self._local_reason}; node serves rdma"
+                    else:
+                        self._reasons[node] = f"auto: node serves {link.transport} only"
+        return self.transports[node]
+
     def _take_releases(self, node: int) -> list[int]:
         with self._lock:
             leases, self._releases[node] = self._releases[node][:MAX_BATCH], self._releases[node][MAX_BATCH:]
@@ -334,6 +379,12 @@ class PoolClient:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
+
+
+def _rdma_transport(link: NodeLink) -> Transport:
+    from kvtier.pool.transport_rdma import RDMATransport  # verbs only where RDMA is used
+
+    return RDMATransport(link)
 
 
 def byte_view(buf: Any, *, writable: bool, what: str) -> memoryview:

@@ -89,9 +89,16 @@ class PoolTier(Tier):
             self._io(slot, handle, lambda: self._client.read_at(handle, offset, dst), "read")
 
     def describe(self) -> dict[str, object]:
-        links = self._client.links
-        return {**super().describe(), "nodes": [link.name for link in links],
-                "transport": ", ".join(sorted({link.transport or "tcp" for link in links})),
+        """The base facts plus nodes, tenant, and the data plane in use with its reason (per node
+        when the nodes differ)."""
+        facts = self._client.transport_facts()
+        names = [link.name for link in self._client.links]
+        if len(set(facts)) == 1:
+            transport, reason = facts[0]
+        else:
+            transport = ", ".join(sorted({name for name, _ in facts}))
+            reason = "; ".join(f"{node}: {name} ({why})" for node, (name, why) in zip(names, facts))
+        return {**super().describe(), "nodes": names, "transport": transport, "transport_reason": reason,
                 "tenant": self._client.tenant, "sharing": "per process (slot adapter)"}
 
     def close(self) -> None:
@@ -151,8 +158,12 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     A node that cannot be reached now is only logged (it may come up later: its slots are misses
     until then); a node that refuses the credentials is a configuration error.
 
+    The data plane follows `cfg.transport` (see `PoolClient`): `rdma` needs a device here and
+    nodes that serve RDMA; `auto` takes RDMA per node where both ends can.
+
     Raises:
-        ConfigError: RDMA asked for, a secret file unreadable, or a node refused the tenant.
+        ConfigError: RDMA asked for and this host cannot open a device or a reachable node does not
+            serve it (or the backend is Mooncake), a secret file unreadable, or a node refused the tenant.
         CapacityError: capacity below one slot.
     """
     from kvtier.errors import ConfigError
@@ -160,20 +171,27 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     from kvtier.pool.detect import TransportKind
     from kvtier.pool.tenants import read_secret
 
-    if cfg.transport is TransportKind.RDMA:
-        raise ConfigError("tiers.pool.transport: rdma is not available in this build yet; use auto or tcp")
     if cfg.backend.value == "mooncake":
+        if cfg.transport is TransportKind.RDMA:
+            raise ConfigError("tiers.pool.transport: rdma is not available with the mooncake backend; use auto or tcp")
         from kvtier.pool.mooncake import build_mooncake_tier
 
         return build_mooncake_tier(cfg, slot_bytes)
     secret = read_secret(cfg.secret, str(cfg.secret_file) if cfg.secret_file else None, "tiers.pool")
-    client = PoolClient(cfg.nodes, tenant=cfg.tenant, secret=secret, timeout_s=cfg.timeout_s,
-                        reconnect_s=cfg.reconnect_s)
+    try:
+        client = PoolClient(cfg.nodes, tenant=cfg.tenant, secret=secret, timeout_s=cfg.timeout_s,
+                            reconnect_s=cfg.reconnect_s, transport=cfg.transport)
+    except ConfigError as e:
+        raise ConfigError(f"tiers.pool: {e}") from None
     try:
         tier = PoolTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
         for facts in client.stats():
             if "error" in facts:
                 log.warning("tiers.pool: node %s unreachable for now: %s", facts["address"], facts["error"])
+            elif cfg.transport is TransportKind.RDMA and facts.get("transport") != TransportKind.RDMA.value:
+                raise ConfigError(f"tiers.pool.transport: rdma, but node {facts['address']} serves "
+                                  f"{facts.get('transport')} ({facts.get('transport_reason')})")
+        log.info("tiers.pool: data plane %s", tier.describe()["transport"])
     except AuthFailed as e:
         client.close()
         raise ConfigError(f"tiers.pool: {e}") from None

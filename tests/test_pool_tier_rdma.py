@@ -1,0 +1,115 @@
+"""The runtime's pool tier on the RDMA data plane: `transport: rdma` moves blocks through
+`RDMATransport` over the fake verbs NIC (`KVTIER_VERBS=fake`, the node a real `kvtier pool serve
+--transport rdma` subprocess on the same fake fabric), and `transport: auto` reports what it chose
+and why. Cost: about 4 s (two node starts).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import KVTierConfig, config_from_dict
+from kvtier.errors import ConfigError
+from kvtier.layout import BlockLayout
+from kvtier.pool.client import PoolClient
+from kvtier.pool.testing import running_node
+from kvtier.pool.transport_rdma import RDMATransport
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+
+P = TierKind.POOL
+LAYOUT = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)
+BLOCK = LAYOUT.block_bytes
+WAIT_S = 30  # a safety net against hangs, never a measurement
+
+
+@pytest.fixture
+def fabric(tmp_path, monkeypatch):
+    """A fake RDMA fabric this process and the nodes it starts share (the env is inherited)."""
+    monkeypatch.setenv("KVTIER_VERBS", "fake")
+    monkeypatch.setenv("KVTIER_FAKE_FABRIC", str(tmp_path / "fabric"))
+    (tmp_path / "fabric").mkdir()
+
+
+def config(tmp_path, node_address: str, transport: str) -> KVTierConfig:
+    return config_from_dict({
+        "model": "kvtier-tiny",
+        "tiers": {
+            "hbm": {"capacity": 2 * BLOCK, "device": "cpu", "high_watermark": 1.0, "low_watermark": 1.0},
+            "dram": {"capacity": 2 * BLOCK, "high_watermark": 1.0, "low_watermark": 1.0},
+            "pool": {"capacity": 4 * BLOCK, "nodes": [node_address], "transport": transport,
+                     "timeout_s": WAIT_S, "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0},
+        },
+    })
+
+
+def blocks(keys) -> torch.Tensor:
+    return torch.stack([torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
+                                      generator=torch.Generator().manual_seed(k)) for k in keys])
+
+
+def store_each(kv: KVTier, keys) -> None:
+    for k in keys:
+        handle = kv.store([k], blocks([k]))
+        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
+        kv.quiesce(WAIT_S)
+
+
+def pool_facts(kv: KVTier) -> dict:
+    return next(t for t in kv.describe()["tiers"] if t["tier"] == "pool")
+
+
+def node_bytes(address: str) -> tuple[int, int]:
+    """Bytes the node moved itself (TCP data plane); one-sided RDMA never shows here."""
+    with PoolClient([address], timeout_s=WAIT_S) as c:
+        facts = c.stats()[0]
+    return facts["bytes_in"], facts["bytes_out"]
+
+
+def test_transport_rdma_stores_and_loads_through_one_sided_verbs(tmp_path, fabric):
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
+        with KVTier(config(tmp_path, node.address, "rdma"), layout=LAYOUT) as kv:
+            facts = pool_facts(kv)
+            assert facts["transport"] == "rdma" and "requested" in facts["transport_reason"], facts
+            assert all(isinstance(t, RDMATransport) for t in kv.tiers[P]._client.transports)
+            store_each(kv, range(8))
+            where = kv.where(range(8))
+            pool_keys = [k for k, w in zip(range(8), where) if w is P]
+            assert len(pool_keys) == 4, where
+            out = torch.zeros(len(pool_keys), BLOCK, dtype=torch.uint8)
+            handle = kv.load(pool_keys, out)
+            assert handle.wait(WAIT_S) and handle.failed == {}
+            assert torch.equal(out, blocks(pool_keys)), "byte-identical through RDMA READ"
+            assert kv.snapshot()["hits"]["pool"] == len(pool_keys)
+            assert node_bytes(node.address) == (0, 0), "the node's CPU moved none of the blocks' bytes"
+
+
+def test_transport_auto_against_a_tcp_only_node_reports_tcp_and_why(tmp_path, fabric):
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "tcp"]) as node:
+        with KVTier(config(tmp_path, node.address, "auto"), layout=LAYOUT) as kv:
+            facts = pool_facts(kv)
+            assert (facts["transport"], facts["transport_reason"]) == ("tcp", "auto: node serves tcp only")
+            store_each(kv, range(8))
+            assert kv.where(range(8)).count(P) == 4
+            assert node_bytes(node.address)[0] >= 4 * BLOCK, "the bytes went over TCP"
+
+
+def test_transport_auto_against_an_rdma_node_takes_rdma(tmp_path, fabric):
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
+        with KVTier(config(tmp_path, node.address, "auto"), layout=LAYOUT) as kv:
+            facts = pool_facts(kv)
+            assert facts["transport"] == "rdma" and "node serves rdma" in facts["transport_reason"], facts
+
+
+def test_transport_rdma_against_a_tcp_only_node_is_a_config_error(tmp_path, fabric):
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "tcp"]) as node:
+        with pytest.raises(ConfigError, match=r"tiers\.pool\.transport: rdma, but node .* serves tcp"):
+            KVTier(config(tmp_path, node.address, "rdma"), layout=LAYOUT)
+
+
+def test_transport_rdma_without_a_device_here_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_VERBS", "fake")
+    monkeypatch.delenv("KVTIER_FAKE_FABRIC", raising=False)  # the fake NIC is absent
+    with pytest.raises(ConfigError, match=r"tiers\.pool: transport rdma: no RDMA device"):
+        KVTier(config(tmp_path, "127.0.0.1:1", "rdma"), layout=LAYOUT)
