@@ -10,18 +10,15 @@ import torch
 
 from kvtier.config import KVTierConfig, TierConfig, config_from_dict
 from kvtier.errors import ConfigError
-from kvtier.layout import BlockLayout
 from kvtier.pool.client import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.testing import NodeProcess, running_node
 from kvtier.pool.tier import PoolTier
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
+from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
 H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD
-LAYOUT = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)
-BLOCK = LAYOUT.block_bytes
-WAIT_S = 30  # a safety net against hangs, never a measurement
 SECRET = "runtime-secret-123456"
 
 
@@ -51,11 +48,6 @@ def config(tmp_path, node_address: str, secret: str = SECRET) -> KVTierConfig:
                     "low_watermark": 1.0},
         },
     })
-
-
-def blocks(keys) -> torch.Tensor:
-    return torch.stack([torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
-                                      generator=torch.Generator().manual_seed(k)) for k in keys])
 
 
 def store_each(kv: KVTier, keys) -> None:

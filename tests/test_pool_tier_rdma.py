@@ -11,17 +11,15 @@ import torch
 
 from kvtier.config import KVTierConfig, config_from_dict
 from kvtier.errors import ConfigError
-from kvtier.layout import BlockLayout
 from kvtier.pool.client import PoolClient
 from kvtier.pool.testing import running_node
 from kvtier.pool.transport_rdma import RDMATransport
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
+from test_pool_runtime import store_each
+from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
 P = TierKind.POOL
-LAYOUT = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)
-BLOCK = LAYOUT.block_bytes
-WAIT_S = 30  # a safety net against hangs, never a measurement
 
 
 @pytest.fixture
@@ -42,18 +40,6 @@ def config(tmp_path, node_address: str, transport: str) -> KVTierConfig:
                      "timeout_s": WAIT_S, "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0},
         },
     })
-
-
-def blocks(keys) -> torch.Tensor:
-    return torch.stack([torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
-                                      generator=torch.Generator().manual_seed(k)) for k in keys])
-
-
-def store_each(kv: KVTier, keys) -> None:
-    for k in keys:
-        handle = kv.store([k], blocks([k]))
-        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
-        kv.quiesce(WAIT_S)
 
 
 def pool_facts(kv: KVTier) -> dict:
