@@ -9,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.hardware import format_bytes
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("info", help="show tiers, capacities, media, block geometry and active devices",
@@ -65,16 +67,9 @@ def run(args: argparse.Namespace) -> int:
     for t in info["tiers"]:
         details = {k: v for k, v in t.items() if k not in ("tier", "medium", "capacity_bytes", "num_slots",
                                                             "slot_bytes", "files")}
-        table.add_row(t["tier"], t["medium"], _gib(t["capacity_bytes"]), f"{t['num_slots']:,}",
+        table.add_row(t["tier"], t["medium"], format_bytes(t["capacity_bytes"]), f"{t['num_slots']:,}",
                       ", ".join(f"{k}={v}" for k, v in details.items()))
     console.print(table)
     env = info["environment"]
     console.print(f"device: {env['device']}; device↔host: {env['device_host_copy']}; SSD: {env['ssd_io']}")
     return 0
-
-
-def _gib(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}".replace(".00 ", " ")
-    return f"{n} B"

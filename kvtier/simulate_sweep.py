@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.hardware import format_bytes
 from kvtier.simulate import SimConfig, SimPolicy, VirtualTier, simulate
 from kvtier.simulate_trace import Trace
 from kvtier.tiers.kinds import TierKind
@@ -121,7 +122,7 @@ def _choice(row: dict) -> dict:
 
 def _message(best: dict | None, belady: dict | None, rows: Sequence[dict], target: float, max_rate: float) -> str:
     if best is not None:
-        text = (f"{best['tier']} = {best['capacity_blocks']:,} blocks ({_gib(best['capacity_bytes'])}) with "
+        text = (f"{best['tier']} = {best['capacity_blocks']:,} blocks ({format_bytes(best['capacity_bytes'])}) with "
                 f"{best['label']} reaches {best['block_hit_rate']:.1%} >= target {target:.1%}")
     elif target > max_rate:
         text = f"target {target:.1%} is above this trace's maximum {max_rate:.1%} (every block's first use misses)"
@@ -132,13 +133,6 @@ def _message(best: dict | None, belady: dict | None, rows: Sequence[dict], targe
     if belady is not None:
         text += f"; Belady's optimum needs {belady['capacity_blocks']:,} blocks"
     return text
-
-
-def _gib(num_bytes: int) -> str:
-    value, unit = num_bytes / 2**30, "GiB"
-    if value >= 1024:
-        value, unit = value / 1024, "TiB"
-    return f"{value:,.1f} {unit}"
 
 
 def plot_sweep(rows: Sequence[dict], path: Path, *, target_hit_rate: float | None, max_hit_rate: float) -> Path:

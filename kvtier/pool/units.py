@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from kvtier.config import parse_size  # torch-free: a pool node starts without importing torch
 from kvtier.errors import ConfigError
+from kvtier.hardware import format_bytes as format_size  # torch-free too
 
 __all__ = ["format_size", "parse_address", "parse_size"]
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def parse_address(value: str, where: str) -> tuple[str, int]:
