@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,6 +20,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.pool.detect import TransportKind
+from kvtier.sizes import parse_size
 from kvtier.tiers.kinds import TierKind
 
 
@@ -36,30 +36,6 @@ class CacheMode(enum.Enum):
 
     EXCLUSIVE = "exclusive"
     INCLUSIVE = "inclusive"
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-
-
-def parse_size(value: Any, where: str) -> int:
-    """Bytes from an int or a string such as '512MiB', '4GB', '1.5GiB'.
-
-    Raises:
-        ConfigError: naming `where` when the value is not a non-negative size.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a size such as 4GiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{where}: size must be >= 0, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value)) if isinstance(value, str) else None
-    if not match:
-        raise ConfigError(f"{where}: expected a size such as 4GiB or 512MB, got {value!r}")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True, slots=True)

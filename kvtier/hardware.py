@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import difflib
 import enum
-import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from kvtier.errors import KVTierError
+from kvtier.sizes import parse_size
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -123,10 +123,6 @@ def fabric(name: str) -> Fabric:
 # ---------------------------------------------------------------------------------------------
 # units
 
-_BYTE_UNITS = {
-    "": 1, "b": 1, "k": KiB, "kb": 10**3, "kib": KiB, "m": MiB, "mb": 10**6, "mib": MiB,
-    "g": GiB, "gb": 10**9, "gib": GiB, "t": TiB, "tb": 10**12, "tib": TiB, "pb": 10**15, "pib": 1 << 50,
-}  # fmt: skip
 _TIME_UNITS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "us": Fraction(1, 10**6), "m": 60, "min": 60}
 _TOKEN_UNITS = {"": 1, "k": 1024, "m": 1 << 20}  # context lengths count in powers of two: 128k = 131,072
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
@@ -142,12 +138,12 @@ def _parse(field: str, text: str, units: dict[str, int | Fraction], example: str
 
 
 def parse_bytes(field: str, text: str) -> int:
-    """`80GiB` -> 85899345920, `1.5TB` -> 1.5e12; a bare number is bytes. Rounds down to a byte.
+    """`80GiB` -> 85899345920, `1.5TB` -> 1.5e12; a bare number is bytes; see `kvtier.sizes`.
 
     Raises:
-        HardwareError: not a non-negative size; the message names `field`.
+        HardwareError: not a non-negative size, or an ambiguous unit such as `80G`; names `field`.
     """
-    return math.floor(_parse(field, text, _BYTE_UNITS, "80GiB, 512GB or 2TiB"))
+    return parse_size(text, field, HardwareError)
 
 
 def parse_seconds(field: str, text: str) -> Fraction:

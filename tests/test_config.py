@@ -89,16 +89,35 @@ def test_optional_sections_may_be_omitted_or_null(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "value,expected",
     [("512MiB", 512 * MiB), ("4GB", 4 * 10**9), ("1.5GiB", 3 * GiB // 2), (1024, 1024), ("0", 0),
-     ("4 kib", 4 * KiB), ("100", 100), ("2T", 2 * 10**12), (0, 0)],
+     ("4 kib", 4 * KiB), ("100", 100), ("2TB", 2 * 10**12), (0, 0), ("1e9", 10**9), ("4Gi", 4 * GiB),
+     ("0.5KiB", 512), ("1.5TiB", 3 * 512 * GiB)],
 )  # fmt: skip
 def test_parse_size(value: Any, expected: int) -> None:
     assert parse_size(value, "tiers.dram.capacity") == expected
 
 
-@pytest.mark.parametrize("value", ["12 parsecs", "-5MiB", "", "MiB", "1e9", -1, True, None, 1.5, [1]])
+@pytest.mark.parametrize("value", ["12 parsecs", "-5MiB", "", "MiB", "1e", -1, True, None, 1.5, [1]])
 def test_parse_size_rejects_naming_the_field(value: Any) -> None:
     with pytest.raises(ConfigError, match=r"^tiers\.dram\.capacity: "):
         parse_size(value, "tiers.dram.capacity")
+
+
+@pytest.mark.parametrize("value,hint", [("4G", "4GiB .* or 4GB"), ("512m", "512MiB .* or 512MB"), ("2 t", "2TiB")])
+def test_parse_size_refuses_a_bare_prefix_as_ambiguous(value: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^tiers\.dram\.capacity: '{value}' is ambiguous; write {hint}"):
+        parse_size(value, "tiers.dram.capacity")
+
+
+def test_config_and_planner_read_sizes_alike() -> None:
+    from kvtier.hardware import HardwareError, parse_bytes
+
+    for text in ("80GiB", "24GB", "1.5TiB", "512", "2 MiB", "1e9", "4Gi"):
+        assert parse_bytes("hbm", text) == parse_size(text, "hbm")
+    for text in ("4G", "4g", "-1GiB", "24XB"):
+        with pytest.raises(ConfigError):
+            parse_size(text, "hbm")
+        with pytest.raises(HardwareError):
+            parse_bytes("hbm", text)
 
 
 # ---- every validation path names its field ---------------------------------------------------
