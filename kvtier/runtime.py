@@ -94,6 +94,7 @@ class KVTier:
             for cfg in config.tiers:
                 if cfg.kind not in self.tiers:
                     self.tiers[cfg.kind] = build_tier(cfg, self.layout.block_bytes)
+            self._share_host_memory()
         except BaseException:
             self._close_tiers()
             raise
@@ -245,6 +246,16 @@ class KVTier:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _share_host_memory(self) -> None:
+        """Tells each tier about the others' host memory (the DRAM slab), so that a pool tier on
+        RDMA moves blocks between a DRAM slot and the pool without a staging copy."""
+        for kind, tier in self.tiers.items():
+            memory = tier.host_memory()
+            if memory is not None:
+                for other_kind, other in self.tiers.items():
+                    if other_kind is not kind:
+                        other.register_host_memory(memory)
 
     def _slots(self, cfg: TierConfig) -> TierSlots:
         tier = self.tiers[cfg.kind]

@@ -110,5 +110,12 @@ class Transport(ABC):
         """Batched `write`; as `read_many`."""
         return [self.write(io.location, io.buffer) for io in ios]
 
+    def register_memory(self, address: int, length: int, owner: object) -> None:
+        """Declares host memory that later buffers will lie in (a DRAM tier's slab), so a transport
+        that can move bytes straight from and into it (RDMA: one memory registration, no staging
+        copy) does. `owner` keeps the memory alive while the transport may use it. The default
+        does nothing: TCP copies through the socket either way.
+        """
+
     def close(self) -> None:
         """Releases connections or queue pairs. Idempotent."""

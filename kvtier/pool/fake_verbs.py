@@ -245,6 +245,8 @@ class QP:
         local = MR._local.get(sge.lkey)
         if local is None or not local.buf <= sge.addr <= sge.addr + sge.length <= local.buf + local.length:
             return IBV_WC_LOC_PROT_ERR
+        if w.opcode == IBV_WR_RDMA_READ and not local.access & IBV_ACCESS_LOCAL_WRITE:
+            return IBV_WC_LOC_PROT_ERR  # a READ lands in local memory: the MR must allow local writes
         need = IBV_ACCESS_REMOTE_WRITE if w.opcode == IBV_WR_RDMA_WRITE else IBV_ACCESS_REMOTE_READ
         start = remote["addr"]
         if not remote["access"] & need or not start <= w.remote_addr <= w.remote_addr + sge.length <= start + remote["length"]:

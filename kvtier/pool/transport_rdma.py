@@ -2,9 +2,16 @@
 
 The queue pair is set up over a control connection this transport owns (RDMA_CONNECT trades QP
 number, PSN, GID; the reply carries `(addr, rkey, length)` of the tenant's regions). A batch
-becomes chains of work requests through a registered staging buffer, signalled every
-`signal_every`-th and last (selective signalling: fewer completions to poll, and the send queue
-is freed in order); completions are polled until a deadline.
+becomes chains of work requests, signalled every `signal_every`-th and last (selective
+signalling: fewer completions to poll, and the send queue is freed in order); completions are
+polled until a deadline.
+
+Zero copy: host memory declared with `register_memory` (the runtime declares its DRAM tier's slab)
+is registered once per connection, and a buffer inside it is the work request's own scatter/gather
+entry, so the NIC reads a demoted block straight out of its DRAM slot and writes a loaded one
+straight into it. Any other buffer (a caller's scratch tensor, pageable memory the runtime does not
+own) goes through a registered staging buffer: one memcpy each way. `zero_copy_bytes` and
+`staged_bytes` count which path each byte took.
 
 What the node's CPU does not see it cannot check: a stale slot reads as True (callers verify the
 checksum carried with every block); a region the tenant no longer holds reads as a miss; bounds
@@ -18,6 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from kvtier.errors import TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
@@ -46,6 +55,10 @@ class RDMATransport(Transport):
         self._qp: QueuePair | None = None
         self._staging: Any = None
         self._regions: dict[int, tuple[int, int, int]] = {}  # id -> (addr, rkey, length)
+        self._host_memory: list[tuple[int, int, object]] = []  # (address, length, owner) to register
+        self._host_mrs: list[Any] = []  # their MRs on the current connection
+        self.zero_copy_bytes = 0  # moved straight from/into registered host memory
+        self.staged_bytes = 0  # copied through the staging buffer
 
     def read(self, location: Location, dst: memoryview) -> bool:
         return self.read_many([RemoteIO(location, dst)])[0]
@@ -59,10 +72,27 @@ class RDMATransport(Transport):
     def write_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
         return self._run(ios, write=True)
 
+    def register_memory(self, address: int, length: int, owner: object) -> None:
+        """Registers `[address, address + length)` for zero-copy I/O from the next batch on (now when
+        connected, else at connect). Overlapping or repeated declarations are registered once.
+
+        Raises:
+            TransferError: the device refused the registration (e.g. `ulimit -l` too low for it).
+        """
+        if length <= 0:
+            raise ValueError(f"register_memory: length must be positive, got {length}")
+        with self._lock:
+            if any(a <= address and address + length <= a + n for a, n, _ in self._host_memory):
+                return
+            if self._qp is not None:
+                self._register_host(address, length)
+            self._host_memory.append((address, length, owner))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._teardown()
+            self._host_memory = []
 
     # ---- connection -------------------------------------------------------------------------
 
@@ -72,6 +102,8 @@ class RDMATransport(Transport):
         try:
             self._qp = QueuePair(self._device, max_send_wr=self.max_batch_wr)
             self._staging = self._device.register(self._staging_bytes)
+            for address, length, _ in self._host_memory:
+                self._register_host(address, length)
             self._conn = self._link.dedicated()
             reply = self._conn.call(MsgType.RDMA_CONNECT, self._qp.local_info().to_wire())
             self._qp.connect(PeerInfo.from_wire(reply))
@@ -86,12 +118,27 @@ class RDMATransport(Transport):
             raise
         self._set_regions(reply["regions"])
 
+    def _register_host(self, address: int, length: int) -> None:
+        try:
+            self._host_mrs.append(self._device.register_local(length, address))
+        except self._device.v.Error as e:
+            raise TransferError(f"pool node {self._link.name}: cannot register {length} bytes of host memory "
+                                f"for zero-copy RDMA ({e}); check `ulimit -l` (kvtier doctor)") from None
+
     def _teardown(self) -> None:
-        for part in (self._qp, self._staging, self._conn, self._device):
+        for part in (self._qp, *self._host_mrs, self._staging, self._conn, self._device):
             if part is not None:
                 part.close()
         self._qp = self._staging = self._conn = self._device = None
+        self._host_mrs = []
         self._regions = {}
+
+    def _lkey_of(self, address: int, length: int) -> int | None:
+        """The lkey of a registered host MR holding `[address, address + length)`; None: stage it."""
+        for mr in self._host_mrs:
+            if mr.buf <= address and address + length <= mr.buf + mr.length:
+                return mr.lkey
+        return None
 
     def _set_regions(self, rows: list) -> None:
         self._regions = {r[0]: (r[1], r[2], r[3]) for r in rows}
@@ -125,7 +172,7 @@ class RDMATransport(Transport):
                 if self._qp is None:  # torn down after an error completion in the last chunk
                     self._connect()
                 ok = self._post(chunk, ios, targets, write)
-                for i, good in zip(chunk, ok):
+                for (i, _), good in zip(chunk, ok):
                     out[i] = good
             return out
 
@@ -144,49 +191,63 @@ class RDMATransport(Transport):
                                 f"is outside region {loc.region} of {length} bytes")
         return addr + loc.offset, rkey
 
-    def _chunks(self, todo: list[int], ios: Sequence[RemoteIO]) -> list[list[int]]:
-        """Runs of ios that fit the staging buffer and the send queue together."""
-        chunks, current, used = [], [], 0
+    def _chunks(self, todo: list[int], ios: Sequence[RemoteIO]) -> list[list[tuple[int, int | None]]]:
+        """Runs of (io, lkey of its registered host memory or None) that fit the send queue, and
+        the staging buffer together for those that need it."""
+        chunks, current, staged = [], [], 0
         for i in todo:
             n = ios[i].location.length
-            if n > self._staging.length:
+            lkey = self._lkey_of(_address(ios[i].buffer), n) if self._host_mrs and n else None
+            need = 0 if lkey is not None else n
+            if need > self._staging.length:
                 raise TransferError(f"a block of {n} bytes exceeds the RDMA staging buffer of {self._staging.length}")
-            if current and (used + n > self._staging.length or len(current) == self.max_batch_wr):
+            if current and (staged + need > self._staging.length or len(current) == self.max_batch_wr):
                 chunks.append(current)
-                current, used = [], 0
-            current.append(i)
-            used += n
+                current, staged = [], 0
+            current.append((i, lkey))
+            staged += need
         return chunks + [current] if current else chunks
 
-    def _post(self, chunk: list[int], ios: Sequence[RemoteIO], targets: list, write: bool) -> list[bool]:
+    def _post(self, chunk: list[tuple[int, int | None]], ios: Sequence[RemoteIO], targets: list,
+              write: bool) -> list[bool]:
         """One chain of work requests; per io whether it completed successfully."""
         v, staging = self._device.v, self._staging
         view = memoryview((ctypes.c_char * staging.length).from_address(staging.buf)).cast("B")
         opcode = v.e.IBV_WR_RDMA_WRITE if write else v.e.IBV_WR_RDMA_READ
         wrs, offsets, used = [], [], 0
-        for k, i in enumerate(chunk):
-            n = len(ios[i].buffer)
-            if write:
-                view[used: used + n] = ios[i].buffer
+        for k, (i, lkey) in enumerate(chunk):
+            buf = ios[i].buffer
+            n = len(buf)
+            if lkey is not None:
+                sge = v.SGE(_address(buf), n, lkey)
+                offsets.append(None)
+            else:
+                if write:
+                    view[used: used + n] = buf
+                sge = v.SGE(staging.buf + used, n, staging.lkey)
+                offsets.append(used)
+                used += n
             last = k == len(chunk) - 1
             flags = v.e.IBV_SEND_SIGNALED if last or (k + 1) % self.signal_every == 0 else 0
-            wr = v.SendWR(wr_id=k, opcode=opcode, num_sge=1, sg=[v.SGE(staging.buf + used, n, staging.lkey)],
-                          send_flags=flags)
+            wr = v.SendWR(wr_id=k, opcode=opcode, num_sge=1, sg=[sge], send_flags=flags)
             wr.set_wr_rdma(targets[i][1], targets[i][0])
             if wrs:
                 wrs[-1].next_wr = wr
             wrs.append(wr)
-            offsets.append(used)
-            used += n
         try:
             self._qp.qp.post_send(wrs[0])
         except v.Error as e:
             self._teardown()
             raise TransferError(f"pool node {self._link.name}: RDMA post failed: {e}") from None
         first_bad = self._wait(len(chunk))
-        if not write:
-            for k, i in enumerate(chunk[:first_bad]):
-                ios[i].buffer[:] = view[offsets[k]: offsets[k] + len(ios[i].buffer)]
+        for k, (i, _) in enumerate(chunk[:first_bad]):
+            n = len(ios[i].buffer)
+            if offsets[k] is None:
+                self.zero_copy_bytes += n
+            else:
+                self.staged_bytes += n
+                if not write:
+                    ios[i].buffer[:] = view[offsets[k]: offsets[k] + n]
         return [k < first_bad for k in range(len(chunk))]
 
     def _wait(self, num_wrs: int) -> int:
@@ -213,3 +274,8 @@ class RDMATransport(Transport):
             if time.monotonic() > deadline:
                 self._teardown()
                 raise TransferError(f"pool node {self._link.name}: no RDMA completion within {self._link.timeout_s} s")
+
+
+def _address(buffer: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data) if len(buffer) else 0

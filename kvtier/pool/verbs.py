@@ -214,6 +214,11 @@ class Device:
             return self.v.MR(self.pd, length, access)
         return self.v.MR(self.pd, length, access, address=address)
 
+    def register_local(self, length: int, address: int) -> Any:
+        """An MR over caller-owned memory that only this side's NIC touches: the source of RDMA
+        WRITEs and the destination of READs (local write access only, no rkey worth sharing)."""
+        return self.v.MR(self.pd, length, self.v.e.IBV_ACCESS_LOCAL_WRITE, address=address)
+
     def close(self) -> None:
         self.ctx.close()  # pyverbs closes what was created on the context with it
 

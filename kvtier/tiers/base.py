@@ -71,6 +71,17 @@ class Tier(ABC):
         """A zero-copy uint8 tensor over a slot range, or None where the medium has no such view."""
         return None
 
+    def host_memory(self) -> torch.Tensor | None:
+        """The host memory every `view` of this tier lies in (a DRAM tier's slab), for tiers that
+        can move bytes straight out of and into it; None (the default) where there is none."""
+        return None
+
+    def register_host_memory(self, memory: torch.Tensor) -> None:
+        """Told by the runtime about another tier's `host_memory`: buffers handed to this tier's
+        `read`/`write` often lie in it. A tier whose transport can use it directly (the pool
+        over RDMA registers it once, then moves blocks without a staging copy) does; the
+        default ignores it."""
+
     def write_many(self, ios: Iterable[SlotIO]) -> None:
         """Batched `write`; the default writes one by one. Raises as `write` on the first failure."""
         for io in ios:

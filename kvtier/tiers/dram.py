@@ -81,6 +81,10 @@ class DRAMTier(Tier):
         dst = as_byte_buffer(dst, "DRAM read destination")
         dst.copy_(self.view(slot, offset, dst.numel()))
 
+    def host_memory(self) -> torch.Tensor | None:
+        """The whole slab (None once closed): every `view` lies in it."""
+        return None if self._slab is None else self._slab.view(-1)
+
     def describe(self) -> dict[str, object]:
         """Base facts plus whether the slab is pinned and 4 KiB-aligned (slab and slot starts)."""
         facts = super().describe()
