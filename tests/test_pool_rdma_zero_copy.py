@@ -2,7 +2,8 @@
 and buffers inside it are the work requests' own scatter/gather entries (no staging memcpy); any
 other buffer still goes through the staging buffer. Run on the fake verbs NIC (it refuses a
 scatter/gather entry outside a registered MR, and a READ into an MR without local write access,
-as hardware does) against a real `kvtier pool serve --transport rdma` subprocess. Cost: about 2 s.
+as hardware does) against a real `kvtier pool serve --transport rdma` subprocess; and, marked
+`rdma`, the same on a real device (skipped where there is none). Cost: about 2 s.
 """
 
 from __future__ import annotations
@@ -16,16 +17,29 @@ import pytest
 from kvtier.pool.base import RemoteIO
 from kvtier.pool.client import PoolClient
 from kvtier.pool.testing import running_node
-from kvtier.pool.transport_rdma import RDMATransport
+from kvtier.pool.transport_rdma import STAGING_BYTES, RDMATransport
+from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
 BLOCK = 20_000
 
 
-@pytest.fixture(scope="module")
-def node_address(tmp_path_factory) -> Iterator[str]:
+def has_device() -> bool:
+    try:
+        return bool(device_names(load_verbs("pyverbs")))
+    except NoRDMADevice:
+        return False
+
+
+REAL = pytest.param("pyverbs", marks=[pytest.mark.rdma, pytest.mark.skipif(
+    not has_device(), reason="no RDMA device on this host (see kvtier/pool/rxe_setup.sh)")])
+
+
+@pytest.fixture(scope="module", params=["fake", REAL])
+def node_address(request, tmp_path_factory) -> Iterator[str]:
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVTIER_VERBS", "fake")
-    mp.setenv("KVTIER_FAKE_FABRIC", str(tmp_path_factory.mktemp("fabric")))
+    mp.setenv("KVTIER_VERBS", request.param)
+    if request.param == "fake":
+        mp.setenv("KVTIER_FAKE_FABRIC", str(tmp_path_factory.mktemp("fabric")))
     try:
         with running_node(capacity="8MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
             yield node.address
@@ -110,3 +124,22 @@ def test_registered_memory_is_kept_across_a_reconnect(transport, client) -> None
 def test_register_memory_rejects_an_empty_range(transport) -> None:
     with pytest.raises(ValueError, match="length must be positive"):
         transport.register_memory(4096, 0, None)
+
+
+def test_memory_the_device_refuses_to_register_is_staged_and_said(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVTIER_VERBS", "fake")  # only the fake can be made to refuse
+    monkeypatch.setenv("KVTIER_FAKE_FABRIC", str(tmp_path))
+    with running_node(capacity="8MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node, \
+            PoolClient([node.address], timeout_s=30) as client:
+        transport = RDMATransport(client.links[0])
+        monkeypatch.setenv("KVTIER_FAKE_MEMLOCK", str(STAGING_BYTES + 4096))  # the staging buffer fits, no more
+        slab = bytearray(2 * BLOCK)
+        transport.register_memory(address(slab), len(slab), slab)
+        (loc,) = locations(client, 1)
+        memoryview(slab)[:BLOCK] = os.urandom(BLOCK)
+        assert transport.write(loc, memoryview(slab)[:BLOCK])
+        assert transport.read(loc, memoryview(slab)[BLOCK:])
+        transport.close()
+    assert slab[:BLOCK] == slab[BLOCK:]
+    assert (transport.zero_copy_bytes, transport.staged_bytes) == (0, 2 * BLOCK)
+    assert "cannot register" in transport.zero_copy_error and "ulimit -l" in transport.zero_copy_error

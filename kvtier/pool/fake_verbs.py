@@ -12,6 +12,8 @@ What it emulates, because the transport depends on it:
 - one-sided RDMA READ/WRITE against a *remote process's* memory named by (addr, rkey): the memory
   region's owner writes `mr-<rkey>` into the fabric directory, the initiator checks bounds and access
   flags there and moves the bytes with process_vm_readv/writev, so the target's CPU does nothing;
+- memory registration fails with ENOMEM past `KVTIER_FAKE_MEMLOCK` bytes per process, as past
+  `ulimit -l` on a real host;
 - completions: only signalled work requests complete, except errors, which always do; after an
   error the QP enters ERR and the rest of the chain completes with WR_FLUSH_ERR.
 """
@@ -28,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 ENV_FABRIC = "KVTIER_FAKE_FABRIC"
+ENV_MEMLOCK = "KVTIER_FAKE_MEMLOCK"  # bytes this process may register, as RLIMIT_MEMLOCK caps a real one
 
 # Values as in <infiniband/verbs.h>.
 IBV_QPT_RC = 2
@@ -111,6 +114,11 @@ class MR:
     _local: ClassVar[dict[int, MR]] = {}  # lkey -> MR of this process
 
     def __init__(self, pd: PD, length: int, access: int, address: int | None = None) -> None:
+        limit = os.environ.get(ENV_MEMLOCK)
+        pinned = sum(mr.length for mr in MR._local.values())
+        if limit is not None and pinned + length > int(limit):
+            raise PyverbsRDMAError(f"Failed to register a MR. Errno: 12, Cannot allocate memory "
+                                   f"({pinned + length} bytes pinned > {ENV_MEMLOCK}={limit})")
         self._mem = None if address is not None else ctypes.create_string_buffer(length)
         self.buf = address if address is not None else ctypes.addressof(self._mem)
         self.length, self.access = length, access

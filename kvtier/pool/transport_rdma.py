@@ -21,6 +21,7 @@ are checked here against the region, and the NIC enforces them against the MR.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from kvtier.pool.protocol import MsgType
 from kvtier.pool.verbs import Device, PeerInfo, QueuePair, load_verbs
 
 STAGING_BYTES = 16 << 20
+log = logging.getLogger(__name__)
 
 
 class RDMATransport(Transport):
@@ -59,6 +61,7 @@ class RDMATransport(Transport):
         self._host_mrs: list[Any] = []  # their MRs on the current connection
         self.zero_copy_bytes = 0  # moved straight from/into registered host memory
         self.staged_bytes = 0  # copied through the staging buffer
+        self.zero_copy_error: str | None = None  # why some declared memory could not be registered
 
     def read(self, location: Location, dst: memoryview) -> bool:
         return self.read_many([RemoteIO(location, dst)])[0]
@@ -75,10 +78,9 @@ class RDMATransport(Transport):
     def register_memory(self, address: int, length: int, owner: object) -> None:
         """Registers `[address, address + length)` for zero-copy I/O from the next batch on (now when
         connected, else at connect). Overlapping or repeated declarations are registered once.
-
-        Raises:
-            TransferError: the device refused the registration (e.g. `ulimit -l` too low for it).
-        """
+        A registration the device refuses (most often `ulimit -l` below the slab's size) is logged
+        and kept in `zero_copy_error`; buffers in that memory are then staged, which is slower but
+        correct."""
         if length <= 0:
             raise ValueError(f"register_memory: length must be positive, got {length}")
         with self._lock:
@@ -122,8 +124,9 @@ class RDMATransport(Transport):
         try:
             self._host_mrs.append(self._device.register_local(length, address))
         except self._device.v.Error as e:
-            raise TransferError(f"pool node {self._link.name}: cannot register {length} bytes of host memory "
-                                f"for zero-copy RDMA ({e}); check `ulimit -l` (kvtier doctor)") from None
+            self.zero_copy_error = (f"cannot register {length} bytes of host memory ({e}); its buffers are "
+                                    "staged; check `ulimit -l` with `kvtier doctor`")
+            log.warning("pool node %s: RDMA zero copy off: %s", self._link.name, self.zero_copy_error)
 
     def _teardown(self) -> None:
         for part in (self._qp, *self._host_mrs, self._staging, self._conn, self._device):
