@@ -30,13 +30,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("doctor", help="check RDMA, memory locking, hugepages, O_DIRECT and CUDA",
                               description="Report what this host offers each kvtier tier, with hints.")
     p.add_argument("--json", action="store_true", help="print a JSON list of checks")
-    p.add_argument("--ssd-dir", metavar="DIR", help="directory whose O_DIRECT support to probe (default: a temp dir)")
+    p.add_argument("--ssd-dir", metavar="DIR",
+                   help="directory whose O_DIRECT support to probe (default: the config's SSD path, else a temp dir)")
+    p.add_argument("--config", metavar="FILE",
+                   help="a kvtier config to check this host against: the locked memory its RDMA pool tier "
+                        "needs for zero copy, its SSD path")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = [*check_rdma(), check_memlock(), check_hugepages(), check_o_direct(args.ssd_dir),
+    need, ssd_dir = (None, None)
+    if args.config:
+        from kvtier.config import load_config
+        from kvtier.errors import ConfigError
+
+        try:
+            config = load_config(args.config)
+        except (ConfigError, OSError) as e:
+            print(f"kvtier doctor: {args.config}: {e}")
+            return 2
+        need, ssd_dir = memlock_needed(config), _ssd_dir(config)
+    checks = [*check_rdma(), check_memlock(need), check_hugepages(), check_o_direct(args.ssd_dir or ssd_dir),
               check_cuda(), check_transport()]
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
@@ -82,14 +97,48 @@ def check_rdma() -> list[Check]:
     return out
 
 
-def check_memlock() -> Check:
+def memlock_needed(config: Any) -> tuple[int, str] | None:
+    """Bytes a client with `config` pins for its RDMA pool tier, and what for; None without one.
+
+    Zero copy registers the whole DRAM slab once, and each node's connection a staging buffer.
+    """
+    from kvtier.config import PoolBackend
+    from kvtier.pool.detect import TransportKind
+    from kvtier.pool.transport_rdma import STAGING_BYTES
+    from kvtier.tiers.kinds import TierKind
+
+    tiers = {t.kind: t for t in config.tiers}
+    pool = tiers.get(TierKind.POOL)
+    if pool is None or pool.backend is not PoolBackend.KVTIER or pool.transport is TransportKind.TCP:
+        return None
+    dram = tiers[TierKind.DRAM].capacity_bytes if TierKind.DRAM in tiers else 0
+    staging = STAGING_BYTES * len(pool.nodes)
+    return dram + staging, f"the DRAM tier ({dram >> 20} MiB, zero copy) and {len(pool.nodes)} staging buffer(s)"
+
+
+def _ssd_dir(config: Any) -> str | None:
+    from kvtier.tiers.kinds import TierKind
+
+    return next((str(t.path) for t in config.tiers if t.kind is TierKind.SSD and t.path is not None), None)
+
+
+def check_memlock(need: tuple[int, str] | None = None) -> Check:
+    """`ulimit -l` against what the config pins (`need`), or against general advice without one."""
+    name = "locked memory (ulimit -l)"
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
-        return Check("locked memory (ulimit -l)", "ok", "unlimited")
-    ok = soft >= MEMLOCK_ADVICE_BYTES
-    return Check("locked memory (ulimit -l)", "ok" if ok else "warn", f"{soft // 1024} KiB",
-                 "" if ok else "RDMA registration pins memory: raise it (ulimit -l unlimited, "
-                               "/etc/security/limits.conf, or LimitMEMLOCK=infinity under systemd)")
+        return Check(name, "ok", "unlimited")
+    hint = ("RDMA registration pins memory: raise it (ulimit -l unlimited, /etc/security/limits.conf, "
+            "or LimitMEMLOCK=infinity under systemd)")
+    if need is None:
+        ok = soft >= MEMLOCK_ADVICE_BYTES
+        return Check(name, "ok" if ok else "warn", f"{soft // 1024} KiB", "" if ok else hint)
+    need_bytes, what = need
+    detail = f"{soft // 1024} KiB; the config pins {need_bytes // 1024} KiB for {what}"
+    if soft >= need_bytes:
+        return Check(name, "ok", detail)
+    return Check(name, "warn", detail + ": past the limit registration fails (unless the process has CAP_IPC_LOCK) "
+                 "and blocks are staged through a copy", hint)
 
 
 def check_hugepages(meminfo: Path = Path("/proc/meminfo"),
