@@ -113,6 +113,7 @@ def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     ({"kvtier_config": "/nonexistent/kvtier.yaml"}, {}, "/nonexistent/kvtier.yaml"),
     ({"shared_storage_path": "/tmp"}, {}, "shared_storage_path: unknown field"),
     ({"load_timeout_s": 0}, {}, "load_timeout_s"),
+    ({"lookup_timeout_s": "1s"}, {}, "lookup_timeout_s: expected a positive number of seconds"),
     ({"model_id": ""}, {}, "model_id"),
     ({}, {"block_size": 16}, "block_tokens=32 but the engine's block_size is 16"),
     ({}, {"kv_dtype": "bfloat16"}, "set kv_dtype: bf16"),
@@ -173,7 +174,7 @@ def test_connector_refuses_bad_settings_at_start_up(tiny_model, dram_yaml, extra
 def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram_yaml):
     worker = _connector(tiny_model, "WORKER", {"kvtier_config": str(dram_yaml)})
     try:
-        assert SHARED.get(worker.settings.config_path) is not None
+        assert SHARED.get(worker.settings.backend_id()) is not None
         with pytest.raises(ConfigError, match="is not the CPU page layout"):
             worker.register_kv_caches({n: torch.zeros(16, BLOCK, KV_HEADS, 2 * HEAD_DIM) for n in LAYER_NAMES})
         worker.register_kv_caches({n: torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD_DIM) for n in LAYER_NAMES})
@@ -201,9 +202,9 @@ class FakeRequest:
 @pytest.fixture
 def shared_backend(dram_yaml):
     settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
-    backend = SHARED.acquire(settings.config_path, lambda: KVTier(settings.config, layout=settings.layout))
+    backend = SHARED.acquire(settings.backend_id(), lambda: KVTier(settings.config, layout=settings.layout))
     yield settings, backend
-    SHARED.release(settings.config_path)
+    SHARED.release(settings.backend_id())
 
 
 def _store(backend, keys) -> None:
@@ -318,11 +319,11 @@ def test_a_broken_backend_is_a_miss(dram_yaml):
             pass
 
     settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
-    SHARED.acquire(settings.config_path, Broken)
+    SHARED.acquire(settings.backend_id(), Broken)
     try:
         assert SchedulerSide(settings, KeyDirectory(settings, 10)).num_matched_tokens(FakeRequest("a", P1), 0) == 0
     finally:
-        SHARED.release(settings.config_path)
+        SHARED.release(settings.backend_id())
 
 
 # ---- the worker half -----------------------------------------------------------------------------

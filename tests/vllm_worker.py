@@ -9,17 +9,22 @@ group) that a second engine in one process would trip over. SPEC is a JSON objec
     kvtier       path of the kvtier YAML, or null to run without the connector
     engine       extra `LLM(...)` keyword arguments (num_gpu_blocks_override, enable_prefix_caching, ...)
     env          environment variables to set before vLLM is imported
+    rank_stats   true: also collect every worker rank's connector counters (`collective_rpc`; for
+                 engines whose workers run in other processes, e.g. tensor-parallel ones)
     phases       a list of phases, run in order, each {"prompts": [[token ids], ...], "max_tokens": n} and:
                    "follow_up": [token ids]  also run, for each prompt of the previous phase, that
                                              prompt + its completion + these tokens (a next turn)
                    "corrupt_ssd": true       first overwrite kvtier's SSD files with random bytes
+                   "overwrite_files": glob   first overwrite the files matching it with random bytes
+                                             (SSD files of worker ranks in other processes)
                    "zero_loaded_kv": true    negative control: blocks loaded from kvtier reach the
                                              engine as zeros, unreported (a connector that lies)
                    "kill_pid": pid           first SIGKILL that process (a pool node going down)
 
 It prints one line `RESULT {"phases": [...]}`: per phase its prompts and, for each, the generated
 token ids, their logprobs and `num_cached_tokens`; then, where the worker connector lives in this
-process (single-process mode), its counters (cumulative) and kvtier's per-tier usage.
+process (single-process mode), its counters (cumulative) and kvtier's per-tier usage; with
+`rank_stats`, each rank's counters (cumulative) as `rank_stats`.
 An exception at start-up prints `STARTUP_ERROR <type>: <message>` and exits with status 3.
 """
 
@@ -75,6 +80,17 @@ def _corrupt_ssd() -> int:
     return count
 
 
+def _overwrite_files(pattern: str) -> int:
+    """Overwrites every file matching `pattern` with random bytes; returns the files hit."""
+    import glob
+
+    paths = glob.glob(pattern)
+    for path in paths:
+        with open(path, "r+b") as f:
+            f.write(os.urandom(os.path.getsize(path)))
+    return len(paths)
+
+
 def _zero_loaded_kv() -> None:
     import kvtier.integrations.vllm_transfers as transfers
 
@@ -87,12 +103,21 @@ def _zero_loaded_kv() -> None:
     transfers.scatter_blocks = scatter_zeros
 
 
-def _run_phase(llm, phase: dict, previous: dict | None) -> dict:
+def _rank_stats(worker) -> dict:
+    """Runs on each worker (through `collective_rpc`): its connector's counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(vars(get_kv_transfer_group().stats))
+
+
+def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     if phase.get("kill_pid"):
         os.kill(phase["kill_pid"], signal.SIGKILL)
     corrupted = _corrupt_ssd() if phase.get("corrupt_ssd") else 0
+    if phase.get("overwrite_files"):
+        corrupted += _overwrite_files(phase["overwrite_files"])
     if phase.get("zero_loaded_kv"):
         _zero_loaded_kv()
     prompts = [list(p) for p in phase.get("prompts", [])]
@@ -107,7 +132,10 @@ def _run_phase(llm, phase: dict, previous: dict | None) -> dict:
                      "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)],
                      "num_cached_tokens": out.num_cached_tokens or 0,
                      "finish_reason": completion.finish_reason})
-    return {"prompts": prompts, "outputs": outs, "corrupted_files": corrupted, **_facts()}
+    facts = _facts()
+    if spec.get("rank_stats"):
+        facts["rank_stats"] = llm.collective_rpc(_rank_stats)
+    return {"prompts": prompts, "outputs": outs, "corrupted_files": corrupted, **facts}
 
 
 def _facts() -> dict:
@@ -134,7 +162,7 @@ def main(path: str) -> int:
         return 3
     phases: list[dict] = []
     for phase in spec["phases"]:
-        phases.append(_run_phase(llm, phase, phases[-1] if phases else None))
+        phases.append(_run_phase(llm, phase, phases[-1] if phases else None, spec))
     print("RESULT " + json.dumps({"phases": phases}), flush=True)
     return 0
 

@@ -9,7 +9,19 @@ Use it with vLLM's own loader, no plugin needed:
 
 `kv_connector_extra_config` takes `kvtier_config` (required: a kvtier YAML whose `block_tokens`
 equals the engine's block size and whose `model`/`kv_dtype` match the served model),
-`model_id` and `load_timeout_s`; anything else is an error at start-up, as is a mismatch.
+`model_id`, `load_timeout_s` and `lookup_timeout_s`; anything else is an error at start-up, as is
+a mismatch.
+
+Tensor parallelism: each worker rank holds only its KV heads, so each rank stores and loads only
+its slice of every block, in its own backend, under keys of its own (`vllm_settings.Sharding`:
+the engine-level key mixed with the slice; ranks with identical slices, as with replicated KV,
+share keys). The kvtier config describes the whole engine: its capacities are split evenly over
+the ranks and each rank's SSD tier lives in its own `rank<r>-of-<tp>` directory (`rank_config`).
+The scheduler counts a block as a hit only when every rank holds its slice (it asks each rank's
+worker over a local socket: `vllm_scheduler.KeyDirectory`), never partial KV; a block that fails
+to load on any rank is reported by every rank (the ranks agree over the tensor-parallel group)
+and recomputed. Engines of different tensor_parallel_size never share blocks, except with
+replicated KV. Pipeline and context parallelism are refused at start-up.
 
 How the two halves divide the work (the scheduler and worker may live in different processes):
   * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks
@@ -38,6 +50,7 @@ vLLM's CPU tier) remains a reasonable addition for GPU users already on that rou
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +71,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
     LoadSpec,
+    LookupServer,
     ScheduledRequest,
     SchedulerSide,
     StoreSpec,
@@ -71,6 +85,8 @@ from kvtier.integrations.vllm_settings import (
 )
 from kvtier.integrations.vllm_transfers import WorkerSide, WorkerStats
 from kvtier.keys import BlockKey
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,15 +107,23 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler, once per step: keys stored, keys that failed to load."""
+    """Workers → scheduler, once per step: by rank, engine-level keys stored and keys that failed to load."""
 
-    stored: list[BlockKey] = field(default_factory=list)
-    missing: list[BlockKey] = field(default_factory=list)
+    stored: dict[int, list[BlockKey]] = field(default_factory=dict)
+    missing: dict[int, list[BlockKey]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """vLLM merges the ranks' metadata with this."""
         if not isinstance(other, KVTierWorkerMetadata):
             return self
-        return KVTierWorkerMetadata(self.stored + other.stored, self.missing + other.missing)
+        return KVTierWorkerMetadata(_merge(self.stored, other.stored), _merge(self.missing, other.missing))
+
+    def ranks(self) -> list[int]:
+        return sorted(set(self.stored) | set(self.missing))
+
+
+def _merge(a: dict[int, list[BlockKey]], b: dict[int, list[BlockKey]]) -> dict[int, list[BlockKey]]:
+    return {rank: a.get(rank, []) + b.get(rank, []) for rank in set(a) | set(b)}
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -117,9 +141,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self.stats = WorkerStats()
         self._failed_block_ids: set[int] = set()
+        self._lookup_server: LookupServer | None = None
         self._owns_backend = role == KVConnectorRole.WORKER
         if self._owns_backend:
-            self._backend = SHARED.acquire(self.settings.config_path, lambda: open_backend(self.settings))
+            self._backend = SHARED.acquire(self.settings.backend_id(), lambda: open_backend(self.settings))
+            self._lookup_server = _serve_lookups(self.settings, self._backend)
         else:
             directory = KeyDirectory(self.settings, _max_keys(self.settings))
             self._scheduler = SchedulerSide(self.settings, directory)
@@ -142,8 +168,9 @@ class KVTierConnector(KVConnectorBase_V1):
         layers = [kv_caches[name] for name in sorted(index, key=index.get)]
         for name, kv in zip(sorted(index, key=index.get), layers):
             self._check_layer(name, kv)
+        sharding = self.settings.sharding
         self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
-                                  self.stats)
+                                  self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
 
     def _check_layer(self, name: str, kv: torch.Tensor) -> None:
         """The CPU backend's `[num_blocks, heads, block_size, 2 * head_size]`, one dense page per block."""
@@ -185,15 +212,23 @@ class KVTierConnector(KVConnectorBase_V1):
             return None
         self._worker.reap()
         stored, missing = self._worker.take_reports()
-        return KVTierWorkerMetadata(stored, missing) if stored or missing else None
+        if not stored and not missing:
+            return None
+        rank = self.settings.sharding.rank
+        return KVTierWorkerMetadata({rank: stored} if stored else {}, {rank: missing} if missing else {})
 
     def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
         if self._worker is not None:
             self._worker.close(self.settings.load_timeout_s)
             self._worker = None
         if self._owns_backend:
             self._owns_backend = False
-            SHARED.release(self.settings.config_path)
+            SHARED.release(self.settings.backend_id())
+        if self._scheduler is not None:
+            self._scheduler.directory.close()
 
     def _meta(self) -> KVTierConnectorMetadata | None:
         meta = self._connector_metadata
@@ -220,7 +255,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
-            self._scheduler.directory.report(meta.stored, meta.missing)
+            for rank in meta.ranks():
+                self._scheduler.directory.report(meta.stored.get(rank, ()), meta.missing.get(rank, ()), rank)
         if connector_output.invalid_block_ids:
             self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids), self._block_ids_of)
 
@@ -235,5 +271,31 @@ class KVTierConnector(KVConnectorBase_V1):
 
 
 def _max_keys(settings: Settings) -> int:
-    """How many keys the scheduler's fallback directory remembers: every slot of every tier."""
+    """How many keys the scheduler's fallback directory remembers: every slot of every tier of a rank."""
     return sum(t.capacity_bytes for t in settings.config.tiers) // settings.layout.block_bytes
+
+
+def _serve_lookups(settings: Settings, backend: Any) -> LookupServer | None:
+    """This rank's lookup server; without one (no Unix sockets here) the scheduler goes by reports."""
+    path = settings.lookup_socket(settings.sharding.rank)
+    try:
+        return LookupServer(path, backend, settings.sharding)
+    except OSError as e:
+        log.warning("kvtier: cannot serve lookups on %s (%r); the scheduler will count only the blocks this "
+                    "worker reports stored", path, e)
+        return None
+
+
+def _agree_across_ranks():
+    """`WorkerSide.agree` over vLLM's tensor-parallel group (its CPU side, gloo): a row failed if it
+    failed on any rank. Every rank calls it at the same point of a step with loads (the plan is the
+    same on every rank), so the collective cannot deadlock."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    def agree(flags: list[bool]) -> list[bool]:
+        failed = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return [bool(f) for f in failed.tolist()]
+
+    return agree

@@ -10,13 +10,17 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
+import struct
+import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError, GeometryError
@@ -24,13 +28,15 @@ from kvtier.geometry import KVDtype
 from kvtier.handle import TransferHandle
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import BlockLayout
+from kvtier.tiers.kinds import TierKind
 
 log = logging.getLogger(__name__)
 
 EXTRA = "kv_connector_extra_config"
 _KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
          "model_id": "what identifies the weights in block keys (default: the engine's model and revision)",
-         "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)"}
+         "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
+         "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)"}
 # Each vLLM platform lays a layer's page out its own way; the connector stores pages as they are
 # (one copy, no permute) and names the format in the keys, so two formats never share a block.
 # CPU: [num_blocks, num_kv_heads, block_size, 2 * head_size], a page being [heads][K rows, V rows].
@@ -67,6 +73,54 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+_SHARD_TAG = b"kvtier.vllm.tp-shard.v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """Which slice of every block one worker rank holds, under tensor parallelism.
+
+    vLLM splits each layer's KV heads over the `num_ranks` ranks of an engine, so a rank's page
+    holds only its heads, and each rank stores and loads only that slice, under keys of its own:
+    the engine-level key (what the scheduler computes) mixed with the slice's index. Ranks whose
+    slices hold the same bytes share keys: every rank when KV is replicated (MLA's latent, or a
+    single KV head), or the `num_ranks // num_shards` ranks that vLLM gives the same heads when
+    there are fewer KV heads than ranks. With one slice the keys are the engine's own, so an
+    engine without TP (or with replicated KV) shares blocks with any other such engine, and never
+    with an engine whose pages hold a different slice of the heads.
+
+    Attributes:
+        rank: this worker's tensor-parallel rank (0 on the scheduler side).
+        num_ranks: tensor_parallel_size.
+        num_shards: distinct slices of a block's KV (divides num_ranks).
+    """
+
+    rank: int = 0
+    num_ranks: int = 1
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.num_ranks and 0 < self.num_shards <= self.num_ranks
+                and self.num_ranks % self.num_shards == 0):
+            raise ConfigError(f"tensor_parallel_size: rank {self.rank} of {self.num_ranks} ranks cannot hold one of "
+                              f"{self.num_shards} KV slices; KV heads must divide evenly over the ranks")
+
+    @property
+    def shard(self) -> int:
+        """The slice this rank holds."""
+        return self.rank // (self.num_ranks // self.num_shards)
+
+    def for_rank(self, rank: int) -> Sharding:
+        return Sharding(rank, self.num_ranks, self.num_shards)
+
+    def keys(self, keys: Sequence[BlockKey]) -> tuple[BlockKey, ...]:
+        """This rank's keys for the engine-level `keys` (the same keys with one slice)."""
+        if self.num_shards == 1:
+            return tuple(keys)
+        salt = _SHARD_TAG + struct.pack("<II", self.shard, self.num_shards)
+        return tuple(BlockKey(xxhash.xxh3_128_digest(salt + key)) for key in keys)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What the connector must know about the engine, read once from vLLM's config.
@@ -80,6 +134,8 @@ class EngineFacts:
         device_type: vLLM's platform (`cpu`, `cuda`, ...), which decides the page format.
         load_failure_policy: vLLM's `kv_load_failure_policy`.
         kv_role: `kv_both`, `kv_producer` (stores only) or `kv_consumer` (loads only).
+        sharding: this rank's slice of each block (tensor parallelism).
+        engine_tag: names this engine among others on the host (its lookup sockets).
     """
 
     model_id: str
@@ -90,11 +146,17 @@ class EngineFacts:
     device_type: str
     load_failure_policy: str
     kv_role: str
+    sharding: Sharding = Sharding()
+    engine_tag: str = "engine"
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """The connector's validated settings; both roles compute the same ones."""
+    """The connector's validated settings; both roles compute the same ones, but for their rank.
+
+    `config` is this rank's share of the kvtier config (see `rank_config`) and `layout` its slice
+    of a block; `namespace` keys engine-level blocks, `sharding.keys` this rank's slices of them.
+    """
 
     config_path: Path
     config: KVTierConfig
@@ -104,10 +166,25 @@ class Settings:
     load_timeout_s: float
     can_load: bool
     can_store: bool
+    sharding: Sharding = Sharding()
+    lookup_timeout_s: float = 1.0
+    engine_tag: str = "engine"
 
     @property
     def block_tokens(self) -> int:
         return self.layout.block_tokens
+
+    def backend_id(self, rank: int | None = None) -> Hashable:
+        """Names a rank's backend (default: this one's) in `SHARED`: one per kvtier config and rank."""
+        return self.config_path, self.sharding.rank if rank is None else rank, self.sharding.num_ranks
+
+    def lookup_socket(self, rank: int) -> Path:
+        """Where rank `rank`'s worker answers lookups (see `vllm_scheduler.LookupServer`).
+
+        Named by a digest of the engine's tag, so the path stays within the ~100 bytes a Unix socket allows.
+        """
+        name = f"{xxhash.xxh64_hexdigest(self.engine_tag.encode())}-tp{rank}.sock"
+        return Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}" / name
 
 
 def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
@@ -133,15 +210,44 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     model_id = extra.get("model_id", facts.model_id)
     if not isinstance(model_id, str) or not model_id:
         raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
-    timeout = extra.get("load_timeout_s", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise ConfigError(f"{EXTRA}.load_timeout_s: expected a positive number of seconds, got {timeout!r}")
+    timeouts = [_seconds(extra, name, default) for name, default in (("load_timeout_s", 30.0),
+                                                                     ("lookup_timeout_s", 1.0))]
     namespace = Namespace(model_id, f"{facts.kv_dtype};{PAGE_FORMATS[facts.device_type]}",
                           facts.block_size, config.tenant)
-    return Settings(config_path, config, layout, namespace,
-                    {name: i for i, name in enumerate(facts.layer_names)}, float(timeout),
+    return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
+                    {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
-                    can_store=facts.kv_role in ("kv_both", "kv_producer"))
+                    can_store=facts.kv_role in ("kv_both", "kv_producer"),
+                    sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag)
+
+
+def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{EXTRA}.{name}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def rank_config(config: KVTierConfig, sharding: Sharding) -> KVTierConfig:
+    """One rank's share of `config`: capacities are per engine, split evenly over its ranks.
+
+    So a kvtier config sized for a model (`kvtier size`) holds as many tokens under any
+    tensor_parallel_size (each rank's slice of a block being 1/tp of it; with replicated KV every
+    rank holds whole blocks, so the engine holds 1/tp as many tokens). Each rank's SSD tier lives in
+    its own `rank<r>-of-<tp>` directory under `path` (its slab files, and with `persist`, its
+    journal and lock), so ranks, and engines of different tensor_parallel_size, never share files.
+    With one rank the config is unchanged.
+    """
+    if sharding.num_ranks == 1:
+        return config
+    n, rank = sharding.num_ranks, sharding.rank
+
+    def share(tier):
+        path = tier.path / f"rank{rank}-of-{n}" if tier.kind is TierKind.SSD else tier.path
+        return replace(tier, capacity_bytes=tier.capacity_bytes // n, path=path)
+
+    return replace(config, tiers=tuple(share(t) for t in config.tiers),
+                   prefetch=replace(config.prefetch, budget_bytes=config.prefetch.budget_bytes // n))
 
 
 def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> BlockLayout:
@@ -165,15 +271,18 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> Block
     if geometry.kv_dtype is not engine_dtype:
         raise ConfigError(f"kv_dtype: {path} gives {geometry.kv_dtype.value} but the engine caches KV as "
                           f"{facts.kv_dtype}; set kv_dtype: {engine_dtype.value}")
-    layout = geometry.block_layout(config.block_tokens)
-    if layout.num_layers != len(facts.layer_names):
-        raise ConfigError(f"model: {path} describes {layout.num_layers} KV layers ({config.model}) but the engine "
+    whole = geometry.block_layout(config.block_tokens)
+    if whole.num_layers != len(facts.layer_names):
+        raise ConfigError(f"model: {path} describes {whole.num_layers} KV layers ({config.model}) but the engine "
                           f"has {len(facts.layer_names)}; point model at the served model's config.json")
-    wrong = [(i, n) for i, n in enumerate(layout.layer_bytes) if n != facts.page_bytes]
+    shards = facts.sharding.num_shards
+    wrong = [(i, n) for i, n in enumerate(whole.layer_bytes) if n != facts.page_bytes * shards]
     if wrong:
-        raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes but an "
-                          f"engine page holds {facts.page_bytes}; {config.model} is not the served model's geometry")
-    return layout
+        split = f" (1/{shards} of it on each tensor-parallel rank)" if shards > 1 else ""
+        raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
+                          f"but an engine page holds {facts.page_bytes}; {config.model} is not the served "
+                          "model's geometry")
+    return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes))
 
 
 def _kv_dtype(name: str, what: str) -> KVDtype:
@@ -188,17 +297,12 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
 
     Raises:
         ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window or
-            non-attention layers).
+            non-attention layers) or a parallelism it cannot (pipeline or context parallel).
     """
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-        raise ConfigError(f"kv_connector: kvtier keys whole-model blocks; tensor_parallel_size="
-                          f"{parallel.tensor_parallel_size} and pipeline_parallel_size={parallel.pipeline_parallel_size} "
-                          "shard them across ranks, which is not supported yet")
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups or len(groups) != 1:
         raise ConfigError(f"kv_connector: kvtier holds models with one KV cache group; this one has "
@@ -211,11 +315,42 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     model = vllm_config.model_config
     model_id = str(model.model) + (f"@{model.revision}" if getattr(model, "revision", None) else "")
     transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
     return EngineFacts(model_id=model_id, block_size=int(vllm_config.cache_config.block_size),
                        kv_dtype=kv_dtype, layer_names=tuple(sorted(groups[0].layer_names, key=extract_layer_index)),
                        page_bytes=int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)),
                        device_type=str(current_platform.device_type),
-                       load_failure_policy=str(transfer.kv_load_failure_policy), kv_role=str(transfer.kv_role))
+                       load_failure_policy=str(transfer.kv_load_failure_policy), kv_role=str(transfer.kv_role),
+                       sharding=_sharding(vllm_config),
+                       engine_tag=f"{transfer.engine_id}-dp{parallel.data_parallel_rank}")
+
+
+def _sharding(vllm_config: Any) -> Sharding:
+    """This process's tensor-parallel rank and how vLLM splits KV heads over the ranks.
+
+    A worker reads its rank from vLLM's tensor-parallel group (or, where none is initialized, as
+    in a test, from `parallel_config.rank`); the scheduler is rank 0.
+    """
+    from vllm.distributed import parallel_state
+
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) != 1:
+            raise ConfigError(f"{name}: kvtier stores a block's KV for every layer and token of one tensor-parallel "
+                              f"rank; {name}={getattr(parallel, name)} splits layers or tokens across ranks, which "
+                              f"is not supported yet (set {name}=1; tensor_parallel_size may be any)")
+    num_ranks = int(parallel.tensor_parallel_size)
+    if num_ranks == 1:
+        return Sharding()
+    if parallel_state.model_parallel_is_initialized():
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    else:
+        rank = int(parallel.rank) % num_ranks
+    model = vllm_config.model_config
+    # vLLM gives each rank total/tp heads, or, with fewer heads than ranks, one head replicated on
+    # tp/total ranks; MLA's latent is the same on every rank.
+    num_shards = 1 if model.use_mla else min(num_ranks, int(model.get_total_num_kv_heads()))
+    return Sharding(rank, num_ranks, num_shards)
 
 
 def open_backend(settings: Settings) -> Backend:
@@ -232,7 +367,6 @@ def open_backend(settings: Settings) -> Backend:
         ConfigError: the pool tier's secret cannot be read.
     """
     from kvtier.runtime import KVTier
-    from kvtier.tiers.kinds import TierKind
 
     config = settings.config
     pool = config.tier(TierKind.POOL)
@@ -256,10 +390,6 @@ def open_backend(settings: Settings) -> Backend:
 
 def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:
     """`config` over `tiers` only: loads no longer promote into the pool, prefetches go to the top tier."""
-    from dataclasses import replace
-
-    from kvtier.tiers.kinds import TierKind
-
     promote_to = None if config.promote_to is TierKind.POOL else config.promote_to
     prefetch = config.prefetch
     if prefetch.target is TierKind.POOL:
@@ -268,47 +398,48 @@ def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:
 
 
 class SharedBackends:
-    """Backends by kvtier config path, shared by the connectors of one process.
+    """Backends by id (`Settings.backend_id`: kvtier config path and rank), shared within a process.
 
-    vLLM builds two connectors per engine, one per role. The worker's owns the backend (it opens and
-    closes it); the scheduler's looks it up here to answer `lookup` exactly — that works whenever
-    both live in one process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the engine-core process of the
-    default mode with the uni-process executor. Where the worker runs in another process the
-    scheduler finds nothing here and falls back to the keys the worker reports (see
-    `vllm_scheduler.KeyDirectory`). Engines of one process with the same config share one backend.
+    vLLM builds two connectors per engine, one per role. The worker's owns its rank's backend (it
+    opens and closes it); the scheduler's looks it up here to answer `lookup` exactly, which works
+    whenever both live in one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the engine-core
+    process of the default mode with the uni-process executor). Where a worker runs in another
+    process (any tensor-parallel engine) the scheduler asks it over its lookup socket instead
+    (see `vllm_scheduler.KeyDirectory`). Engines of one process with the same config and rank
+    share one backend.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[Path, list] = {}  # path -> [backend, number of owners]
+        self._entries: dict[Hashable, list] = {}  # id -> [backend, number of owners]
 
-    def acquire(self, path: Path, open_fn: Callable[[], Backend]) -> Backend:
+    def acquire(self, backend_id: Hashable, open_fn: Callable[[], Backend]) -> Backend:
         with self._lock:
-            entry = self._entries.get(path)
+            entry = self._entries.get(backend_id)
             if entry is None:
-                entry = self._entries[path] = [open_fn(), 0]
+                entry = self._entries[backend_id] = [open_fn(), 0]
             entry[1] += 1
             return entry[0]
 
-    def get(self, path: Path) -> Backend | None:
+    def get(self, backend_id: Hashable) -> Backend | None:
         with self._lock:
-            entry = self._entries.get(path)
+            entry = self._entries.get(backend_id)
             return entry[0] if entry else None
 
     def backends(self) -> list[Backend]:
         with self._lock:
             return [entry[0] for entry in self._entries.values()]
 
-    def release(self, path: Path) -> None:
+    def release(self, backend_id: Hashable) -> None:
         """Drops one owner; the last one closes the backend."""
         with self._lock:
-            entry = self._entries.get(path)
+            entry = self._entries.get(backend_id)
             if entry is None:
                 return
             entry[1] -= 1
             if entry[1] > 0:
                 return
-            del self._entries[path]
+            del self._entries[backend_id]
         entry[0].close()
 
     def close_all(self) -> None:

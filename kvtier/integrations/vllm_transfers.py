@@ -13,13 +13,18 @@ per-block pages, `kv_dim=None`, so bytes stay in the engine's own page format).
 
 A block that fails to load at any layer is reported by engine block id; the KV that this step
 computed on top of it is wrong, so every store whose prefix holds such a block is dropped.
-Nothing here imports vLLM.
+
+Under tensor parallelism every rank runs this on the same plan, each for its own slice of every
+block (`Sharding.keys` names it in the backend). A block that fails on one rank poisons the
+step's KV on every rank (attention outputs are all-reduced across ranks), so `end_step` first
+agrees with the other ranks on which blocks failed (`agree`: an OR across ranks), and every rank
+then reports the same engine blocks and drops the same stores. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +32,7 @@ import torch
 from kvtier.errors import KVTierError
 from kvtier.handle import TransferHandle
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import Backend
+from kvtier.integrations.vllm_settings import Backend, Sharding
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.native import gather_blocks, scatter_blocks
@@ -50,6 +55,7 @@ class WorkerStats:
 @dataclass
 class _Load:
     spec: LoadSpec
+    backend_keys: tuple[BlockKey, ...]  # this rank's keys for spec.keys
     staging: torch.Tensor
     handle: TransferHandle | None  # None: the backend raised, every block failed
     num_layers_placed: int = 0
@@ -58,7 +64,7 @@ class _Load:
     def failed_rows(self) -> list[int]:
         if self.handle is None or self.timed_out:
             return list(range(len(self.spec.keys)))
-        return [i for i, k in enumerate(self.spec.keys) if k in self.handle.failed]
+        return [i for i, k in enumerate(self.backend_keys) if k in self.handle.failed]
 
 
 @dataclass
@@ -71,7 +77,8 @@ class _Stores:
 
 @dataclass
 class _InFlight:
-    keys: tuple[BlockKey, ...]  # blocks being stored; () for a load given up on
+    keys: tuple[BlockKey, ...]  # blocks being stored (engine-level keys); () for a load given up on
+    backend_keys: tuple[BlockKey, ...]  # this rank's keys for them
     staging: torch.Tensor  # kept alive until the backend is done with it
     handle: TransferHandle | None
 
@@ -84,12 +91,17 @@ class WorkerSide:
         layout: kvtier's block layout; layer i is `layers[i]`.
         layers: the engine's paged KV tensor of each layer, `[num_engine_blocks, ...]`.
         timeout_s: the longest one layer of a load may take before its blocks count as failed.
+        sharding: this rank's slice of each block (its keys in the backend); default: the only rank.
+        agree: combines every rank's failed-row flags of a step's loads (element-wise OR) and
+            returns them; called by every rank at the same point of a step with loads. None: one rank.
     """
 
     def __init__(self, backend: Backend, layout: BlockLayout, layers: Sequence[torch.Tensor],
-                 timeout_s: float, stats: WorkerStats | None = None) -> None:
+                 timeout_s: float, stats: WorkerStats | None = None, sharding: Sharding | None = None,
+                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         self.backend, self.layout, self.layers = backend, layout, list(layers)
         self.timeout_s = timeout_s
+        self.sharding, self.agree = sharding or Sharding(), agree
         self.stats = stats or WorkerStats()
         self._loads: list[_Load] = []
         self._stores: _Stores | None = None
@@ -105,12 +117,13 @@ class WorkerSide:
         for spec in specs:
             self._wait_stores_of(spec.keys)
             staging = self._staging(len(spec.keys))
+            keys = self.sharding.keys(spec.keys)
             try:
-                handle = self.backend.load(spec.keys, staging)
+                handle = self.backend.load(keys, staging)
             except Exception as e:  # a broken backend: the blocks are failed loads, vLLM recomputes them
                 log.warning("kvtier load of %d blocks failed: %r", len(spec.keys), e)
                 handle = None
-            self._loads.append(_Load(spec, staging, handle))
+            self._loads.append(_Load(spec, keys, staging, handle))
             self.stats.num_loads += 1
 
     def wait_layer(self, layer: int) -> None:
@@ -135,11 +148,10 @@ class WorkerSide:
 
     def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
         """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
-        failed: set[int] = set()
         for load in self._loads:
             while load.num_layers_placed < self.layout.num_layers:
                 self._place_next_layer(load)
-            failed.update(self._finish(load))
+        failed = self._failed_block_ids([self._finish(load) for load in self._loads])
         self._loads = []
         for layer in range(self.layout.num_layers):  # layers vLLM did not hand to save_layer
             self.save_layer(layer, specs)
@@ -158,7 +170,8 @@ class WorkerSide:
             if store.handle is not None and not store.handle.done():
                 still.append(store)
                 continue
-            ok = store.handle.ok_keys if store.handle is not None and store.keys else []
+            failed = store.handle.failed if store.handle is not None else None
+            ok = [k for k, b in zip(store.keys, store.backend_keys) if failed is not None and b not in failed]
             self._stored += ok
             landed = set(ok)
             self._missing += [k for k in store.keys if k not in landed]
@@ -220,8 +233,8 @@ class WorkerSide:
             scatter_blocks([self.layers[layer]], [load.spec.block_ids[i] for i in rows], load.staging,
                            self.layout, None, slots=rows, layers=[layer])
 
-    def _finish(self, load: _Load) -> set[int]:
-        """The engine block ids of `load` that failed; its staging is kept while the backend may write it."""
+    def _finish(self, load: _Load) -> list[int]:
+        """The rows of `load` that failed here; its staging is kept while the backend may write it."""
         if load.handle is not None and not load.timed_out:
             try:
                 load.handle.wait(self.timeout_s)
@@ -231,12 +244,26 @@ class WorkerSide:
                 log.warning("kvtier load of %d blocks failed to complete: %r", len(load.spec.keys), e)
                 load.handle = None
         if load.timed_out and load.handle is not None:
-            self._in_flight.append(_InFlight((), load.staging, load.handle))
+            self._in_flight.append(_InFlight((), (), load.staging, load.handle))
         rows = load.failed_rows()
         self._missing += [load.spec.keys[i] for i in rows]
-        self.stats.num_blocks_failed += len(rows)
-        self.stats.num_blocks_loaded += len(load.spec.keys) - len(rows)
-        return {load.spec.block_ids[i] for i in rows}
+        return rows
+
+    def _failed_block_ids(self, failed_rows: list[list[int]]) -> set[int]:
+        """The engine blocks of this step's loads that failed on this rank or, agreed, on any other."""
+        if self.agree is not None and self._loads:
+            flags: list[bool] = []
+            for load, rows in zip(self._loads, failed_rows):
+                bad = set(rows)
+                flags += [i in bad for i in range(len(load.spec.keys))]
+            agreed = iter(self.agree(flags))
+            failed_rows = [[i for i in range(len(load.spec.keys)) if next(agreed)] for load in self._loads]
+        failed: set[int] = set()
+        for load, rows in zip(self._loads, failed_rows):
+            failed.update(load.spec.block_ids[i] for i in rows)
+            self.stats.num_blocks_failed += len(rows)
+            self.stats.num_blocks_loaded += len(load.spec.keys) - len(rows)
+        return failed
 
     def _send(self, stores: _Stores, failed_block_ids: set[int]) -> None:
         row = 0
@@ -247,9 +274,10 @@ class WorkerSide:
                 self.stats.num_blocks_not_stored += len(spec.keys)
                 self._missing += spec.keys
                 continue
+            keys = self.sharding.keys(spec.keys)
             try:
-                handle = self.backend.store(spec.keys, rows)
+                handle = self.backend.store(keys, rows)
             except Exception as e:  # a broken backend: the blocks are simply not cached
                 log.warning("kvtier store of %d blocks failed: %r", len(spec.keys), e)
                 handle = None
-            self._in_flight.append(_InFlight(spec.keys, stores.staging, handle))
+            self._in_flight.append(_InFlight(spec.keys, keys, stores.staging, handle))
