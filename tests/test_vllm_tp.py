@@ -25,20 +25,20 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.tiny_model import build_tiny_llama
+from kvtier.integrations.vllm_lookup import LookupServer
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
     LoadSpec,
-    LookupServer,
     SchedulerSide,
     StoreSpec,
 )
 from kvtier.integrations.vllm_settings import (
     SHARED,
     EngineFacts,
-    Sharding,
     open_backend,
     read_settings,
 )
+from kvtier.integrations.vllm_shards import Sharding
 from kvtier.integrations.vllm_transfers import WorkerSide
 from kvtier.keys import block_keys
 

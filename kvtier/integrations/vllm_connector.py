@@ -68,10 +68,10 @@ except ImportError as e:  # this module is vLLM's to load; say what is missing
         from e
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_lookup import LookupServer
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
     LoadSpec,
-    LookupServer,
     ScheduledRequest,
     SchedulerSide,
     StoreSpec,

@@ -11,7 +11,6 @@ import atexit
 import logging
 import math
 import os
-import struct
 import tempfile
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -26,6 +25,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import KVDtype
 from kvtier.handle import TransferHandle
+from kvtier.integrations.vllm_shards import Sharding, rank_config
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import BlockLayout
 from kvtier.tiers.kinds import TierKind
@@ -71,54 +71,6 @@ class Backend(Protocol):
     def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> TransferHandle: ...
 
     def close(self) -> None: ...
-
-
-_SHARD_TAG = b"kvtier.vllm.tp-shard.v1"
-
-
-@dataclass(frozen=True, slots=True)
-class Sharding:
-    """Which slice of every block one worker rank holds, under tensor parallelism.
-
-    vLLM splits each layer's KV heads over the `num_ranks` ranks of an engine, so a rank's page
-    holds only its heads, and each rank stores and loads only that slice, under keys of its own:
-    the engine-level key (what the scheduler computes) mixed with the slice's index. Ranks whose
-    slices hold the same bytes share keys: every rank when KV is replicated (MLA's latent, or a
-    single KV head), or the `num_ranks // num_shards` ranks that vLLM gives the same heads when
-    there are fewer KV heads than ranks. With one slice the keys are the engine's own, so an
-    engine without TP (or with replicated KV) shares blocks with any other such engine, and never
-    with an engine whose pages hold a different slice of the heads.
-
-    Attributes:
-        rank: this worker's tensor-parallel rank (0 on the scheduler side).
-        num_ranks: tensor_parallel_size.
-        num_shards: distinct slices of a block's KV (divides num_ranks).
-    """
-
-    rank: int = 0
-    num_ranks: int = 1
-    num_shards: int = 1
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.rank < self.num_ranks and 0 < self.num_shards <= self.num_ranks
-                and self.num_ranks % self.num_shards == 0):
-            raise ConfigError(f"tensor_parallel_size: rank {self.rank} of {self.num_ranks} ranks cannot hold one of "
-                              f"{self.num_shards} KV slices; KV heads must divide evenly over the ranks")
-
-    @property
-    def shard(self) -> int:
-        """The slice this rank holds."""
-        return self.rank // (self.num_ranks // self.num_shards)
-
-    def for_rank(self, rank: int) -> Sharding:
-        return Sharding(rank, self.num_ranks, self.num_shards)
-
-    def keys(self, keys: Sequence[BlockKey]) -> tuple[BlockKey, ...]:
-        """This rank's keys for the engine-level `keys` (the same keys with one slice)."""
-        if self.num_shards == 1:
-            return tuple(keys)
-        salt = _SHARD_TAG + struct.pack("<II", self.shard, self.num_shards)
-        return tuple(BlockKey(xxhash.xxh3_128_digest(salt + key)) for key in keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,28 +178,6 @@ def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ConfigError(f"{EXTRA}.{name}: expected a positive number of seconds, got {value!r}")
     return float(value)
-
-
-def rank_config(config: KVTierConfig, sharding: Sharding) -> KVTierConfig:
-    """One rank's share of `config`: capacities are per engine, split evenly over its ranks.
-
-    So a kvtier config sized for a model (`kvtier size`) holds as many tokens under any
-    tensor_parallel_size (each rank's slice of a block being 1/tp of it; with replicated KV every
-    rank holds whole blocks, so the engine holds 1/tp as many tokens). Each rank's SSD tier lives in
-    its own `rank<r>-of-<tp>` directory under `path` (its slab files, and with `persist`, its
-    journal and lock), so ranks, and engines of different tensor_parallel_size, never share files.
-    With one rank the config is unchanged.
-    """
-    if sharding.num_ranks == 1:
-        return config
-    n, rank = sharding.num_ranks, sharding.rank
-
-    def share(tier):
-        path = tier.path / f"rank{rank}-of-{n}" if tier.kind is TierKind.SSD else tier.path
-        return replace(tier, capacity_bytes=tier.capacity_bytes // n, path=path)
-
-    return replace(config, tiers=tuple(share(t) for t in config.tiers),
-                   prefetch=replace(config.prefetch, budget_bytes=config.prefetch.budget_bytes // n))
 
 
 def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> BlockLayout:

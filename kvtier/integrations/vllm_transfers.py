@@ -32,7 +32,8 @@ import torch
 from kvtier.errors import KVTierError
 from kvtier.handle import TransferHandle
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import Backend, Sharding
+from kvtier.integrations.vllm_settings import Backend
+from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.native import gather_blocks, scatter_blocks
