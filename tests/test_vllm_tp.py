@@ -93,6 +93,40 @@ def test_each_slice_has_its_own_keys_and_replicas_share_them(dram_yaml):
     assert Sharding(1, 2, 1).keys(keys) == tuple(keys)  # replicated KV (MLA, one KV head): one copy for all
 
 
+def test_replicated_kv_goes_to_the_pool_once_and_every_rank_hits_it(tmp_path, tiny_model):
+    from kvtier.pool.client import PoolClient
+    from kvtier.pool.testing import running_node
+
+    assert [Sharding(r, 4, 2).writes_shared for r in range(4)] == [True, False, True, False]
+    with running_node(capacity="32MiB") as node:
+        path = _yaml(tmp_path / "pool.yaml", tiny_model,
+                     {"dram": {"capacity": "1MiB"}, "pool": {"capacity": "8MiB", "nodes": [node.address]}})
+        ranks = [read_settings({"kvtier_config": str(path)}, _facts(r, num_shards=1)) for r in (0, 1)]
+        backends = [open_backend(s) for s in ranks]
+        try:
+            assert [b.write_pool for b in backends] == [True, False]
+            keys = ranks[0].sharding.keys(block_keys(ranks[0].namespace, P1))
+            assert ranks[1].sharding.keys(block_keys(ranks[1].namespace, P1)) == keys  # one slice: shared keys
+            blocks = torch.randint(0, 256, (len(keys), ranks[0].layout.block_bytes), dtype=torch.uint8)
+            for backend in reversed(backends):  # the non-writer first: its store must not touch the pool
+                assert backend.store(keys, blocks).wait(10)
+                with PoolClient([node.address]) as probe:
+                    on_pool = sum(probe.contains([bytes(k) for k in keys]))
+                    bytes_in = probe.stats()[0]["bytes_in"]
+                assert on_pool == (len(keys) if backend is backends[0] else 0)
+            assert bytes_in == len(keys) * ranks[0].layout.block_bytes, "each block crossed to the pool once"
+            fresh = open_backend(ranks[1])  # rank 1 of a new engine: nothing local, hits the writer's copy
+            try:
+                into = torch.zeros_like(blocks)
+                assert fresh.lookup(keys) == len(keys) and fresh.load(keys, into).wait(10)
+                assert torch.equal(into, blocks)
+            finally:
+                fresh.close()
+        finally:
+            for backend in backends:
+                backend.close()
+
+
 def test_a_rank_holds_its_slice_and_its_share_of_every_tier(tmp_path, tiny_model):
     path = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "4MiB"},
                                                        "ssd": {"capacity": "8MiB", "path": str(tmp_path / "ssd")}})

@@ -9,7 +9,10 @@ any other stored. The process's other tiers (HBM, DRAM, SSD) stay in front as a 
     lookup   leading keys held locally, then the leading run of the rest found on the pool
     load     local blocks through the `KVTier` (layer by layer); the others fetched whole from the
              pool first, so a load that needs the pool reports its layers once those blocks are in
-    store    into the local tiers and onto the pool, both; the handle ends when both have
+    store    into the local tiers and onto the pool, both; the handle ends when both have.
+             Under tensor parallelism with replicated KV (MLA, or fewer KV heads than ranks),
+             ranks holding the same slice share its pool key: only the first of them writes it
+             (`write_pool`), the others keep their local copy, so the pool receives each slice once
 
 A node that is down or slow is a miss (`PoolClient` never raises for that), never wrong bytes: a
 block's bytes are checked against their checksum on every get.
@@ -40,11 +43,13 @@ class PoolBackend:
         layout: the block layout (every block is `layout.block_bytes`).
         local: the process's own tiers, looked up and loaded first; None: the pool only.
         io_workers: threads that run pool calls (one call per load or store).
+        write_pool: False on a rank whose slice another rank writes to the pool (see the module
+            docstring); its stores go to the local tiers only.
     """
 
     def __init__(self, client: PoolClient, layout: BlockLayout, local: KVTier | None = None,
-                 io_workers: int = 2) -> None:
-        self.client, self.layout, self.local = client, layout, local
+                 io_workers: int = 2, write_pool: bool = True) -> None:
+        self.client, self.layout, self.local, self.write_pool = client, layout, local, write_pool
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-vllm-pool")
         self._closed = False
 
@@ -70,6 +75,12 @@ class PoolBackend:
     def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> TransferHandle:
         """Stores the blocks locally and on the pool; a block is failed only if both failed."""
         local = self.local.store(keys, blocks) if self.local is not None else None
+        if not self.write_pool:  # another rank writes this slice to the pool
+            if local is not None:
+                return local
+            handle = TransferHandle(keys, self.layout.num_layers)
+            handle.finish()
+            return handle
         handle = TransferHandle(keys, self.layout.num_layers)
         self._io.submit(self._finish_store, handle, local, list(keys), [blocks[i] for i in range(len(keys))])
         return handle

@@ -315,7 +315,7 @@ def open_backend(settings: Settings) -> Backend:
     except BaseException:
         client.close()
         raise
-    return PoolBackend(client, settings.layout, local)
+    return PoolBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared)
 
 
 def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:

@@ -51,6 +51,12 @@ class Sharding:
         """The slice this rank holds."""
         return self.rank // (self.num_ranks // self.num_shards)
 
+    @property
+    def writes_shared(self) -> bool:
+        """Whether this rank is the first of those holding its slice: the one that writes the
+        slice where all of them read it (the pool)."""
+        return self.rank % (self.num_ranks // self.num_shards) == 0
+
     def for_rank(self, rank: int) -> Sharding:
         return Sharding(rank, self.num_ranks, self.num_shards)
 
