@@ -151,6 +151,8 @@ def _print_table(f: dict[str, Any]) -> None:
                           + (f" ({100 * f['hits'] / lookups:.1f}% hit)" if lookups else "")),
         ("puts / evictions", f"{f['puts']:,} / {f['evictions']:,}"),
         ("rejected puts", f"full {f['rejected_full']:,}, quota {f['rejected_quota']:,}, busy {f['rejected_busy']:,}"),
+        ("duplicate puts", (f"{format_size(f.get('duplicate_put_bytes', 0))} sent for keys already stored "
+                            f"(and dropped); {format_size(f.get('bytes_in', 0))} written")),
         ("leases", f"{f['active_leases']:,} active, {f['leases_expired']:,} expired"),
         ("connections", (f"{f['active_connections']:,} open, {f['connections']:,} since start, "
                          f"{f['auth_failures']:,} auth failures, {f['protocol_errors']:,} protocol errors")),

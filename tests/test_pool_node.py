@@ -1,9 +1,9 @@
 """Pool nodes as real `kvtier pool serve` subprocesses on 127.0.0.1, reached by real clients and by
-raw sockets: sharing across processes, placement over several nodes, node loss and rejoin,
-authentication, tenant isolation, quotas, a fuzzed live parser, leases under a read in flight, and
-the command line. Nothing waits on a timer: readiness is the node's ready line plus an answered
-call; a frozen node is SIGSTOP. Cost: about 25 s on 2 cores (a dozen node starts, client processes,
-timeouts of 0.5 s).
+raw sockets: sharing across processes, puts of stored keys and puts cut off mid-payload, placement
+over several nodes, node loss and rejoin, authentication, tenant isolation, quotas, a fuzzed live
+parser, leases under a read in flight, and the command line. Nothing waits on a timer: readiness is
+the node's ready line plus an answered call; a frozen node is SIGSTOP. Cost: about 25 s on 2 cores
+(a dozen node starts, client processes, timeouts of 0.5 s).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Raw:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.sock.settimeout(30)
         self.sock.connect((host, int(port)))
+        self.frames = wire.FrameSocket(self.sock)  # the node's and the client's own frame reader
         self.rid = 0
         if auth:
             nonce = os.urandom(32)
@@ -60,7 +61,7 @@ class Raw:
         self.sock.sendall(encode(msg, self.rid, header, len(payload)) + payload)
 
     def recv(self) -> tuple[MsgType, dict, int]:
-        prefix, msg, header = wire.read_head(self.sock, 1 << 30, reply=True)
+        prefix, msg, header = self.frames.read_head(1 << 30, reply=True)
         return msg, header, prefix.payload_len
 
     def call(self, msg: int, header: dict, payload: bytes = b"") -> dict:
@@ -133,6 +134,38 @@ def test_two_client_processes_share_a_block(node):
     assert run("put") == ["True"]
     assert run("get") == ["True", hashlib.sha256(data_for(key, n)).hexdigest()]
     assert client(node).stats()[0]["hits"] == hits_before + 1
+
+
+def test_a_put_of_a_stored_key_keeps_the_block_and_counts_the_bytes_sent_for_nothing(node):
+    """The one-frame PUT sends the bytes before the node says EXISTS: the stored block stays as it
+    was, the client counts put_exists, and the node counts the bytes it drained."""
+    key, n = os.urandom(16), 100_000
+    with client(node) as c:
+        before = c.stats()[0]
+        assert c.put(key, data_for(key, n))
+        assert c.put(key, b"x" * n), "already stored counts as stored"
+        buf = bytearray(n)
+        assert c.get(key, buf) and bytes(buf) == data_for(key, n), "the first bytes stay"
+        after = c.stats()[0]
+        assert c.counters["put_exists"] == 1 and c.counters["puts"] == 1
+    assert after["duplicate_put_bytes"] == before["duplicate_put_bytes"] + n
+    assert after["bytes_in"] == before["bytes_in"] + n, "only the stored block's bytes went into the arena"
+
+
+def test_a_put_cut_off_mid_payload_frees_its_slot_at_once(node):
+    """A writer that goes away inside a PUT's bytes leaves no half block and no key held BUSY until
+    its write lease (60 s here) expires: the next put of the key goes through."""
+    key, n = os.urandom(16), 100_000
+    raw = Raw(node.address)
+    raw.sock.sendall(encode(MsgType.PUT, 1, {"key": key, "lease_s": 60, "checksum": 0}, n) + b"x" * (n // 2))
+    raw.sock.shutdown(socket.SHUT_WR)
+    assert raw.closed_by_peer(), "the node ends the connection once it has dropped the block"
+    raw.close()
+    with client(node) as c:
+        assert c.contains([key]) == [False]
+        assert c.put(key, data_for(key, n)), "not BUSY: the slot was freed when the bytes stopped"
+        buf = bytearray(n)
+        assert c.get(key, buf) and bytes(buf) == data_for(key, n)
 
 
 def test_keys_spread_over_nodes_by_rendezvous_and_a_lost_node_is_only_misses():
@@ -221,10 +254,10 @@ def test_a_node_killed_mid_payload_breaks_only_that_read():
         msg, _, length = raw.recv()
         assert msg is MsgType.READ and length == 32 * MIB
         got = bytearray(MIB)
-        wire.recv_into(raw.sock, memoryview(got))
+        raw.frames.recv_into(memoryview(got))
         node.kill()
         with pytest.raises(ConnectionError):
-            wire.recv_into(raw.sock, memoryview(bytearray(length - MIB)))
+            raw.frames.recv_into(memoryview(bytearray(length - MIB)))
         assert got == data_for(b"big", 32 * MIB)[:MIB]
     finally:
         node.close()
@@ -331,8 +364,8 @@ def test_fuzzed_frames_never_stop_the_node_serving_others(node, auth, data):
     raw.sock.shutdown(socket.SHUT_WR)  # a truncated frame ends here: the node must not wait forever
     try:
         while True:
-            prefix, msg, header = wire.read_head(raw.sock, 1 << 30, reply=True)
-            wire.drain(raw.sock, prefix.payload_len)
+            prefix, msg, header = raw.frames.read_head(1 << 30, reply=True)
+            raw.frames.drain(prefix.payload_len)
             assert msg is MsgType.ERROR or msg in MsgType, header
     except (EOFError, ConnectionError):
         pass
@@ -361,7 +394,7 @@ def test_an_expired_lease_never_lets_a_slot_be_reused_under_a_read_in_flight():
             assert c.put(b"K2", data_for(b"K2", size)), "room is made by evicting K3, not K"
             assert c.contains([b"K", b"K2", b"K3"]) == [True, True, False]
             got = bytearray(size)
-            wire.recv_into(reader.sock, memoryview(got))
+            reader.frames.recv_into(memoryview(got))
             assert got == data_for(b"K", size), "the read in flight got K's bytes, whole"
             assert c.put(b"K4", data_for(b"K4", size)), "now K is idle and its lease over: evicted"
             assert c.contains([b"K"]) == [False]
@@ -387,7 +420,7 @@ def test_stats_command_reports_capacity_use_and_the_active_transport(node, capsy
     assert {"evictions", "misses", "num_blocks"} <= facts.keys()
     assert main(["pool", "stats", node.address]) == 0
     table = capsys.readouterr().out
-    assert "tcp (" in table and "hits / misses" in table
+    assert "tcp (" in table and "hits / misses" in table and "duplicate puts" in table
     assert node.ready["transport"] == "tcp"
 
 

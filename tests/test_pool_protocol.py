@@ -1,10 +1,15 @@
 """The pool wire protocol without sockets: round trips, and a fuzzed parser that only ever returns a
-frame, asks for more bytes, or raises `ProtocolError`. Cost: about two seconds (hypothesis).
+frame, asks for more bytes, or raises `ProtocolError`. Then `wire.FrameSocket`, the reader and writer
+the node and the client share, over a socketpair: frames in any chunking, headers larger than its
+buffer, peers that close, deadlines. Cost: about three seconds (hypothesis).
 """
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
+import time
 
 import msgpack
 import pytest
@@ -28,6 +33,7 @@ from kvtier.pool.protocol import (
     encode_error,
     parse_prefix,
 )
+from kvtier.pool.wire import RECV_BUFFER_BYTES, FrameSocket
 
 MAX_PAYLOAD = 1 << 20
 
@@ -168,3 +174,97 @@ def test_fuzz_arbitrary_msgpack_headers(header, msg) -> None:
         decode_all(data)
     except ProtocolError:
         pass
+
+
+# ---- FrameSocket over a socketpair -------------------------------------------------------------
+
+PIPELINE = [  # requests as a client pipelines them: small, with payloads, and one header beyond the buffer
+    (MsgType.PUT, {"key": b"a", "lease_s": 1.0, "checksum": 5}, b"x" * 10),
+    (MsgType.GET, {"keys": [bytes([i % 256]) * 16 for i in range(400)], "lease_s": 1, "release": [],
+                   "inline": True}, b""),
+    (MsgType.WRITE, {"region": 0, "offset": 0, "gen": 1}, bytes(range(256)) * 40),
+    (MsgType.STATS, {}, b""),
+    (MsgType.PUT, {"key": b"b", "lease_s": 1.0, "checksum": 6}, b"y" * (3 * RECV_BUFFER_BYTES + 7)),
+]
+
+
+def _feed(sock: socket.socket, data: bytes, chunks: list[int]) -> threading.Thread:
+    """Writes `data` in pieces of the given sizes (cycled), from a thread, then closes."""
+    def run() -> None:
+        at, i = 0, 0
+        while at < len(data):
+            n = chunks[i % len(chunks)]
+            sock.sendall(data[at: at + n])
+            at, i = at + n, i + 1
+        sock.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 3 * RECV_BUFFER_BYTES), min_size=1, max_size=6))
+def test_frame_socket_reads_pipelined_frames_in_any_chunking(chunks: list[int]) -> None:
+    data = b"".join(frame(msg, header, payload, request_id=i) for i, (msg, header, payload) in enumerate(PIPELINE))
+    ours, theirs = socket.socketpair()
+    writer = _feed(theirs, data, chunks)
+    frames = FrameSocket(ours, timeout_s=30)  # a safety net, never a measurement
+    try:
+        for i, (msg, header, payload) in enumerate(PIPELINE):
+            prefix, got, got_header = frames.read_head(MAX_PAYLOAD, reply=False)
+            into = bytearray(prefix.payload_len)
+            frames.recv_into(memoryview(into))
+            assert (prefix.request_id, got, got_header, bytes(into)) == (i, msg, header, payload)
+        with pytest.raises(EOFError):
+            frames.read_head(MAX_PAYLOAD, reply=False)
+        assert frames.buffered == 0
+    finally:
+        writer.join()
+        ours.close()
+
+
+def test_frame_socket_drains_a_refused_payload_and_reads_on() -> None:
+    data = frame(MsgType.WRITE, {"region": 0, "offset": 0, "gen": 1}, b"z" * 100_000) + frame(MsgType.STATS, {})
+    ours, theirs = socket.socketpair()
+    writer = _feed(theirs, data, [4000])
+    frames = FrameSocket(ours, timeout_s=30)
+    try:
+        prefix, _, _ = frames.read_head(MAX_PAYLOAD, reply=False)
+        frames.drain(prefix.payload_len)
+        assert frames.read_head(MAX_PAYLOAD, reply=False)[1] is MsgType.STATS
+    finally:
+        writer.join()
+        ours.close()
+
+
+@pytest.mark.parametrize("cut", [PREFIX_BYTES - 1, PREFIX_BYTES + 3, PREFIX_BYTES + 30])
+def test_frame_socket_peer_closing_inside_a_frame_is_a_connection_error(cut: int) -> None:
+    whole = frame(MsgType.PUT, {"key": b"k", "lease_s": 1.0, "checksum": 1}, b"p" * 50)
+    ours, theirs = socket.socketpair()
+    theirs.sendall(whole[:cut])
+    theirs.close()
+    frames = FrameSocket(ours, timeout_s=30)
+    with pytest.raises(ConnectionError):
+        prefix, _, _ = frames.read_head(MAX_PAYLOAD, reply=False)
+        frames.recv_into(memoryview(bytearray(prefix.payload_len)))
+    ours.close()
+
+
+def test_frame_socket_gives_up_at_the_deadline_and_sends_many_buffers_whole() -> None:
+    ours, theirs = socket.socketpair()
+    frames = FrameSocket(ours, timeout_s=30)
+    with pytest.raises(TimeoutError):  # nothing comes: the kernel timeout armed for the deadline fires
+        frames.read_head(MAX_PAYLOAD, reply=True, deadline=time.monotonic() + 0.05)
+    with pytest.raises(TimeoutError):  # a deadline already past fails before any system call
+        frames.read_head(MAX_PAYLOAD, reply=True, deadline=time.monotonic() - 1)
+    pieces = [memoryview(bytes([i % 256]) * 3) for i in range(1500)]  # more buffers than one sendmsg takes
+    reader = FrameSocket(theirs, timeout_s=30)
+    got = bytearray(3 * len(pieces))
+    recv = threading.Thread(target=lambda: (reader.read_head(1 << 20, reply=True), reader.recv_into(memoryview(got))))
+    recv.start()
+    frames.send(REPLY | MsgType.READ, 1, {}, pieces, deadline=time.monotonic() + 30)
+    recv.join()
+    assert bytes(got) == b"".join(bytes(p) for p in pieces)
+    ours.close()
+    theirs.close()

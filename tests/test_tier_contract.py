@@ -1,17 +1,22 @@
-"""The `Tier` contract, run unchanged against every local tier implementation.
+"""The `Tier` contract, run unchanged against every tier implementation.
 
 Implementations: HBMTier on its CPU stand-in, DRAMTier, SSDTier with O_DIRECT attempted (on pytest's
-tmp_path and on a disk-backed /var/tmp, since /tmp may be tmpfs) and SSDTier with buffered I/O.
-Each SSD tier uses real files. Cost: a few seconds in all; the hypothesis test is the bulk of it.
+tmp_path and on a disk-backed /var/tmp, since /tmp may be tmpfs) and SSDTier with buffered I/O, each
+on real files; PoolTier on a `kvtier pool serve` subprocess; MooncakeTier on a real `mooncake_master`
+subprocess (skipped where the mooncake package or its master binary is missing). Cost: about ten
+seconds in all; the hypothesis test and the Mooncake client's set-up are the bulk of it.
 """
 
 from __future__ import annotations
 
+import importlib
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +39,21 @@ DISK_DIR = "/var/tmp"
 MakeTier = Callable[[int, int], Tier]
 MEMORY_TIERS = ["hbm-cpu", "dram"]  # offer `view`
 SSD_TIERS = ["ssd-direct-tmp_path", "ssd-direct-var-tmp", "ssd-buffered"]  # `view` is None
-REMOTE_TIERS = ["pool"]  # PoolTier on a `kvtier pool serve` subprocess; `view` is None
+
+def _mooncake_runs_here() -> bool:
+    """The mooncake package imports (its extension can be present yet miss a shared library) and
+    its `mooncake_master` is where `MasterProcess` looks."""
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError:
+        return False
+    return (Path(sys.executable).parent / "mooncake_master").exists() or shutil.which("mooncake_master") is not None
+
+
+MOONCAKE = pytest.param("mooncake", marks=pytest.mark.skipif(
+    not _mooncake_runs_here(), reason="mooncake-transfer-engine (and its mooncake_master) not installed"))
+# PoolTier on a `kvtier pool serve` subprocess, MooncakeTier on a `mooncake_master` one; `view` is None
+REMOTE_TIERS = ["pool", MOONCAKE]
 
 
 @pytest.fixture
@@ -54,12 +73,30 @@ def pool_node() -> Iterator[str]:
         yield node.address
 
 
+@pytest.fixture(scope="module")
+def mooncake_client() -> Iterator[object]:
+    """A `mooncake_master` subprocess and one client of it, shared by the module's Mooncake tiers
+    (each tier keys its slots apart; setting a client up costs more than the tests that use it)."""
+    from kvtier.pool.mooncake import MooncakeClient
+    from kvtier.pool.mooncake_master import MasterProcess, free_port
+
+    master = MasterProcess()
+    try:
+        client = MooncakeClient(master.address, master.metadata_server, segment_bytes=64 << 20,
+                                staging_bytes=16 << 20, local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}")
+        yield client
+        client.close()
+    finally:
+        master.close()
+
+
 @pytest.fixture(params=MEMORY_TIERS + SSD_TIERS + REMOTE_TIERS)
 def make_tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[MakeTier]:
     """A factory `(capacity_bytes, slot_bytes) -> Tier` for one implementation; closes what it made."""
     kind = request.param
     directory = request.getfixturevalue("disk_dir") if kind == "ssd-direct-var-tmp" else str(tmp_path)
-    pool = request.getfixturevalue("pool_node") if kind in REMOTE_TIERS else None
+    pool = request.getfixturevalue("pool_node") if kind == "pool" else None
+    mooncake = request.getfixturevalue("mooncake_client") if kind == "mooncake" else None
     factories: dict[str, MakeTier] = {
         "hbm-cpu": lambda cap, slot: HBMTier(cap, slot, device="cpu"),
         "dram": lambda cap, slot: DRAMTier(cap, slot),
@@ -67,6 +104,7 @@ def make_tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[MakeTier]:
         "ssd-direct-var-tmp": lambda cap, slot: SSDTier(directory, cap, slot, num_files=4),
         "ssd-buffered": lambda cap, slot: SSDTier(directory, cap, slot, num_files=3, direct=False),
         "pool": lambda cap, slot: PoolTier(PoolClient([pool], timeout_s=30), cap, slot, owns_client=True),
+        "mooncake": lambda cap, slot: _mooncake_tier(mooncake, cap, slot),
     }
     made: list[Tier] = []
 
@@ -78,6 +116,12 @@ def make_tier(request: pytest.FixtureRequest, tmp_path) -> Iterator[MakeTier]:
     yield make
     for tier in made:
         tier.close()
+
+
+def _mooncake_tier(client, capacity_bytes: int, slot_bytes: int) -> Tier:
+    from kvtier.pool.mooncake import MooncakeTier
+
+    return MooncakeTier(client, capacity_bytes, slot_bytes)
 
 
 @pytest.fixture

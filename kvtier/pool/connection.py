@@ -16,14 +16,13 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import TransferError
 from kvtier.pool import wire
-from kvtier.pool.protocol import FATAL, ErrorCode, MsgType, ProtocolError, encode
+from kvtier.pool.protocol import FATAL, ErrorCode, MsgType, ProtocolError
 from kvtier.pool.tenants import proof
 
 PIPELINE_DEPTH = 64  # requests in flight on one socket: bounded so neither side's buffers fill up
@@ -45,7 +44,7 @@ class RemoteError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: every call builds one, and frozen construction costs 4x
 class Request:
     """One request. `into` is where the reply's payload goes: a buffer of exactly its size (READ),
     or (GET inline) a function from the reply header to the buffers, in order, that it fills;
@@ -75,7 +74,9 @@ class NodeConnection:
         except OSError as e:
             raise NodeUnavailable(f"pool node {name}: cannot connect: {e}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        wire.set_kernel_timeouts(self.sock, timeout_s)  # each call then arms its own deadline
+        self.frames = wire.FrameSocket(self.sock, timeout_s)  # each call then keeps its own deadline
+        self._readable = select.poll()  # registered once: a check before each loan costs one poll(0)
+        self._readable.register(self.sock, select.POLLIN)
         try:
             self._handshake(tenant, secret)
         except BaseException:
@@ -100,11 +101,12 @@ class NodeConnection:
 
     def peer_closed(self) -> bool:
         """True when the node closed this (idle) socket, e.g. because it restarted."""
+        if self.closed or self.frames.buffered:
+            return True  # closed here, or holding bytes nobody asked for
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+            return bool(self._readable.poll(0))  # end of stream, reset, or bytes nobody asked for
+        except OSError:
             return True
-        return bool(readable)  # end of stream, or bytes nobody asked for: either way unusable
 
     def call(self, msg: MsgType, header: dict[str, Any], payload: memoryview | None = None,
              into: memoryview | None = None) -> dict[str, Any]:
@@ -132,12 +134,13 @@ class NodeConnection:
         out: list[dict[str, Any] | RemoteError] = []
         try:
             for start in range(0, len(requests), PIPELINE_DEPTH):
-                window = requests[start: start + PIPELINE_DEPTH]
-                ids = [self._send(r, deadline) for r in window]
+                window = requests[start: start + PIPELINE_DEPTH] if len(requests) > PIPELINE_DEPTH else requests
+                first = self._next_id + 1
+                self._send(window, deadline)
                 if overlap is not None:
                     overlap, run = None, overlap
                     run()
-                out += [self._receive(r, rid, deadline) for r, rid in zip(window, ids)]
+                out += [self._receive(r, rid, deadline) for rid, r in enumerate(window, first)]
         except TimeoutError:
             self.close()
             raise NodeUnavailable(f"pool node {self.name}: no answer within {self.timeout_s} s") from None
@@ -150,15 +153,17 @@ class NodeConnection:
             raise cls(f"pool node {self.name}: {e.code.name}: {e}") from None
         return out
 
-    def _send(self, r: Request, deadline: float) -> int:
-        self._next_id += 1
-        size = len(r.payload) if r.payload is not None else 0
-        wire.send(self.sock, encode(r.msg, self._next_id, r.header, size), r.payload, deadline)
-        return self._next_id
+    def _send(self, window: Sequence[Request], deadline: float) -> None:
+        """The window's frames in as few system calls as the kernel takes (one for a usual batch)."""
+        buffers: list = []
+        for r in window:
+            self._next_id += 1
+            buffers += self.frames.frame(r.msg, self._next_id, r.header, () if r.payload is None else (r.payload,))
+        self.frames.send_buffers(buffers, deadline)
 
     def _receive(self, r: Request, rid: int, deadline: float) -> dict[str, Any] | RemoteError:
         limit = r.max_reply_payload if callable(r.into) else len(r.into) if r.into is not None else 0
-        prefix, msg, header = wire.read_head(self.sock, limit, reply=True, deadline=deadline)
+        prefix, msg, header = self.frames.read_head(limit, reply=True, deadline=deadline)
         if prefix.request_id != rid and not (msg is MsgType.ERROR and prefix.request_id == 0):
             raise ProtocolError(ErrorCode.MALFORMED, f"reply to request {prefix.request_id}, expected {rid}")
         if msg is MsgType.ERROR:
@@ -171,12 +176,15 @@ class NodeConnection:
             return RemoteError(code, header["message"])
         if msg is not r.msg:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply to a {r.msg.name} request")
+        if not prefix.payload_len and r.into is None:
+            return header
         views = r.into(header) if callable(r.into) else [r.into] if r.into is not None else []
-        if prefix.payload_len != sum(len(v) for v in views):
+        expected = sum(map(len, views))
+        if prefix.payload_len != expected:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply of {prefix.payload_len} bytes, "
-                                                     f"expected {sum(len(v) for v in views)}")
+                                                     f"expected {expected}")
         for view in views:
-            wire.recv_into(self.sock, view, deadline)
+            self.frames.recv_into(view, deadline)
         return header
 
     def close(self) -> None:
@@ -209,25 +217,14 @@ class NodeLink:
     def down(self) -> bool:
         return time.monotonic() < self._down_until
 
-    @contextmanager
-    def connection(self) -> Iterator[NodeConnection]:
-        """Lends a connection for a sequence of calls.
+    def connection(self) -> _Loan:
+        """Lends a connection for a sequence of calls (`with link.connection() as conn:`).
 
         Raises:
             NodeUnavailable: the node is marked down or cannot be reached (then it is marked down).
             AuthFailed: the credentials were refused (the node is not marked down: this is loud).
         """
-        conn = self._acquire()
-        try:
-            yield conn
-        except NodeUnavailable as e:
-            self._fail(conn, e)
-            raise
-        except BaseException:
-            conn.close()  # a caller's error mid-exchange: the socket's state is unknown
-            raise
-        else:
-            self._release(conn)
+        return _Loan(self)
 
     def call(self, msg: MsgType, header: dict[str, Any]) -> dict[str, Any]:
         return self.request(Request(msg, header))
@@ -288,9 +285,33 @@ class NodeLink:
                 return
         conn.close()
 
+    def _end_loan(self, conn: NodeConnection, error: BaseException | None) -> None:
+        if error is None:
+            self._release(conn)
+        elif isinstance(error, NodeUnavailable):
+            self._fail(conn, error)
+        else:
+            conn.close()  # a caller's error mid-exchange: the socket's state is unknown
+
     def _fail(self, conn: NodeConnection | None, error: Exception) -> None:
         if conn is not None:
             conn.close()
         self.last_error = str(error)
         self._down_until = time.monotonic() + self.reconnect_s
         self.close()  # the other idle sockets to a failed node are as dead as this one
+
+
+class _Loan:
+    """`NodeLink.connection()`: a class, not a generator context manager, because every call pays for it."""
+
+    __slots__ = ("_conn", "_link")
+
+    def __init__(self, link: NodeLink) -> None:
+        self._link = link
+
+    def __enter__(self) -> NodeConnection:
+        self._conn = self._link._acquire()
+        return self._conn
+
+    def __exit__(self, kind, error, tb) -> None:
+        self._link._end_loan(self._conn, error)

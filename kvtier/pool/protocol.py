@@ -15,10 +15,12 @@ bad input: a frame that is malformed, truncated, oversized or of another version
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -148,70 +150,98 @@ _PARALLEL = {MsgType.PUT_BEGIN: ("keys", "lengths"), MsgType.PUT_COMMIT: ("keys"
              MsgType.PUT_ABORT: ("keys", "gens"), MsgType.ALLOC: ("keys", "lengths")}
 
 
-def _valid(value: Any, spec: Any) -> bool:
+_SEQUENCES = (list, tuple)
+
+
+def _checker(spec: Any) -> Callable[[Any], bool]:
+    """A predicate for one field spec, built once per schema entry (headers are checked on every frame)."""
     if isinstance(spec, tuple):
-        if not isinstance(value, (list, tuple)):
-            return False
         if spec[0] == "list":
-            return len(value) <= MAX_BATCH and all(_valid(v, spec[1]) for v in value)
-        return len(value) == len(spec[1]) and all(_valid(v, s) for v, s in zip(value, spec[1]))
-    if spec == "uint":
-        return type(value) is int and 0 <= value <= U64
-    if spec == "bool":
-        return type(value) is bool
-    if spec == "num":
-        return type(value) in (int, float) and 0 <= value < 1e9
-    if spec == "key":
-        return type(value) is bytes and 1 <= len(value) <= MAX_KEY_BYTES
-    if spec == "nonce":
-        return type(value) is bytes and 16 <= len(value) <= 64
-    if spec == "mac":
-        return type(value) is bytes and len(value) == 32
-    if spec == "name":
-        return type(value) is str and 1 <= len(value) <= MAX_NAME_BYTES and value.isprintable()
-    if spec == "text":
-        return type(value) is str and len(value) <= 4096
-    if spec == "map":
-        return isinstance(value, dict)
-    raise AssertionError(f"unknown spec {spec!r}")  # a bug in the tables above, not bad input
+            item = _checker(spec[1])
+            return lambda v: type(v) in _SEQUENCES and len(v) <= MAX_BATCH and all(map(item, v))
+        items = tuple(_checker(s) for s in spec[1])
+        n = len(items)
+        return lambda v: type(v) in _SEQUENCES and len(v) == n and all(map(operator.call, items, v))
+    checks: dict[str, Callable[[Any], bool]] = {
+        "uint": lambda v: type(v) is int and 0 <= v <= U64,
+        "bool": lambda v: type(v) is bool,
+        "num": lambda v: type(v) in (int, float) and 0 <= v < 1e9,
+        "key": lambda v: type(v) is bytes and 1 <= len(v) <= MAX_KEY_BYTES,
+        "nonce": lambda v: type(v) is bytes and 16 <= len(v) <= 64,
+        "mac": lambda v: type(v) is bytes and len(v) == 32,
+        "name": lambda v: type(v) is str and 1 <= len(v) <= MAX_NAME_BYTES and v.isprintable(),
+        "text": lambda v: type(v) is str and len(v) <= 4096,
+        "map": lambda v: isinstance(v, dict),
+    }
+    if spec not in checks:
+        raise AssertionError(f"unknown spec {spec!r}")  # a bug in the tables above, not bad input
+    return checks[spec]
+
+
+@dataclass(frozen=True, slots=True)
+class _Schema:
+    fields: frozenset[str]
+    checks: tuple[tuple[str, Callable[[Any], bool]], ...]
+    parallel: tuple[str, ...]
+
+
+def _compile(schema: Mapping[MsgType, dict[str, Any]], parallel: bool) -> dict[MsgType, _Schema]:
+    return {msg: _Schema(frozenset(fields), tuple((name, _checker(spec)) for name, spec in fields.items()),
+                         _PARALLEL.get(msg, ()) if parallel else ())
+            for msg, fields in schema.items()}
+
+
+_COMPILED_REQUESTS = _compile(REQUESTS, parallel=True)
+_COMPILED_REPLIES = _compile(REPLIES, parallel=False)
 
 
 def check_header(msg: MsgType, header: Any, schema: Mapping[MsgType, dict[str, Any]],
                  request_id: int = 0) -> dict[str, Any]:
     """Returns `header` if it is a map with exactly the fields `schema[msg]` names, well typed.
 
+    `schema` is `REQUESTS` or `REPLIES` (or another table of the same form, compiled on each call).
     Raises:
         ProtocolError(MALFORMED): naming the first field at fault.
     """
-    fields = schema.get(msg)
-    if fields is None:
+    compiled = (_COMPILED_REQUESTS if schema is REQUESTS else _COMPILED_REPLIES if schema is REPLIES
+                else _compile(schema, parallel=False))
+    rules = compiled.get(msg)
+    if rules is None:
         raise ProtocolError(ErrorCode.MALFORMED, f"frame type {int(msg)} is not valid here", request_id)
-    if not isinstance(header, dict) or set(header) != set(fields):
+    if type(header) is not dict or header.keys() != rules.fields:
         got = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
-        raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}: expected fields {sorted(fields)}, got {got}",
+        raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}: expected fields {sorted(rules.fields)}, got {got}",
                             request_id)
-    for name, spec in fields.items():
-        if not _valid(header[name], spec):
+    for name, valid in rules.checks:
+        if not valid(header[name]):
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}.{name}: invalid value", request_id)
-    lengths = {len(header[f]) for f in _PARALLEL.get(msg, ()) if schema is REQUESTS}
-    if len(lengths) > 1:
+    if rules.parallel and len({len(header[f]) for f in rules.parallel}) > 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name}: lists of unequal length", request_id)
     return header
 
 
 # ---- frames -------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Prefix:
+class Prefix(NamedTuple):
     type: int
     request_id: int
     header_len: int
     payload_len: int
 
 
-def encode(msg: int, request_id: int, header: Mapping[str, Any], payload_len: int = 0) -> bytes:
-    """The prefix and header of a frame; the caller sends `payload_len` payload bytes after it."""
-    body = msgpack.packb(dict(header), use_bin_type=True)
+_packb = functools.partial(msgpack.packb, use_bin_type=True)
+_MSG_TYPES = {int(m): m for m in MsgType}
+
+
+def encode(msg: int, request_id: int, header: Mapping[str, Any], payload_len: int = 0, *,
+           pack: Callable[[dict], bytes] = _packb) -> bytes:
+    """The prefix and header of a frame; the caller sends `payload_len` payload bytes after it.
+
+    Args:
+        pack: msgpack's packing function; a connection passes its own `Packer(use_bin_type=True).pack`
+            (packb builds a packer per call).
+    """
+    body = pack(header if type(header) is dict else dict(header))
     return PREFIX.pack(MAGIC, VERSION, msg, request_id, len(body), payload_len) + body
 
 
@@ -243,6 +273,10 @@ def parse_prefix(data: bytes | bytearray | memoryview, max_payload: int,
     return Prefix(msg, request_id, header_len, payload_len)
 
 
+_REQUEST_PAYLOADS = frozenset({MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT})
+_REPLY_PAYLOADS = frozenset({MsgType.READ, MsgType.GET})
+
+
 def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply: bool) -> tuple[MsgType, dict]:
     """Decodes the msgpack header of a frame whose prefix is `prefix` and checks it.
 
@@ -260,12 +294,10 @@ def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply:
         if not raw_type & REPLY:
             raise ProtocolError(ErrorCode.MALFORMED, f"frame type {raw_type} is not a reply", rid)
         raw_type &= ~REPLY
-    try:
-        msg = MsgType(raw_type)
-    except ValueError:
-        raise ProtocolError(ErrorCode.MALFORMED, f"unknown frame type {prefix.type}", rid) from None
-    carries = (MsgType.READ, MsgType.GET) if reply else (MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT)
-    if prefix.payload_len and msg not in carries:
+    msg = _MSG_TYPES.get(raw_type)
+    if msg is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"unknown frame type {prefix.type}", rid)
+    if prefix.payload_len and msg not in (_REPLY_PAYLOADS if reply else _REQUEST_PAYLOADS):
         raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} frame carries a payload", rid)
     header = _unpack(body, rid)
     return msg, check_header(msg, header, REPLIES if reply else REQUESTS, rid)

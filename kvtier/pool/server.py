@@ -16,20 +16,22 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.pool import wire
 from kvtier.pool.arena import Arena
+from kvtier.pool.blocks import Access
 from kvtier.pool.protocol import (
     MAX_HANDSHAKE_HEADER_BYTES,
     MAX_INLINE_BYTES,
     REPLY,
     ErrorCode,
+    GrantStatus,
     MsgType,
     Prefix,
     ProtocolError,
-    encode,
     encode_error,
 )
 from kvtier.pool.store import AccessError, BlockStore, Grant
@@ -80,7 +82,9 @@ class PoolNode:
         self._wake_r, self._wake_w = os.pipe()
         self._started = time.monotonic()
         self.counters = dict.fromkeys(("connections", "auth_failures", "protocol_errors", "refused_busy",
-                                       "bytes_in", "bytes_out"), 0)
+                                       "bytes_in", "bytes_out", "duplicate_put_bytes"), 0)
+        self._data = {MsgType.WRITE: self._write, MsgType.WRITE_COMMIT: self._write, MsgType.PUT: self._put,
+                      MsgType.READ: self._read, MsgType.GET: self._get}  # requests that move block bytes
         self._control = {MsgType.PUT_BEGIN: self._put_begin, MsgType.ALLOC: self._alloc,
                          MsgType.PUT_COMMIT: self._commit, MsgType.PUT_ABORT: self._abort,
                          MsgType.RELEASE: self._release,
@@ -186,15 +190,15 @@ class PoolNode:
 
     def _serve(self, sock: socket.socket) -> None:
         busy = self._conns[sock]
+        frames = wire.FrameSocket(sock, self.config.handshake_timeout_s)
         try:
-            sock.settimeout(self.config.handshake_timeout_s)
-            tenant = self._handshake(sock)
-            wire.set_kernel_timeouts(sock, self.config.idle_timeout_s)  # a stalled peer costs one thread that long
+            tenant = self._handshake(frames)
+            frames.set_timeout(self.config.idle_timeout_s)  # a stalled peer costs one thread that long
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             while not self._stopping.is_set():
-                prefix, msg, header = wire.read_head(sock, self.store.region_bytes, reply=False)
+                prefix, msg, header = frames.read_head(self.store.region_bytes, reply=False)
                 with busy:
-                    self._dispatch(sock, tenant, prefix, msg, header)
+                    self._dispatch(frames, tenant, prefix, msg, header)
             self._reply_error(sock, 0, ErrorCode.SHUTTING_DOWN, "node is shutting down")
         except ProtocolError as e:
             with self._lock:
@@ -219,13 +223,13 @@ class PoolNode:
         except OSError:
             pass
 
-    def _handshake(self, sock: socket.socket) -> str:
-        prefix, msg, hello = wire.read_head(sock, 0, reply=False, max_header=MAX_HANDSHAKE_HEADER_BYTES)
+    def _handshake(self, frames: wire.FrameSocket) -> str:
+        prefix, msg, hello = frames.read_head(0, reply=False, max_header=MAX_HANDSHAKE_HEADER_BYTES)
         if msg is not MsgType.HELLO:
             raise ProtocolError(ErrorCode.AUTH, f"expected HELLO first, got {msg.name}", prefix.request_id)
         nonce = os.urandom(32)
-        wire.send(sock, encode(REPLY | MsgType.HELLO, prefix.request_id, {"nonce": nonce, "node": self.config.node_id}))
-        prefix, msg, auth = wire.read_head(sock, 0, reply=False, max_header=MAX_HANDSHAKE_HEADER_BYTES)
+        frames.send(REPLY | MsgType.HELLO, prefix.request_id, {"nonce": nonce, "node": self.config.node_id})
+        prefix, msg, auth = frames.read_head(0, reply=False, max_header=MAX_HANDSHAKE_HEADER_BYTES)
         name = hello["tenant"]
         tenant = self.config.tenants.get(name)
         expected = proof(tenant.secret if tenant else _NO_SECRET, b"client", name, hello["nonce"], nonce)
@@ -234,98 +238,114 @@ class PoolNode:
                 self.counters["auth_failures"] += 1
             raise ProtocolError(ErrorCode.AUTH, "authentication failed (unknown tenant or wrong secret)",
                                 prefix.request_id)
-        wire.send(sock, encode(REPLY | MsgType.AUTH, prefix.request_id, {
+        frames.send(REPLY | MsgType.AUTH, prefix.request_id, {
             "mac": proof(tenant.secret, b"node", name, hello["nonce"], nonce), "node": self.config.node_id,
             "transport": self.config.transport, "max_payload": self.store.region_bytes,
-            "lease_s": self.config.lease_s}))
+            "lease_s": self.config.lease_s})
         return name
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def _dispatch(self, sock: socket.socket, tenant: str, prefix: Prefix, msg: MsgType, header: dict) -> None:
+    def _dispatch(self, frames: wire.FrameSocket, tenant: str, prefix: Prefix, msg: MsgType, header: dict) -> None:
         rid = prefix.request_id
-        if msg in (MsgType.WRITE, MsgType.WRITE_COMMIT):
-            return self._write(sock, tenant, msg, rid, header, prefix.payload_len)
-        if msg is MsgType.PUT:
-            return self._put(sock, tenant, rid, header, prefix.payload_len)
-        if msg is MsgType.READ:
-            return self._read(sock, tenant, rid, header)
-        if msg is MsgType.GET:
-            return self._get(sock, tenant, rid, header)
+        data = self._data.get(msg)
+        if data is not None:
+            return data(frames, tenant, msg, rid, header, prefix.payload_len)
         if msg in (MsgType.RDMA_CONNECT, MsgType.RDMA_REGIONS) and self.rdma is None:
-            return wire.send(sock, encode_error(rid, ErrorCode.FORBIDDEN, "this node's data plane is "
-                                                f"{self.config.transport}, not rdma"))
+            return _send_error(frames, rid, ErrorCode.FORBIDDEN, f"this node's data plane is "
+                                                                 f"{self.config.transport}, not rdma")
         if msg is MsgType.RDMA_CONNECT:
             with self._lock:  # the region table must not change while it is read
-                reply = self.rdma.connect(sock, tenant, header)
-            return wire.send(sock, encode(REPLY | msg, rid, reply))
+                reply = self.rdma.connect(frames.sock, tenant, header)
+            return frames.send(REPLY | msg, rid, reply)
         handler = self._control.get(msg)
         if handler is None:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} is not valid after authentication", rid)
         with self._lock:
             reply = handler(tenant, header)
-        wire.send(sock, encode(REPLY | msg, rid, reply))
+        frames.send(REPLY | msg, rid, reply)
 
-    def _write(self, sock: socket.socket, tenant: str, msg: MsgType, rid: int, h: dict, n: int) -> None:
+    def _receive_block(self, frames: wire.FrameSocket, access: Access, finish: Callable[[bool], Any]) -> Any:
+        """The one place block bytes come in: `access.length` payload bytes from the socket straight
+        into the arena at `access` (the block is busy meanwhile), then, under the lock, the access
+        ends and `finish(every byte arrived)` runs; returns what it returns. A connection that
+        breaks mid-block raises after `finish(False)`."""
+        ok = False
+        try:
+            frames.recv_into(self.arena.view[access.arena_offset: access.arena_offset + access.length])
+            ok = True
+        finally:
+            with self._lock:
+                self.store.end_access(access, ok)
+                self.counters["bytes_in"] += access.length if ok else 0
+                result = finish(ok)
+        return result
+
+    def _write(self, frames: wire.FrameSocket, tenant: str, msg: MsgType, rid: int, h: dict, n: int) -> None:
+        """WRITE / WRITE_COMMIT: one-sided, at a location the client names (checked by the store)."""
         try:
             with self._lock:
                 access = self.store.begin_access(tenant, h["region"], h["offset"], n, h["gen"], write=True)
         except AccessError as e:
-            wire.drain(sock, n)
-            return wire.send(sock, encode_error(rid, e.code, str(e)))
-        ok, reply = False, {}
-        try:
-            wire.recv_into(sock, self.arena.view[access.arena_offset: access.arena_offset + n])
-            ok = True
-        finally:
-            with self._lock:
-                self.store.end_access(access, ok)
-                self.counters["bytes_in"] += n if ok else 0
-                if ok and msg is MsgType.WRITE_COMMIT:
-                    reply["committed"] = self.store.commit(tenant, access.block.key, h["gen"], h["checksum"])
-        wire.send(sock, encode(REPLY | msg, rid, reply))
+            frames.drain(n)
+            return _send_error(frames, rid, e.code, str(e))
 
-    def _put(self, sock: socket.socket, tenant: str, rid: int, h: dict, n: int) -> None:
+        def finish(ok: bool) -> dict:
+            if ok and msg is MsgType.WRITE_COMMIT:
+                return {"committed": self.store.commit(tenant, access.block.key, h["gen"], h["checksum"])}
+            return {}
+
+        frames.send(REPLY | msg, rid, self._receive_block(frames, access, finish))
+
+    def _put(self, frames: wire.FrameSocket, tenant: str, msg: MsgType, rid: int, h: dict, n: int) -> None:
         """PUT_BEGIN and WRITE_COMMIT of one block in one frame: the bytes go straight from the socket
-        into the slot granted, or (a key already stored, no room) are drained and the status told."""
+        into the slot granted, or (a key already stored, no room) are drained and the status told.
+
+        Why the bytes come unasked: asking first (PUT_BEGIN) costs every put a round trip to save
+        the bytes of a block the node holds already, and engines look keys up before they compute
+        and store blocks, so a duplicate is the exception (servers racing on one prefix). The price
+        stays visible: `duplicate_put_bytes` (stats, metrics) counts the bytes drained for stored keys.
+        """
         with self._lock:
             grant = self.store.put_begin(tenant, h["key"], n, h["lease_s"])
             block = grant.block
-            access = None if block is None else self.store.begin_access(tenant, block.region.id, block.offset, n,
-                                                                        block.gen, write=True)
+            access = None if block is None else self.store.pin(block, write=True)
+            if grant.status is GrantStatus.EXISTS:
+                self.counters["duplicate_put_bytes"] += n
         if access is None:
-            wire.drain(sock, n)
-            return wire.send(sock, encode(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": False}))
-        ok = stored = False
-        try:
-            wire.recv_into(sock, self.arena.view[access.arena_offset: access.arena_offset + n])
-            ok = True
-        finally:
-            with self._lock:
-                self.store.end_access(access, ok)
-                self.counters["bytes_in"] += n if ok else 0
-                if ok:
-                    stored = self.store.commit(tenant, block.key, block.gen, h["checksum"])
-                else:  # the peer went away mid-block: free the slot now, not at lease expiry
-                    self.store.abort(tenant, block.key, block.gen)
-        wire.send(sock, encode(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": stored}))
+            frames.drain(n)
+            return frames.send(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": False})
 
-    def _read(self, sock: socket.socket, tenant: str, rid: int, h: dict) -> None:
+        def finish(ok: bool) -> bool:
+            if ok:
+                return self.store.commit(tenant, block.key, block.gen, h["checksum"])
+            self.store.abort(tenant, block.key, block.gen)  # the peer went away mid-block: free the slot now
+            return False
+
+        stored = self._receive_block(frames, access, finish)
+        frames.send(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": stored})
+
+    def _read(self, frames: wire.FrameSocket, tenant: str, msg: MsgType, rid: int, h: dict, _: int) -> None:
         n = h["length"]
         try:
             with self._lock:
                 access = self.store.begin_access(tenant, h["region"], h["offset"], n, h["gen"], write=False)
         except AccessError as e:
-            return wire.send(sock, encode_error(rid, e.code, str(e)))
+            return _send_error(frames, rid, e.code, str(e))
+        self._send_blocks(frames, REPLY | MsgType.READ, rid, {}, [access])
+
+    def _send_blocks(self, frames: wire.FrameSocket, msg: int, rid: int, header: dict, accesses: list[Access]) -> None:
+        """A reply whose payload is the bytes of `accesses`, sent from the arena; then the accesses end."""
+        views = [self.arena.view[a.arena_offset: a.arena_offset + a.length] for a in accesses]
         ok = False
         try:
-            wire.send(sock, encode(REPLY | MsgType.READ, rid, {}, n),
-                      self.arena.view[access.arena_offset: access.arena_offset + n])
+            frames.send(msg, rid, header, views)
             ok = True
         finally:
             with self._lock:
-                self.store.end_access(access, ok)
-                self.counters["bytes_out"] += n if ok else 0
+                for access in accesses:
+                    self.store.end_access(access, ok)
+                self.counters["bytes_out"] += sum(a.length for a in accesses) if ok else 0
 
     def _put_begin(self, tenant: str, h: dict) -> dict:
         return {"grants": [_grant(self.store.put_begin(tenant, k, n, h["lease_s"]))
@@ -342,7 +362,7 @@ class PoolNode:
             self.store.abort(tenant, k, g)
         return {}
 
-    def _get(self, sock: socket.socket, tenant: str, rid: int, h: dict) -> None:
+    def _get(self, frames: wire.FrameSocket, tenant: str, msg: MsgType, rid: int, h: dict, _: int) -> None:
         """Looks keys up; each hit is leased for a one-sided READ or, inline, sent in the reply."""
         hits, pinned, budget = [], [], MAX_INLINE_BYTES if h["inline"] else 0
         with self._lock:
@@ -357,19 +377,7 @@ class PoolNode:
                     pinned.append(self.store.pin(b))
                 lease = 0 if inline else self.store.lease(b, h["lease_s"])
                 hits.append([True, b.region.id, b.offset, b.length, b.gen, b.checksum, lease, inline])
-        views = [self.arena.view[a.arena_offset: a.arena_offset + a.length] for a in pinned]
-        ok = False
-        try:
-            head = encode(REPLY | MsgType.GET, rid, {"hits": hits}, sum(len(v) for v in views))
-            wire.send(sock, head, views[0] if views else None)
-            for view in views[1:]:
-                sock.sendall(view)
-            ok = True
-        finally:
-            with self._lock:
-                for access in pinned:
-                    self.store.end_access(access, ok)
-                self.counters["bytes_out"] += sum(len(v) for v in views) if ok else 0
+        self._send_blocks(frames, REPLY | MsgType.GET, rid, {"hits": hits}, pinned)
 
     def _release(self, tenant: str, h: dict) -> dict:
         self.store.release(tenant, h["leases"])
@@ -391,6 +399,11 @@ class PoolNode:
 def _grant(g: Grant) -> list[int]:
     b = g.block
     return [int(g.status), b.region.id, b.offset, b.gen, g.lease] if b is not None else [int(g.status), 0, 0, 0, 0]
+
+
+def _send_error(frames: wire.FrameSocket, rid: int, code: ErrorCode, message: str) -> None:
+    """A non-fatal error reply to one request: the connection goes on."""
+    frames.send(MsgType.ERROR, rid, {"code": int(code), "message": message[:4096]})
 
 
 def _shutdown(sock: socket.socket) -> None:

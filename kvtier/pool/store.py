@@ -158,11 +158,13 @@ class BlockStore:
         """A read lease on a block `lookup` just returned."""
         return self._lease(block, lease_s, write=False)
 
-    def pin(self, block: Block) -> Access:
-        """A read access to a whole block `lookup` just returned (the node sends it inline)."""
+    def pin(self, block: Block, write: bool = False) -> Access:
+        """An access to the whole of a block this store just handed out: a read of one `lookup`
+        returned (the node sends it inline), or the write of one `put_begin` granted (the node
+        receives it from the same frame). Its location is the store's own, so nothing is checked."""
         self._set_busy(block, inflight=+1)
         self._num_inflight += 1
-        return Access(block, block.region.base + block.offset, block.length, False)
+        return Access(block, block.region.base + block.offset, block.length, write)
 
     def release(self, tenant: str, lease_ids: Iterable[int]) -> None:
         for lid in lease_ids:
@@ -279,7 +281,10 @@ class BlockStore:
         block = Block(tenant, key, region, slot, length, self._gen, state, mutable)
         region.blocks[slot] = block
         t.index[key] = block
-        t.lru.setdefault(slot_bytes, OrderedDict())[key] = block
+        lru = t.lru.get(slot_bytes)
+        if lru is None:
+            lru = t.lru[slot_bytes] = OrderedDict()
+        lru[key] = block
         t.used_bytes += slot_bytes
         self._touch(block)
         return Grant(GrantStatus.GRANTED, block)
@@ -342,10 +347,12 @@ class BlockStore:
         self._tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.key)
 
     def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
-        was = block.busy
+        was = block.leases > 0 or block.inflight > 0  # `Block.busy`, inline: three calls per request
         block.leases += leases
         block.inflight += inflight
-        block.region.num_busy += int(block.busy) - int(was)
+        now = block.leases > 0 or block.inflight > 0
+        if now is not was:
+            block.region.num_busy += 1 if now else -1
 
     def _lease(self, block: Block, lease_s: float, write: bool) -> int:
         self._lease_id += 1
