@@ -69,6 +69,17 @@ def test_transport_rdma_stores_and_loads_through_one_sided_verbs(tmp_path, fabri
             assert torch.equal(out, blocks(pool_keys)), "byte-identical through RDMA READ"
             assert kv.snapshot()["hits"]["pool"] == len(pool_keys)
             assert node_bytes(node.address) == (0, 0), "the node's CPU moved none of the blocks' bytes"
+            # Zero copy: between a DRAM slot and the pool the NIC used the registered DRAM slab
+            # itself; every other route to or from the pool (the caller's buffers, the HBM
+            # stand-in) went through the staging buffer.
+            transport, moved = kv.tiers[P]._client.transports[0], kv.snapshot()["bytes_moved"]
+            via_dram = moved.get("dram->pool", 0) + moved.get("pool->dram", 0)
+            assert via_dram > 0 and transport.zero_copy_bytes == via_dram, (transport.zero_copy_bytes, moved)
+            other = sum(n for route, n in moved.items() if "pool" in route) - via_dram
+            assert transport.staged_bytes == other, (transport.staged_bytes, moved)
+            assert transport.zero_copy_error is None
+            facts = pool_facts(kv)
+            assert (facts["rdma_zero_copy"], facts["rdma_zero_copy_bytes"]) == ("on", via_dram), facts
 
 
 def test_transport_auto_against_a_tcp_only_node_reports_tcp_and_why(tmp_path, fabric):

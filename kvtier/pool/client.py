@@ -7,7 +7,8 @@ parallel, and every call has a timeout.
 
 put:  PUT_BEGIN (a slot under a write lease) -> one-sided WRITE of the bytes -> PUT_COMMIT (visible).
       Over TCP one PUT frame carries all three, bytes included: one round trip, as a raw socket
-      (a block the node holds already is sent anyway, then dropped).
+      (a block the node holds already is sent anyway, then dropped and counted in the node's
+      `duplicate_put_bytes`; `PoolNode._put` says why that beats asking first).
 get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check; the lease is
       released with the next GET to that node (or expires), which saves a round trip per get.
       Over TCP the GET asks for the hits' bytes inline instead: one round trip, as a raw socket.
@@ -90,6 +91,7 @@ class PoolClient:
             else set()
         if transport is TransportKind.RDMA:
             self.transports = [_rdma_transport(link) for link in self.links]
+        self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
         self._seeds = [n.encode() for n in names]
         self._releases: list[list[int]] = [[] for _ in names]
         self._lock = threading.Lock()
@@ -105,6 +107,8 @@ class PoolClient:
 
     def home(self, key: bytes) -> int:
         """The node a key is stored on and looked up at now: the first in `placement` not marked down."""
+        if len(self.links) == 1:
+            return 0
         order = self.placement(key)
         return next((i for i in order if not self.links[i].down), order[0])
 
@@ -198,6 +202,17 @@ class PoolClient:
                 out.append({"address": link.name, "error": str(e)})
         return out
 
+    def register_memory(self, address: int, length: int, owner: object) -> None:
+        """Declares host memory that buffers passed to `read_at`/`write_at` often lie in (the
+        runtime's DRAM slab), for every node's data plane, present and chosen later: RDMA
+        registers it and moves those buffers without a staging copy (see `RDMATransport`); TCP
+        ignores it. `owner` keeps the memory alive while the client may use it."""
+        with self._lock:
+            self._host_memory.append((address, length, owner))
+            transports = list(self.transports)
+        for transport in transports:
+            transport.register_memory(address, length, owner)
+
     def transport_facts(self) -> list[tuple[str, str]]:
         """Per node, the data plane in use and why, e.g. `("tcp", "auto: node serves tcp only")`;
         `("undecided", ...)` for an `auto` node not reached yet."""
@@ -237,6 +252,8 @@ class PoolClient:
     def _per_node(self, keys: Sequence[bytes], fn: Callable[[int, list[bytes], list[int]], list]) -> list:
         """Runs `fn(node, keys, positions)` once per node and batch (nodes in parallel); a node
         that fails gives a falsy result for its keys."""
+        if len(self.links) == 1 and len(keys) <= MAX_BATCH:  # the whole call is one batch to one node
+            return self._guarded(0, fn, list(keys), range(len(keys)))
         groups: dict[int, list[int]] = {}
         for j, key in enumerate(keys):
             groups.setdefault(self.home(key), []).append(j)
@@ -268,11 +285,11 @@ class PoolClient:
                               overlap=lambda: sums.extend(xxhash.xxh3_64_intdigest(v) for v in views))["grants"]
         out = [g[0] == GrantStatus.EXISTS for g in grants]
         todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
+        counts = {"put_exists": sum(out)}
         for g in grants:
             if g[0] not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
-                known = g[0] in GrantStatus._value2member_map_
-                self._count(f"put_rejected_{GrantStatus(g[0]).name.lower() if known else g[0]}")
-        self._count("put_exists", sum(out))
+                counts[_rejection(g[0])] = counts.get(_rejection(g[0]), 0) + 1
+        self._count_all(counts)
         if not todo:
             return out
         transport = self.transports[node]
@@ -294,10 +311,10 @@ class PoolClient:
 
     def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """A PUT frame per block, pipelined: one round trip for the batch instead of two. The price: a
-        block the node holds already is sent anyway (the node drains it and answers EXISTS)."""
+        block the node holds already is sent anyway (the node drains it, answers EXISTS and counts
+        the bytes in its `duplicate_put_bytes`; see `PoolNode._put`)."""
         with self.links[node].connection() as conn:
-            fits = [len(v) <= conn.max_payload for v in views]
-            sent = [j for j, ok in enumerate(fits) if ok]
+            sent = [j for j, v in enumerate(views) if len(v) <= conn.max_payload]
             replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
                                                             "checksum": xxhash.xxh3_64_intdigest(views[j])},
                                               payload=views[j]) for j in sent])
@@ -308,12 +325,12 @@ class PoolClient:
                 raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
             statuses[j] = reply["status"]
             out[j] = reply["stored"] or reply["status"] == GrantStatus.EXISTS
-        for status in statuses:
-            if status not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
-                known = status in GrantStatus._value2member_map_
-                self._count(f"put_rejected_{GrantStatus(status).name.lower() if known else status}")
-        self._count("put_exists", sum(s == GrantStatus.EXISTS for s in statuses))
-        self._count("puts", sum(o and s == GrantStatus.GRANTED for o, s in zip(out, statuses)))
+        counts = {"put_exists": statuses.count(GrantStatus.EXISTS),
+                  "puts": sum(o and s == GrantStatus.GRANTED for o, s in zip(out, statuses))}
+        for s in statuses:
+            if s not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
+                counts[_rejection(s)] = counts.get(_rejection(s), 0) + 1
+        self._count_all(counts)
         return out
 
     def _get_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
@@ -327,7 +344,8 @@ class PoolClient:
                 if h[0] and h[7]:
                     fits = h[3] == len(views[j])
                     out.append(views[j] if fits else memoryview(bytearray(h[3])))
-                    wrong_size.extend(() if fits else (j,))
+                    if not fits:
+                        wrong_size.append(j)
             return out
 
         hits = self.links[node].request(Request(
@@ -337,17 +355,22 @@ class PoolClient:
             raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to {len(keys)} keys")
         found = [j for j, h in enumerate(hits) if h[0]]
         leased = [j for j in found if not hits[j][7]]
-        with self._lock:
-            self._releases[node] += [hits[j][6] for j in leased]
-            self._counters["misses"] += len(keys) - len(found)
+        if leased or len(found) < len(keys):  # before anything below can raise
+            with self._lock:
+                self._releases[node] += [hits[j][6] for j in leased]
+                self._counters["misses"] += len(keys) - len(found)
         for j in wrong_size + [j for j in leased if hits[j][3] != len(views[j])]:
             raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, buffer holds {len(views[j])}")
-        read = transport.read_many([RemoteIO(Location(*hits[j][1:5]), views[j]) for j in leased])
-        moved = {j: True for j in found if hits[j][7]} | dict(zip(leased, read))
+        read = dict(zip(leased, transport.read_many([RemoteIO(Location(*hits[j][1:5]), views[j])
+                                                     for j in leased]))) if leased else {}
         out = [False] * len(keys)
+        stale = corrupt = 0
         for j in found:
-            out[j] = moved[j] and xxhash.xxh3_64_intdigest(views[j]) == hits[j][5]
-            self._count("hits" if out[j] else ("checksum_errors" if moved[j] else "stale"))
+            moved = read.get(j, True)  # an inline hit came with the reply
+            out[j] = moved and xxhash.xxh3_64_intdigest(views[j]) == hits[j][5]
+            stale += not moved
+            corrupt += moved and not out[j]
+        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
         return out
 
     def _data_plane(self, node: int) -> Transport:
@@ -366,12 +389,16 @@ class PoolClient:
                     self._undecided.discard(node)
                     if link.transport == TransportKind.RDMA.value:
                         self.transports[node] = _rdma_transport(link)
+                        for memory in self._host_memory:
+                            self.transports[node].register_memory(*memory)
                         self._reasons[node] = f"{self._local_reason}; node serves rdma"
                     else:
                         self._reasons[node] = f"auto: node serves {link.transport} only"
         return self.transports[node]
 
     def _take_releases(self, node: int) -> list[int]:
+        if not self._releases[node]:  # a read without the lock: a lease added meanwhile goes next time
+            return []
         with self._lock:
             leases, self._releases[node] = self._releases[node][:MAX_BATCH], self._releases[node][MAX_BATCH:]
         return leases
@@ -379,6 +406,17 @@ class PoolClient:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
+
+    def _count_all(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counters[name] += n
+
+
+def _rejection(status: int) -> str:
+    """The counter a put refused with `status` adds to."""
+    known = status in GrantStatus._value2member_map_
+    return f"put_rejected_{GrantStatus(status).name.lower() if known else status}"
 
 
 def _rdma_transport(link: NodeLink) -> Transport:

@@ -37,16 +37,21 @@ class NodeProcess:
         self.ready: dict = {}
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
-        if wait:
-            self.start()
-        else:
+        if not wait:
             self.spawn()
+            return
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a node that never became ready must not outlive the failed start
+            raise
 
     def start(self) -> None:
         """Starts the node (again, on the same address once it had one) and waits until it serves.
 
         Raises:
             RuntimeError: the node exited or said nothing within READY_TIMEOUT_S; carries its stderr.
+            Anything the readiness probe raises; the process is left to `close()`.
         """
         self.spawn()
         self.wait_ready()

@@ -88,6 +88,12 @@ class PoolTier(Tier):
         else:
             self._io(slot, handle, lambda: self._client.read_at(handle, offset, dst), "read")
 
+    def register_host_memory(self, memory: torch.Tensor) -> None:
+        """Host memory (the DRAM tier's slab) goes to the client: over RDMA, blocks then move
+        between it and the pool with no staging copy. Device memory is not registered here."""
+        if not memory.is_cuda and memory.numel():
+            self._client.register_memory(memory.data_ptr(), memory.numel() * memory.element_size(), memory)
+
     def describe(self) -> dict[str, object]:
         """The base facts plus nodes, tenant, and the data plane in use with its reason (per node
         when the nodes differ)."""
@@ -98,8 +104,15 @@ class PoolTier(Tier):
         else:
             transport = ", ".join(sorted({name for name, _ in facts}))
             reason = "; ".join(f"{node}: {name} ({why})" for node, (name, why) in zip(names, facts))
-        return {**super().describe(), "nodes": names, "transport": transport, "transport_reason": reason,
-                "tenant": self._client.tenant, "sharing": "per process (slot adapter)"}
+        facts = {**super().describe(), "nodes": names, "transport": transport, "transport_reason": reason,
+                 "tenant": self._client.tenant, "sharing": "per process (slot adapter)"}
+        rdma = [t for t in self._client.transports if t.name == "rdma"]
+        if rdma:  # zero copy from the DRAM slab; its byte counters show which path blocks took
+            errors = sorted({t.zero_copy_error for t in rdma if t.zero_copy_error})
+            facts["rdma_zero_copy"] = "off: " + "; ".join(errors) if errors else "on"
+            facts["rdma_zero_copy_bytes"] = sum(t.zero_copy_bytes for t in rdma)
+            facts["rdma_staged_bytes"] = sum(t.staged_bytes for t in rdma)
+        return facts
 
     def close(self) -> None:
         """Frees this tier's blocks on the pool (best effort) and closes the client if owned. Idempotent."""
