@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.pool.base import RemoteIO
 from kvtier.pool.client import PoolClient
-from kvtier.pool.testing import running_node
+from kvtier.pool.testing import rdma_node
 from kvtier.pool.transport_rdma import STAGING_BYTES, RDMATransport
 from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
@@ -36,15 +36,9 @@ REAL = pytest.param("pyverbs", marks=[pytest.mark.rdma, pytest.mark.skipif(
 
 @pytest.fixture(scope="module", params=["fake", REAL])
 def node_address(request, tmp_path_factory) -> Iterator[str]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVTIER_VERBS", request.param)
-    if request.param == "fake":
-        mp.setenv("KVTIER_FAKE_FABRIC", str(tmp_path_factory.mktemp("fabric")))
-    try:
-        with running_node(capacity="8MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
-            yield node.address
-    finally:
-        mp.undo()
+    fabric = tmp_path_factory.mktemp("fabric") if request.param == "fake" else None
+    with rdma_node(request.param, fabric, capacity="8MiB", region_size="256KiB") as node:
+        yield node.address
 
 
 @pytest.fixture
@@ -127,10 +121,8 @@ def test_register_memory_rejects_an_empty_range(transport) -> None:
 
 
 def test_memory_the_device_refuses_to_register_is_staged_and_said(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVTIER_VERBS", "fake")  # only the fake can be made to refuse
-    monkeypatch.setenv("KVTIER_FAKE_FABRIC", str(tmp_path))
-    with running_node(capacity="8MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node, \
-            PoolClient([node.address], timeout_s=30) as client:
+    with rdma_node("fake", tmp_path, capacity="8MiB", region_size="256KiB") as node, \
+            PoolClient([node.address], timeout_s=30) as client:  # only the fake can be made to refuse
         transport = RDMATransport(client.links[0])
         monkeypatch.setenv("KVTIER_FAKE_MEMLOCK", str(STAGING_BYTES + 4096))  # the staging buffer fits, no more
         slab = bytearray(2 * BLOCK)

@@ -19,7 +19,7 @@ from kvtier.errors import TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
 from kvtier.pool.client import PoolClient, Slot
 from kvtier.pool.connection import NodeLink
-from kvtier.pool.testing import running_node
+from kvtier.pool.testing import rdma_node
 from kvtier.pool.transport_rdma import RDMATransport
 from kvtier.pool.transport_tcp import TCPTransport
 from kvtier.pool.units import parse_address
@@ -36,14 +36,8 @@ def detects_stale(t: Transport) -> bool:
 
 @pytest.fixture(scope="module")
 def node_address(tmp_path_factory) -> Iterator[str]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KVTIER_VERBS", "fake")
-    mp.setenv("KVTIER_FAKE_FABRIC", str(tmp_path_factory.mktemp("fabric")))
-    try:
-        with running_node(capacity="8MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
-            yield node.address
-    finally:
-        mp.undo()
+    with rdma_node("fake", tmp_path_factory.mktemp("fabric"), capacity="8MiB", region_size="256KiB") as node:
+        yield node.address
 
 
 @pytest.fixture
