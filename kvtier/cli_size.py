@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvtier.capacity_plan import PlanInputs, plan
 from kvtier.catalog import count_weight_params, resolve_config, resolve_model
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import ModelGeometry
@@ -37,14 +38,7 @@ from kvtier.hardware import (
     parse_tokens,
     resolve_gpu,
 )
-from kvtier.planner import (
-    DEFAULT_RESERVE_FRACTION,
-    PlanInputs,
-    WeightDtype,
-    Workload,
-    plan,
-    size_report,
-)
+from kvtier.planner import DEFAULT_RESERVE_FRACTION, WeightDtype, Workload, size_report
 
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
 

@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 
+from kvtier.capacity_plan import PlanInputs, plan
 from kvtier.catalog import (
     catalog_names,
     count_weight_params,
@@ -26,14 +27,7 @@ from kvtier.hardware import (
     parse_tokens,
     resolve_gpu,
 )
-from kvtier.planner import (
-    PlanInputs,
-    WeightDtype,
-    Workload,
-    kv_share_per_gpu,
-    plan,
-    workload_report,
-)
+from kvtier.planner import WeightDtype, Workload, kv_share_per_gpu, workload_report
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 LLAMA2_7B_PARAMS = 6_738_415_616
