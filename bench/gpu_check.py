@@ -7,6 +7,11 @@ Sections, each recorded as pass/fail with its details:
              [2, N, page] (kv_dim 0), [N, 2, page] (kv_dim 1) and MLA [N, page], fp16 and bf16, one- and
              many-layer launches, pages from 6 B to 32 KiB, by every backend present: the NVRTC module
              (cupy), the nvcc cubin (loaded by cupy) and the torch fallback.
+  layouts    the vLLM connector's gather/scatter on caches laid out as vLLM 0.32 allocates them for each
+             KVCacheLayout (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC; blocks split into kernel blocks
+             where vLLM splits them), through `engine_block_view`, by every backend: each gathered block
+             must be exactly its tokens' K|V per layer in the format's order, and a scatter must write
+             those blocks and nothing else.
   runtime    a KVTier on a CUDA HBM tier, pinned DRAM and an SSD directory: store, spill, load and
              layer-wise load byte-identical; after `wait_layer(l)` returns, layer l is already in place.
   bandwidth  HBM tier <-> DRAM tier through `TransferEngine`, 1-4 MiB blocks in batches, against plain
@@ -44,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
+from kvtier.integrations.vllm_settings import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
+from kvtier.integrations.vllm_transfers import engine_block_view
 from kvtier.layout import BlockLayout
 from kvtier.native import (
     KERNEL_NAMES,
@@ -238,6 +245,111 @@ def kernels_section(device: str, cubin: Path | None, quick: bool) -> dict:
                         cases += 1
                         if not run_case(backend, kv_dim, dtype, num_layers, page, device, gen):
                             failures.append(f"{name} kv_dim={kv_dim} {dtype} layers={num_layers} page={page}")
+    status = "fail" if failures or missing else "pass"
+    return {"status": status, "backends": list(backends), "cases": cases, "failures": failures[:20],
+            "missing": missing}
+
+
+# ---- vLLM KV cache layouts -----------------------------------------------------------------------
+
+VLLM_LAYOUTS = HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS
+LAYOUT_SHAPES = [{"num_layers": 3, "num_blocks": 10, "heads": 2, "block_size": 16, "head_dim": 8},
+                 {"num_layers": 4, "num_blocks": 12, "heads": 8, "block_size": 16, "head_dim": 128}]
+
+
+def kernel_ratios(layout: str) -> tuple[int, ...]:
+    """How many kernel blocks vLLM may split a block into: only where a layer's block is one dense page
+    right after the previous block's (layer-compact, block-contiguous: LBHNC, LBNHC)."""
+    return (1, 2) if layout in ("LBHNC", "LBNHC") else (1,)
+
+
+def vllm_layout_caches(layout: str, num_layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int,
+                       dtype: torch.dtype, device: str, ratio: int = 1, fill: int | None = None) -> list[torch.Tensor]:
+    """The per-layer caches vLLM 0.32 registers with a connector for one full-attention group.
+
+    A copy of `get_kv_cache_config_from_groups` (layer and block strides), `allocate_kv_cache` (one
+    int8 buffer) and `create_kv_cache_views` (a `[B * ratio, H, N / ratio, C]` view per layer, strides by
+    the layout's permutation, C = K then V); tests/test_vllm_layouts.py pins it to vLLM's own code.
+    The buffer holds `fill` bytes, else random ones.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    logical = {"L": num_layers, "B": num_blocks, "H": heads, "N": block_size, "C": 2 * head_dim * size}
+    strides, extent = {}, 1
+    for dim in reversed(layout):  # the layout names the physical order, outermost first
+        strides[dim], extent = extent, extent * logical[dim]
+    if ratio > 1 and strides["B"] != heads * block_size * logical["C"]:
+        raise ValueError(f"vLLM does not split the blocks of {layout} into kernel blocks")
+    kernel = {**logical, "B": num_blocks * ratio, "N": block_size // ratio}
+    fixed = {"L": strides["L"], "B": strides["B"] // ratio}
+    kernel_strides, current = {}, 1
+    for dim in reversed(layout):
+        kernel_strides[dim] = fixed.get(dim) or current
+        current = kernel_strides[dim] * kernel[dim]
+    if fill is None:
+        buf = torch.randint(-128, 128, (extent,), dtype=torch.int8).to(device)
+    else:
+        buf = torch.full((extent,), fill - 256 if fill > 127 else fill, dtype=torch.int8, device=device)
+    view = buf.as_strided(tuple(kernel[d] for d in "LBHNC"), tuple(kernel_strides[d] for d in "LBHNC"))
+    return [view[layer].view(dtype) for layer in range(num_layers)]
+
+
+def expected_block_bytes(kv: torch.Tensor, block: int, ratio: int, head_major: bool, head_dim: int) -> torch.Tensor:
+    """The bytes kvtier must hold for `block` of one layer, read as the CUDA attention backends read the
+    cache: K = C[:head_size], V = C[head_size:] of (kernel block, head, token); tokens in order."""
+    raw = kv.view(torch.uint8)  # [B * ratio, H, N / ratio, C bytes]
+    key, value = raw.split(head_dim * kv.element_size(), dim=-1)
+    kernel_tokens = kv.shape[2]
+    tokens = torch.arange(kernel_tokens * ratio, device=kv.device)
+    rows, cols = block * ratio + tokens // kernel_tokens, tokens % kernel_tokens
+    per_token = torch.cat([key[rows, :, cols], value[rows, :, cols]], dim=-1)  # [N, H, C]
+    return (per_token.transpose(0, 1) if head_major else per_token).contiguous().flatten().cpu()
+
+
+def layout_case(backend, layout: str, ratio: int, dtype: torch.dtype, shape: dict, device: str, gen) -> bool:
+    """One gather then scatter through `engine_block_view` on vLLM-laid-out caches, checked by meaning."""
+    n, head_dim, head_major = shape["num_blocks"], shape["head_dim"], layout in HEAD_MAJOR_LAYOUTS
+    page_bytes = shape["heads"] * shape["block_size"] * 2 * head_dim * torch.empty((), dtype=dtype).element_size()
+    layout_bytes = BlockLayout.uniform(shape["block_size"], shape["num_layers"], page_bytes)
+
+    def views(caches):
+        return [engine_block_view(kv, n, shape["block_size"], page_bytes, head_major) for kv in caches]
+
+    caches = vllm_layout_caches(layout, **shape, dtype=dtype, device=device, ratio=ratio)
+    ids = torch.randint(0, n, (7,), generator=gen).tolist()
+    slots = torch.randperm(n, generator=gen)[:7].tolist()
+    got = torch.full((n, layout_bytes.block_bytes), 0xA5, dtype=torch.uint8, device=device)
+    move(backend, gather_blocks, views(caches), ids, got, layout_bytes, None, slots, to_engine=False)
+    unique = torch.randperm(n, generator=gen)[:7].tolist()
+    back = vllm_layout_caches(layout, **shape, dtype=dtype, device=device, ratio=ratio, fill=0xA5)
+    move(backend, scatter_blocks, views(back), unique, got, layout_bytes, None, slots, to_engine=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    got_rows, ok = got.cpu(), True
+    for block, target, slot in zip(ids, unique, slots):
+        for layer in range(shape["num_layers"]):
+            start, length = layout_bytes.layer_range(layer)
+            want = expected_block_bytes(caches[layer], block, ratio, head_major, head_dim)
+            ok &= torch.equal(got_rows[slot, start:start + length], want)
+            ok &= torch.equal(expected_block_bytes(back[layer], target, ratio, head_major, head_dim), want)
+    untouched = [kv.view(torch.uint8).clone() for kv in back]  # everything else is still 0xA5
+    for kv in untouched:
+        kv.unflatten(0, (n, ratio))[unique] = 0xA5
+    return ok and all(bool((kv == 0xA5).all()) for kv in untouched)
+
+
+def layouts_section(device: str, cubin: Path | None, quick: bool) -> dict:
+    backends, missing = kernel_backends(device, cubin)
+    gen = torch.Generator().manual_seed(4321)
+    cases, failures = 0, []
+    shapes = LAYOUT_SHAPES[:1] if quick else LAYOUT_SHAPES
+    for name, backend in backends.items():
+        for layout in VLLM_LAYOUTS:
+            for ratio in kernel_ratios(layout):
+                for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                    for shape in shapes:
+                        cases += 1
+                        if not layout_case(backend, layout, ratio, dtype, shape, device, gen):
+                            failures.append(f"{name} {layout} ratio={ratio} {dtype} {shape}")
     status = "fail" if failures or missing else "pass"
     return {"status": status, "backends": list(backends), "cases": cases, "failures": failures[:20],
             "missing": missing}
@@ -504,6 +616,7 @@ def main(argv=None) -> int:
         device = "cuda" if has_cuda else "cpu"
         cubin = Path(nvcc["cubin"]) if nvcc["status"] == "pass" else None
         report.run("kernels", kernels_section, device, cubin, args.quick)
+        report.run("layouts", layouts_section, device, cubin, args.quick)
         report.run("runtime", runtime_section, device, Path(tmp))
         report.run("bandwidth", bandwidth_section, device, args.quick, args.min_ratio)
     print(report.table(), flush=True)

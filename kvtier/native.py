@@ -1,11 +1,17 @@
 """Gather/scatter between an engine's paged KV tensors and kvtier's contiguous, layer-major blocks.
 
-An engine keeps one tensor per layer, paged by engine block: vLLM's `[2, num_engine_blocks, block_size,
-num_kv_heads, head_dim]` (`kv_dim=0`), other backends' `[num_engine_blocks, 2, ...]` (`kv_dim=1`), or an
-MLA latent cache `[num_engine_blocks, block_size, latent]` (`kv_dim=None`). A *page* is what one engine
-block holds for one part (K or V) of one layer; it must be contiguous. Gathering copies the pages
-named by a block table into rows of a `[num_blocks, block_bytes]` uint8 tensor, layer `l`'s K then V
-pages at `layout.layer_range(l)`; scattering is the reverse.
+An engine keeps one tensor per layer, paged by engine block. `kv_dim` says which dimension indexes
+the blocks: `[2, num_engine_blocks, ...]` (`kv_dim=0`, K/V first), `[num_engine_blocks, 2, ...]`
+(`kv_dim=1`) or `[num_engine_blocks, ...]` (`kv_dim=None`: an MLA latent, or any *block-major view*,
+e.g. vLLM's `[B, H, N, C]` page views permuted so that dim 0 is the block). What one engine block holds
+for one layer is the rest of the tensor (for kv_dim 0, its K part then its V part), in row-major
+order: that is the order its bytes take in a kvtier block. Those bytes need not be contiguous in
+the engine: after merging dimensions that are contiguous with each other, a block's bytes must be
+*runs* of contiguous bytes at most `MAX_RUN_DIMS` strided dimensions deep (e.g. vLLM's LHBNC layout,
+where each KV head of a block is its own run, `num_engine_blocks` pages apart). `PagedLayer` holds
+that geometry. Gathering copies the blocks named by a block table into rows of a
+`[num_blocks, block_bytes]` uint8 tensor, layer `l` at `layout.layer_range(l)`; scattering is the
+reverse.
 
 Two ways to move the bytes, checked against the same slow reference (`gather_reference`):
   * `Backend.CUDA`: the kernels of `native/kv_blocks.cu`, compiled by NVRTC through cupy (imported
@@ -40,6 +46,8 @@ KERNEL_NAMES = ("gather_layer", "scatter_layer", "gather_layers", "scatter_layer
 THREADS_PER_CTA = 256
 # A page larger than this is split across grid.y so that one big page still uses many SMs.
 CHUNK_BYTES = 16 * 1024
+# How many strided dimensions of runs a block's bytes may span (the kernels' `counts`/`strides`).
+MAX_RUN_DIMS = 3
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
 
@@ -125,65 +133,100 @@ def _nvcc_target_flags(sm: str, output: NvccOutput) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class PagedLayer:
-    """Where the pages of one engine layer tensor sit; strides are in bytes.
+    """Where one engine block's bytes of one layer sit: strided runs of contiguous bytes; in bytes.
+
+    Run `(i0, i1, i2)` of engine block `b` starts at
+    `b * block_stride_bytes + i0 * strides[0] + i1 * strides[1] + i2 * strides[2]` from the tensor's
+    first byte; a kvtier block holds the runs in that (row-major) order, `run_bytes` each.
 
     Attributes:
-        block_dim: the tensor dimension that indexes engine blocks.
-        num_engine_blocks: its size.
-        num_parts: pages per engine block (2 for K and V; 1 for an MLA latent, kv_dim None).
-        page_bytes: bytes of one page.
-        block_stride_bytes: bytes between the pages of consecutive engine blocks.
-        part_stride_bytes: bytes between the K and V pages of one engine block.
+        num_engine_blocks: engine blocks the tensor holds.
+        block_stride_bytes: bytes between consecutive engine blocks.
+        run_bytes: bytes of one contiguous run.
+        counts: runs along each strided dimension, outermost first (1 where unused).
+        strides: bytes between consecutive runs along each dimension (0 where unused).
     """
 
-    block_dim: int
     num_engine_blocks: int
-    num_parts: int
-    page_bytes: int
     block_stride_bytes: int
-    part_stride_bytes: int
+    run_bytes: int
+    counts: tuple[int, ...] = (1,) * 3
+    strides: tuple[int, ...] = (0,) * 3
+
+    @property
+    def num_runs(self) -> int:
+        return math.prod(self.counts)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one engine block of this layer (all its runs)."""
+        return self.num_runs * self.run_bytes
 
     @classmethod
-    def of(cls, kv: torch.Tensor, kv_dim: int | None) -> "PagedLayer":
-        """Reads the page geometry of `kv`.
+    def of(cls, kv: torch.Tensor, kv_dim: int | None) -> PagedLayer:
+        """Reads the geometry of `kv` from its shape and strides.
 
         Args:
             kv: one layer's paged KV tensor.
             kv_dim: 0 for `[2, blocks, ...]`, 1 for `[blocks, 2, ...]`, None for `[blocks, ...]`.
 
         Raises:
-            GeometryError: kv_dim is not 0, 1 or None, the tensor has no page dimensions, or a page is
-                not contiguous.
+            GeometryError: kv_dim is not 0, 1 or None, the tensor has no dimensions past the block's,
+                its last dimension is not contiguous, or a block's bytes are more than `MAX_RUN_DIMS`
+                strided dimensions of runs.
         """
-        if kv_dim not in (0, 1, None):
-            raise GeometryError(f"kv_dim must be 0, 1 or None, got {kv_dim!r}")
-        head = 1 if kv_dim is None else 2  # leading dims that index pages
-        if kv.ndim <= head:
-            raise GeometryError(f"a paged KV tensor with kv_dim={kv_dim} needs more than {head} dims, "
-                                f"got shape {tuple(kv.shape)}")
-        if not _is_dense(kv.shape[head:], kv.stride()[head:]):
-            raise GeometryError(f"pages must be contiguous: shape {tuple(kv.shape)}, strides {kv.stride()}")
+        view = block_view(kv, kv_dim)
         size = kv.element_size()
-        block_dim = 1 if kv_dim == 0 else 0
-        part_stride = 0 if kv_dim is None else kv.stride(kv_dim) * size
-        return cls(block_dim=block_dim, num_engine_blocks=kv.shape[block_dim],
-                   num_parts=1 if kv_dim is None else kv.shape[kv_dim],
-                   page_bytes=math.prod(kv.shape[head:]) * size,
-                   block_stride_bytes=kv.stride(block_dim) * size, part_stride_bytes=part_stride)
+        shape, strides = view.shape[1:], view.stride()[1:]
+        if (shape[-1] != 1 and strides[-1] != 1) or any(n > 1 and s == 0 for n, s in zip(shape, strides)):
+            raise GeometryError(f"a block's last dimension must be contiguous and no dimension may repeat "
+                                f"elements: shape {tuple(kv.shape)}, strides {kv.stride()}, kv_dim={kv_dim}")
+        # the bytes of one element are the innermost dimension, so the runs come out in bytes
+        dims = _merge_dims([(n, s * size) for n, s in zip(shape, strides)] + [(size, 1)])
+        run_bytes = dims[-1][0]
+        outer = dims[:-1]
+        if len(outer) > MAX_RUN_DIMS:
+            raise GeometryError(f"a block's bytes must be contiguous runs at most {MAX_RUN_DIMS} strided dimensions "
+                                f"deep; shape {tuple(kv.shape)}, strides {kv.stride()} (kv_dim={kv_dim}) needs "
+                                f"{len(outer)}")
+        padding = MAX_RUN_DIMS - len(outer)
+        return cls(num_engine_blocks=view.shape[0], block_stride_bytes=view.stride(0) * size, run_bytes=run_bytes,
+                   counts=(1,) * padding + tuple(n for n, _ in outer),
+                   strides=(0,) * padding + tuple(s for _, s in outer))
 
 
-def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    expected = 1
-    for size, stride in reversed(list(zip(shape, strides))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return strides[-1] == 1
+def block_view(kv: torch.Tensor, kv_dim: int | None) -> torch.Tensor:
+    """`kv` as `[num_engine_blocks, ...]`: dim 0 the block, the rest one block's data in stored order.
+
+    Raises:
+        GeometryError: kv_dim is not 0, 1 or None, or `kv` has no dimensions past the block's.
+    """
+    if kv_dim not in (0, 1, None):
+        raise GeometryError(f"kv_dim must be 0, 1 or None, got {kv_dim!r}")
+    head = 1 if kv_dim is None else 2  # leading dims that index a block's parts
+    if kv.ndim <= head:
+        raise GeometryError(f"a paged KV tensor with kv_dim={kv_dim} needs more than {head} dims, "
+                            f"got shape {tuple(kv.shape)}")
+    return kv.transpose(0, 1) if kv_dim == 0 else kv
+
+
+def _merge_dims(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(size, byte stride) per dimension, outermost first, with size-1 dimensions dropped and each one
+    merged into the next inner one where they are contiguous with each other (stride = inner extent)."""
+    merged: list[tuple[int, int]] = []
+    for size, stride in reversed(dims):
+        if size == 1:
+            continue
+        if merged and stride == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (size * merged[-1][0], merged[-1][1])
+        else:
+            merged.append((size, stride))
+    return list(reversed(merged))
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """A validated transfer: (tensor, geometry, layer offset) per layer, ids and rows on the device."""
+    """A validated transfer: (block-major view, geometry, layer offset) per layer, ids and rows on the device."""
 
     layers: list[tuple[torch.Tensor, PagedLayer, int]]
     block_ids: torch.Tensor
@@ -210,10 +253,10 @@ def _plan(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, blocks: torch.T
             raise ValueError(f"layer {layer} is on {kv.device} but the blocks are on {device}")
         geometry = PagedLayer.of(kv, kv_dim)
         offset, length = layout.layer_range(layer)
-        if geometry.num_parts * geometry.page_bytes != length:
-            raise GeometryError(f"layer {layer}: {geometry.num_parts} pages of {geometry.page_bytes} bytes "
+        if geometry.page_bytes != length:
+            raise GeometryError(f"layer {layer}: an engine block holds {geometry.page_bytes} bytes of it, which "
                                 f"do not fill its {length} bytes in the block layout")
-        planned.append((kv, geometry, offset))
+        planned.append((block_view(kv, kv_dim), geometry, offset))
     limit = min((g.num_engine_blocks for _, g, _ in planned), default=0)
     ids = _index_tensor(block_ids, limit, "block_ids", device, unique=unique_ids)
     rows = None if slots is None else _index_tensor(slots, blocks.shape[0], "slots", device, unique=True)
@@ -256,7 +299,8 @@ def gather_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, out: to
         out: uint8 `[num_blocks, layout.block_bytes]`, rows contiguous. Row i receives block_ids[i]
             unless `slots` is given.
         layout: the byte layout of one kvtier block.
-        kv_dim: 0 for `[2, blocks, ...]`, 1 for `[blocks, 2, ...]`, None for `[blocks, ...]` (MLA).
+        kv_dim: 0 for `[2, blocks, ...]`, 1 for `[blocks, 2, ...]`, None for `[blocks, ...]` (MLA, or any
+            block-major view; see the module docstring).
         slots: rows of `out` to write, one per block id (distinct), e.g. slots of a tier's slab.
         layers: the layout layer of each tensor in `layer_kv` (for a layer-wise save); default all.
         backend: force a backend; default `backend_for(out.device)`.
@@ -300,35 +344,35 @@ def _run(plan: _Plan, to_engine: bool, backend: Backend | None) -> None:
     if chosen is Backend.CUDA:
         _launch_cupy(_kernel_calls(plan, to_engine), device)
         return
-    for kv, geometry, offset in plan.layers:
-        rows = plan.blocks[:, offset:offset + geometry.num_parts * geometry.page_bytes]
+    for view, geometry, offset in plan.layers:
+        rows = plan.blocks[:, offset:offset + geometry.page_bytes]
         if to_engine:
-            _torch_scatter_layer(kv, geometry, plan.block_ids, rows, plan.slots)
+            _torch_scatter_layer(view, plan.block_ids, rows, plan.slots)
         else:
-            _torch_gather_layer(kv, geometry, plan.block_ids, rows, plan.slots)
+            _torch_gather_layer(view, plan.block_ids, rows, plan.slots)
 
 
-def _torch_gather_layer(kv: torch.Tensor, geometry: PagedLayer, ids: torch.Tensor, rows: torch.Tensor,
+def _byte_view(view: torch.Tensor) -> torch.Tensor:
+    """A block-major view as uint8, one byte per element of its last dimension times the element size."""
+    if view.shape[-1] == 1 and view.stride(-1) != 1:  # a size-1 dim may carry any stride; view() refuses it
+        view = view.as_strided(view.shape, (*view.stride()[:-1], 1))
+    return view.view(torch.uint8)
+
+
+def _torch_gather_layer(view: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                         slots: torch.Tensor | None) -> None:
-    pages = kv.view(torch.uint8).index_select(geometry.block_dim, ids)
-    if geometry.block_dim == 1:  # [2, n, ...] -> [n, 2, ...]
-        pages = pages.transpose(0, 1)
-    pages = pages.reshape(ids.numel(), -1)
+    pages = _byte_view(view).index_select(0, ids).reshape(ids.numel(), -1)  # row-major: the stored order
     if slots is None:
         rows.copy_(pages)
     else:
         rows.index_copy_(0, slots, pages)
 
 
-def _torch_scatter_layer(kv: torch.Tensor, geometry: PagedLayer, ids: torch.Tensor, rows: torch.Tensor,
+def _torch_scatter_layer(view: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                          slots: torch.Tensor | None) -> None:
-    raw = kv.view(torch.uint8)
+    raw = _byte_view(view)
     source = rows if slots is None else rows.index_select(0, slots)
-    if geometry.block_dim == 1:  # [n, 2, ...] -> [2, n, ...]
-        source = source.reshape(ids.numel(), raw.shape[0], *raw.shape[2:]).transpose(0, 1)
-    else:
-        source = source.reshape(ids.numel(), *raw.shape[1:])
-    raw.index_copy_(geometry.block_dim, ids, source)
+    raw.index_copy_(0, ids, source.reshape(ids.numel(), *raw.shape[1:]))
 
 
 @dataclass(frozen=True)
@@ -362,7 +406,7 @@ def kernel_calls(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, blocks: 
 
 
 def _kernel_calls(plan: _Plan, to_engine: bool) -> list[KernelCall]:
-    """One batched launch for all layers, or one launch per layer if their page counts differ."""
+    """One batched launch for all layers, or one launch per layer if their run counts differ."""
     prefix = "scatter" if to_engine else "gather"
     num_blocks = plan.block_ids.numel()
     offsets = None if plan.slots is None else plan.slots * plan.blocks.stride(0)
@@ -372,28 +416,33 @@ def _kernel_calls(plan: _Plan, to_engine: bool) -> list[KernelCall]:
         return (np.uint64(plan.block_ids.data_ptr()), np.int64(num_blocks), np.uint64(blocks_ptr),
                 np.uint64(0 if offsets is None else offsets.data_ptr()), np.int64(plan.blocks.stride(0)))
 
-    part_counts = {g.num_parts for _, g, _ in plan.layers}
-    if len(plan.layers) > 1 and len(part_counts) == 1 and len(plan.layers) <= _MAX_GRID_YZ:
-        (num_parts,) = part_counts
-        table = torch.tensor([[kv.data_ptr(), g.block_stride_bytes, g.part_stride_bytes, g.page_bytes, offset]
-                              for kv, g, offset in plan.layers], dtype=torch.int64).to(plan.blocks.device)
-        grid = _grid(num_blocks, num_parts, max(g.page_bytes for _, g, _ in plan.layers), len(plan.layers))
-        args = (np.uint64(table.data_ptr()), np.int32(num_parts), *destination_args(plan.blocks.data_ptr()))
+    run_counts = {g.num_runs for _, g, _ in plan.layers}
+    if len(plan.layers) > 1 and len(run_counts) == 1 and len(plan.layers) <= _MAX_GRID_YZ:
+        (num_runs,) = run_counts
+        table = torch.tensor([[kv.data_ptr(), *_geometry_fields(g), offset] for kv, g, offset in plan.layers],
+                             dtype=torch.int64).to(plan.blocks.device)
+        grid = _grid(num_blocks, num_runs, max(g.run_bytes for _, g, _ in plan.layers), len(plan.layers))
+        args = (np.uint64(table.data_ptr()), *destination_args(plan.blocks.data_ptr()))
         return [KernelCall(f"{prefix}_layers", grid, (THREADS_PER_CTA, 1, 1), args, keep + (table,))]
     calls = []
     for kv, g, offset in plan.layers:
-        args = (np.uint64(kv.data_ptr()), np.int64(g.block_stride_bytes), np.int64(g.part_stride_bytes),
-                np.int32(g.num_parts), np.int64(g.page_bytes), *destination_args(plan.blocks.data_ptr() + offset))
-        grid = _grid(num_blocks, g.num_parts, g.page_bytes, 1)
+        args = (np.uint64(kv.data_ptr()), *(np.int64(f) for f in _geometry_fields(g)),
+                *destination_args(plan.blocks.data_ptr() + offset))
+        grid = _grid(num_blocks, g.num_runs, g.run_bytes, 1)
         calls.append(KernelCall(f"{prefix}_layer", grid, (THREADS_PER_CTA, 1, 1), args, keep + (kv,)))
     return calls
 
 
-def _grid(num_blocks: int, num_parts: int, page_bytes: int, num_layers: int) -> tuple[int, int, int]:
-    pairs = num_blocks * num_parts
+def _geometry_fields(g: PagedLayer) -> tuple[int, ...]:
+    """A layer's geometry in the kernels' argument order (see LAYER_* in kv_blocks.cu)."""
+    return (g.block_stride_bytes, g.run_bytes, *(x for pair in zip(g.counts, g.strides) for x in pair))
+
+
+def _grid(num_blocks: int, num_runs: int, run_bytes: int, num_layers: int) -> tuple[int, int, int]:
+    pairs = num_blocks * num_runs
     if pairs > _MAX_GRID_X:
-        raise ValueError(f"{num_blocks} blocks x {num_parts} parts exceed one launch; split the transfer")
-    chunks = min(max(1, -(-page_bytes // CHUNK_BYTES)), _MAX_GRID_YZ)
+        raise ValueError(f"{num_blocks} blocks x {num_runs} runs exceed one launch; split the transfer")
+    chunks = min(max(1, -(-run_bytes // CHUNK_BYTES)), _MAX_GRID_YZ)
     return pairs, chunks, num_layers
 
 
@@ -434,7 +483,7 @@ def _launch_cupy(calls: list[KernelCall], device: torch.device) -> None:
 
 
 def _reference_pages(layer_kv, block_ids, layout, kv_dim, slots, layers):
-    """Yields (row, byte offset in the row, page view) for every page a transfer moves."""
+    """Yields (row, byte offset in the row, page view) for every page (a block's part) a transfer moves."""
     ids = [int(b) for b in block_ids]
     rows = list(range(len(ids))) if slots is None else [int(s) for s in slots]
     for kv, layer in zip(layer_kv, range(len(layer_kv)) if layers is None else layers):
@@ -442,8 +491,10 @@ def _reference_pages(layer_kv, block_ids, layout, kv_dim, slots, layers):
         for row, block in zip(rows, ids):
             parts = [kv[block]] if kv_dim is None else [
                 kv[part, block] if kv_dim == 0 else kv[block, part] for part in range(kv.shape[kv_dim])]
-            for part, page in enumerate(parts):
-                yield row, offset + part * page.numel() * page.element_size(), page
+            start = offset
+            for page in parts:
+                yield row, start, page
+                start += page.numel() * page.element_size()
 
 
 def gather_reference(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, out: torch.Tensor,

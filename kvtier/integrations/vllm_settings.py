@@ -37,10 +37,65 @@ _KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
          "model_id": "what identifies the weights in block keys (default: the engine's model and revision)",
          "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
          "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)"}
-# Each vLLM platform lays a layer's page out its own way; the connector stores pages as they are
-# (one copy, no permute) and names the format in the keys, so two formats never share a block.
-# CPU: [num_blocks, num_kv_heads, block_size, 2 * head_size], a page being [heads][K rows, V rows].
-PAGE_FORMATS = {"cpu": "vllm-cpu:h(kv)nd"}
+# vLLM 0.32 allocates every layer's cache as a view of one buffer: logically [B, H, N, C] per layer
+# (blocks, KV heads, tokens, content), physically in one of six orders (`KVCacheLayout`: LBHNC,
+# LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). The connector stores a block of a layer in the order of its
+# *interior*, heads before tokens (`hn`) or tokens before heads (`nh`), whatever the nesting of layers
+# and blocks around it, so layouts with the same interior yield the same bytes; what C holds is up
+# to the attention backend. The name of the resulting format goes into the block keys, so blocks of
+# two formats never share a key; two engines whose formats match share blocks, whatever the device.
+HEAD_MAJOR_LAYOUTS = ("LBHNC", "LHBNC", "BLHNC", "BHLNC")  # H before N in memory
+TOKEN_MAJOR_LAYOUTS = ("LBNHC", "BLNHC")
+# Attention backends by what C holds:
+#   CPU_ATTN reads a head's [N, C] as [2, N, C/2]: N rows of K, then N rows of V (`h(kv)nd`);
+#   the CUDA backends read C as [K (head_size) | V (head_size_v)] of one token and head.
+CPU_BACKENDS = ("CPU_ATTN",)
+CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+@dataclass(frozen=True, slots=True)
+class PageFormat:
+    """How the connector stores one engine block of one layer, read from the engine at start-up.
+
+    Attributes:
+        name: goes into the block keys' namespace, e.g. `vllm:hn(kv)d`.
+        layout: vLLM's `KVCacheLayout` name.
+        head_major: the stored order is [heads, tokens, content], else [tokens, heads, content].
+        backends: the attention backends whose reading of the bytes `name` describes.
+    """
+
+    name: str
+    layout: str
+    head_major: bool
+    backends: tuple[str, ...]
+
+
+def page_format(device_type: str, layout: str | None) -> PageFormat:
+    """The page format of an engine on `device_type` whose KV cache has vLLM layout `layout`.
+
+    Args:
+        device_type: vLLM's platform (`cpu`, `cuda`, ...).
+        layout: the resolved `KVCacheLayout` name; None (not resolved, e.g. a config built outside
+            an engine) means LBHNC, the only layout vLLM's CPU backend takes.
+
+    Raises:
+        ConfigError: a platform or layout whose page format kvtier has not verified.
+    """
+    layout = layout or "LBHNC"
+    if device_type == "cpu":
+        # The CPU name predates layouts; kept so that blocks CPU engines already persisted still hit.
+        if layout != "LBHNC":
+            raise ConfigError(f"kv_connector: vLLM's CPU attention backend takes the LBHNC KV cache layout; "
+                              f"this engine resolved {layout!r}, which kvtier has not verified on CPU")
+        return PageFormat("vllm-cpu:h(kv)nd", layout, True, CPU_BACKENDS)
+    if device_type == "cuda":
+        if layout not in HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS:
+            raise ConfigError(f"kv_connector: KV cache layout {layout!r} is unknown to kvtier; supported: "
+                              f"{', '.join(HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS)}")
+        head_major = layout in HEAD_MAJOR_LAYOUTS
+        return PageFormat("vllm:hn(kv)d" if head_major else "vllm:nh(kv)d", layout, head_major, CUDA_BACKENDS)
+    raise ConfigError(f"kv_connector: vLLM on {device_type!r} is not supported yet (its KV page layout is "
+                      "unverified); supported platforms: cpu, cuda")
 
 
 class Backend(Protocol):
@@ -83,11 +138,12 @@ class EngineFacts:
         kv_dtype: the cache's exact element format: `fp32`, `bf16`, `fp16`, `fp8_e4m3`, ...
         layer_names: attention layers in model order (layer i of a kvtier block is layer_names[i]).
         page_bytes: bytes of one layer of one engine block (K and V together).
-        device_type: vLLM's platform (`cpu`, `cuda`, ...), which decides the page format.
+        device_type: vLLM's platform (`cpu`, `cuda`, ...); with `kv_cache_layout`, decides the page format.
         load_failure_policy: vLLM's `kv_load_failure_policy`.
         kv_role: `kv_both`, `kv_producer` (stores only) or `kv_consumer` (loads only).
         sharding: this rank's slice of each block (tensor parallelism).
         engine_tag: names this engine among others on the host (its lookup sockets).
+        kv_cache_layout: vLLM's resolved `KVCacheLayout` name (None: not resolved; see `page_format`).
     """
 
     model_id: str
@@ -100,6 +156,7 @@ class EngineFacts:
     kv_role: str
     sharding: Sharding = Sharding()
     engine_tag: str = "engine"
+    kv_cache_layout: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +178,7 @@ class Settings:
     sharding: Sharding = Sharding()
     lookup_timeout_s: float = 1.0
     engine_tag: str = "engine"
+    page_format: PageFormat = PageFormat("vllm-cpu:h(kv)nd", "LBHNC", True, CPU_BACKENDS)
 
     @property
     def block_tokens(self) -> int:
@@ -158,19 +216,19 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
         raise ConfigError(f"{EXTRA}.kvtier_config: missing; expected {_KEYS['kvtier_config']}, got {path!r}")
     config_path = Path(path).expanduser().resolve()
     config = load_config(config_path)
-    layout = _check_engine(config, config_path, facts)
+    layout, page = _check_engine(config, config_path, facts)
     model_id = extra.get("model_id", facts.model_id)
     if not isinstance(model_id, str) or not model_id:
         raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
     timeouts = [_seconds(extra, name, default) for name, default in (("load_timeout_s", 30.0),
                                                                      ("lookup_timeout_s", 1.0))]
-    namespace = Namespace(model_id, f"{facts.kv_dtype};{PAGE_FORMATS[facts.device_type]}",
-                          facts.block_size, config.tenant)
+    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant)
     return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
                     {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
                     can_store=facts.kv_role in ("kv_both", "kv_producer"),
-                    sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag)
+                    sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
+                    page_format=page)
 
 
 def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
@@ -180,11 +238,9 @@ def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> BlockLayout:
-    """The kvtier block layout, checked against the engine's KV cache."""
-    if facts.device_type not in PAGE_FORMATS:
-        raise ConfigError(f"kv_connector: vLLM on {facts.device_type!r} is not supported yet (its KV page layout "
-                          f"is unverified); supported platforms: {', '.join(PAGE_FORMATS)}")
+def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple[BlockLayout, PageFormat]:
+    """The kvtier block layout, checked against the engine's KV cache, and the engine's page format."""
+    page = page_format(facts.device_type, facts.kv_cache_layout)
     if facts.load_failure_policy != "recompute":
         raise ConfigError(f"kv_load_failure_policy: kvtier is a cache, a block it cannot deliver must be recomputed; "
                           f"set kv_load_failure_policy='recompute' (got {facts.load_failure_policy!r})")
@@ -212,7 +268,7 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> Block
         raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
                           f"but an engine page holds {facts.page_bytes}; {config.model} is not the served "
                           "model's geometry")
-    return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes))
+    return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes)), page
 
 
 def _kv_dtype(name: str, what: str) -> KVDtype:
@@ -226,20 +282,19 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     """Reads what the connector needs from vLLM's `VllmConfig` and `KVCacheConfig`.
 
     Raises:
-        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window or
-            non-attention layers) or a parallelism it cannot (pipeline or context parallel).
+        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window, chunked,
+            non-causal, MLA or non-attention layers, packed quantized KV) or a
+            parallelism it cannot (pipeline or context parallel).
     """
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups or len(groups) != 1:
         raise ConfigError(f"kv_connector: kvtier holds models with one KV cache group; this one has "
                           f"{len(groups or ())} (hybrid or sliding-window models are not supported yet)")
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:  # subclasses lay pages out otherwise
-        raise ConfigError(f"kv_connector: kvtier holds full-attention KV; this model's cache is {type(spec).__name__}")
+    _check_spec(spec)
     cache_dtype = vllm_config.cache_config.cache_dtype
     kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
     model = vllm_config.model_config
@@ -252,7 +307,38 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        device_type=str(current_platform.device_type),
                        load_failure_policy=str(transfer.kv_load_failure_policy), kv_role=str(transfer.kv_role),
                        sharding=_sharding(vllm_config),
-                       engine_tag=f"{transfer.engine_id}-dp{parallel.data_parallel_rank}")
+                       engine_tag=f"{transfer.engine_id}-dp{parallel.data_parallel_rank}",
+                       kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
+                       or vllm_config.cache_config.kv_cache_layout)
+
+
+def _check_spec(spec: Any) -> None:
+    """Refuses a KV cache whose blocks are not plain per-token K and V of full, causal attention.
+
+    Each refusal is a case where a stored block could come back as wrong KV or where its page is not
+    the [heads, tokens, K|V] kvtier verified: MLA latents (MLAAttentionSpec), sliding-window or
+    chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on later tokens, packed
+    pages (per-token-head or NVFP4 quantization keep scales in the page, padded pages). Per-tensor
+    fp8 is plain bytes; its scales come with the weights, which the model id in every key names.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    name = type(spec).__name__
+    if type(spec) is not FullAttentionSpec:  # subclasses (MLA, sinks, ...) lay pages out otherwise
+        raise ConfigError(f"kv_connector: kvtier holds full-attention KV of K and V per token; this model's "
+                          f"cache is {name}, whose page layout kvtier has not verified")
+    unsupported = {"sliding_window": spec.sliding_window is not None,
+                   "attention_chunk_size": spec.attention_chunk_size is not None,
+                   "non_causal": spec.non_causal,
+                   "num_head_slots": spec.num_head_slots is not None,
+                   "state_content_bytes": spec.state_content_bytes is not None,
+                   "page_size_padded": spec.page_size_padded is not None,
+                   "tokens_per_state": spec.tokens_per_state != 1,
+                   "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
+    bad = [field for field, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise ConfigError(f"kv_connector: kvtier holds plain K/V pages of full causal attention; this model's "
+                          f"{name} has {bad[0]}={getattr(spec, bad[0])!r}, which is not supported yet")
 
 
 def _sharding(vllm_config: Any) -> Sharding:

@@ -8,8 +8,10 @@ One engine step, as vLLM drives it:
     end_step() -> failed ids  after the forward: finishes the loads, sends the stores
 
 Loads and stores go through host or device staging rows of kvtier's layer-major block layout;
-`native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's pages (whole
-per-block pages, `kv_dim=None`, so bytes stay in the engine's own page format).
+`native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's caches, given
+as block-major views (`engine_block_view`, `kv_dim=None`): one copy, no permute, so a block's bytes
+keep the engine's own interior order (`vllm_settings.PageFormat` names it), whether the block is one
+contiguous page (LBHNC, LBNHC, BL*) or one run per KV head (LHBNC, BHLNC).
 
 A block that fails to load at any layer is reported by engine block id; the KV that this step
 computed on top of it is wrong, so every store whose prefix holds such a block is dropped.
@@ -29,16 +31,55 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.errors import KVTierError
+from kvtier.errors import GeometryError, KVTierError
 from kvtier.handle import TransferHandle
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
 from kvtier.integrations.vllm_settings import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
-from kvtier.native import gather_blocks, scatter_blocks
+from kvtier.native import PagedLayer, gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
+
+
+def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, layer_bytes: int,
+                      head_major: bool) -> torch.Tensor:
+    """One layer's cache as vLLM registers it, `[B * r, H, N / r, C]`, viewed as `[num_blocks, ...]`.
+
+    vLLM gives each layer a `[B, H, N, C]` view (blocks, KV heads, tokens, K|V content) whose strides
+    follow its `KVCacheLayout`. Where the attention kernels take smaller blocks than the scheduler,
+    a block is r kernel blocks of N / r tokens (rows b*r .. b*r + r - 1). The view lists block b's
+    data as `[H, r, N/r, C]` (head_major) or `[r, N/r, H, C]`: tokens in order either way, so the
+    bytes stored for a block depend on the interior order only, not on r nor on how layers and
+    blocks nest around it. No data moves.
+
+    Args:
+        kv: the registered cache of one layer.
+        num_blocks: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`).
+        block_tokens: tokens per block (N).
+        layer_bytes: what kvtier's block layout holds for this layer.
+        head_major: the layout puts heads outside tokens (`PageFormat.head_major`).
+
+    Raises:
+        GeometryError: the shape is not `[num_blocks * r, H, block_tokens / r, C]`, the strides put
+            heads and tokens the other way round, a block's bytes are not runs `native.PagedLayer` can
+            describe, or they do not add up to layer_bytes.
+    """
+    r = kv.shape[0] // num_blocks if kv.ndim == 4 and num_blocks > 0 else 0
+    if r == 0 or kv.shape[0] != r * num_blocks or kv.shape[2] * r != block_tokens:
+        raise GeometryError(f"expected [{num_blocks} blocks (or a multiple: kernel blocks), heads, tokens, K|V] "
+                            f"covering {block_tokens} tokens per block, got shape {tuple(kv.shape)}")
+    heads, tokens = kv.shape[1], kv.shape[2]
+    if heads > 1 and tokens > 1 and (kv.stride(1) > kv.stride(2)) != head_major:
+        inner, outer = ("heads", "tokens") if head_major else ("tokens", "heads")
+        raise GeometryError(f"strides {kv.stride()} put {outer} outside {inner}, against the layout")
+    blocks = kv.unflatten(0, (num_blocks, r))  # [B, r, H, N/r, C]
+    view = blocks.permute(0, 2, 1, 3, 4) if head_major else blocks.permute(0, 1, 3, 2, 4)
+    page_bytes = PagedLayer.of(view, None).page_bytes
+    if page_bytes != layer_bytes:
+        raise GeometryError(f"a block holds {page_bytes} bytes of the layer, kvtier's layout {layer_bytes}")
+    return view
 
 
 @dataclass
@@ -90,7 +131,8 @@ class WorkerSide:
     Args:
         backend: where blocks live.
         layout: kvtier's block layout; layer i is `layers[i]`.
-        layers: the engine's paged KV tensor of each layer, `[num_engine_blocks, ...]`.
+        layers: each layer's cache as a block-major view, `[num_engine_blocks, ...]`, a block's data in
+            stored order (`engine_block_view`; `native.PagedLayer` says which strides it may have).
         timeout_s: the longest one layer of a load may take before its blocks count as failed.
         sharding: this rank's slice of each block (its keys in the backend); default: the only rank.
         agree: combines every rank's failed-row flags of a step's loads (element-wise OR) and
