@@ -23,13 +23,9 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, GeometryError
+from kvtier.integrations.vllm_pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import (
-    HEAD_MAJOR_LAYOUTS,
-    TOKEN_MAJOR_LAYOUTS,
-    EngineFacts,
-    read_settings,
-)
+from kvtier.integrations.vllm_settings import EngineFacts, read_settings
 from kvtier.integrations.vllm_transfers import WorkerSide, engine_block_view
 from kvtier.keys import block_keys
 from kvtier.native import Backend, gather_blocks, scatter_blocks

@@ -88,6 +88,7 @@ except ImportError as e:  # this module is vLLM's to load; say what is missing
 
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.integrations.vllm_lookup import LookupServer
+from kvtier.integrations.vllm_pages import CPU_BACKENDS
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
     LoadSpec,
@@ -96,7 +97,6 @@ from kvtier.integrations.vllm_scheduler import (
     StoreSpec,
 )
 from kvtier.integrations.vllm_settings import (
-    CPU_BACKENDS,
     SHARED,
     Settings,
     engine_facts,

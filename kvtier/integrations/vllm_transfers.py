@@ -10,7 +10,7 @@ One engine step, as vLLM drives it:
 Loads and stores go through host or device staging rows of kvtier's layer-major block layout;
 `native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's caches, given
 as block-major views (`engine_block_view`, `kv_dim=None`): one copy, no permute, so a block's bytes
-keep the engine's own interior order (`vllm_settings.PageFormat` names it), whether the block is one
+keep the engine's own interior order (`vllm_pages.PageFormat` names it), whether the block is one
 contiguous page (LBHNC, LBNHC, BL*) or one run per KV head (LHBNC, BHLNC).
 
 A block that fails to load at any layer is reported by engine block id; the KV that this step

@@ -1,0 +1,101 @@
+"""How vLLM lays out one engine block of one layer, and which layouts the connector stores.
+
+Read once at start-up (`vllm_settings`): the page format's name goes into the block keys, and a KV
+cache kvtier has not verified is refused with an error that says what and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+# vLLM 0.32 allocates every layer's cache as a view of one buffer: logically [B, H, N, C] per layer
+# (blocks, KV heads, tokens, content), physically in one of six orders (`KVCacheLayout`: LBHNC,
+# LBNHC, LHBNC, BLHNC, BLNHC, BHLNC). The connector stores a block of a layer in the order of its
+# *interior*, heads before tokens (`hn`) or tokens before heads (`nh`), whatever the nesting of layers
+# and blocks around it, so layouts with the same interior yield the same bytes; what C holds is up
+# to the attention backend. The name of the resulting format goes into the block keys, so blocks of
+# two formats never share a key; two engines whose formats match share blocks, whatever the device.
+HEAD_MAJOR_LAYOUTS = ("LBHNC", "LHBNC", "BLHNC", "BHLNC")  # H before N in memory
+TOKEN_MAJOR_LAYOUTS = ("LBNHC", "BLNHC")
+# Attention backends by what C holds:
+#   CPU_ATTN reads a head's [N, C] as [2, N, C/2]: N rows of K, then N rows of V (`h(kv)nd`);
+#   the CUDA backends read C as [K (head_size) | V (head_size_v)] of one token and head.
+CPU_BACKENDS = ("CPU_ATTN",)
+CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+@dataclass(frozen=True, slots=True)
+class PageFormat:
+    """How the connector stores one engine block of one layer, read from the engine at start-up.
+
+    Attributes:
+        name: goes into the block keys' namespace, e.g. `vllm:hn(kv)d`.
+        layout: vLLM's `KVCacheLayout` name.
+        head_major: the stored order is [heads, tokens, content], else [tokens, heads, content].
+        backends: the attention backends whose reading of the bytes `name` describes.
+    """
+
+    name: str
+    layout: str
+    head_major: bool
+    backends: tuple[str, ...]
+
+
+def page_format(device_type: str, layout: str | None) -> PageFormat:
+    """The page format of an engine on `device_type` whose KV cache has vLLM layout `layout`.
+
+    Args:
+        device_type: vLLM's platform (`cpu`, `cuda`, ...).
+        layout: the resolved `KVCacheLayout` name; None (not resolved, e.g. a config built outside
+            an engine) means LBHNC, the only layout vLLM's CPU backend takes.
+
+    Raises:
+        ConfigError: a platform or layout whose page format kvtier has not verified.
+    """
+    layout = layout or "LBHNC"
+    if device_type == "cpu":
+        # The CPU name predates layouts; kept so that blocks CPU engines already persisted still hit.
+        if layout != "LBHNC":
+            raise ConfigError(f"kv_connector: vLLM's CPU attention backend takes the LBHNC KV cache layout; "
+                              f"this engine resolved {layout!r}, which kvtier has not verified on CPU")
+        return PageFormat("vllm-cpu:h(kv)nd", layout, True, CPU_BACKENDS)
+    if device_type == "cuda":
+        if layout not in HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS:
+            raise ConfigError(f"kv_connector: KV cache layout {layout!r} is unknown to kvtier; supported: "
+                              f"{', '.join(HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS)}")
+        head_major = layout in HEAD_MAJOR_LAYOUTS
+        return PageFormat("vllm:hn(kv)d" if head_major else "vllm:nh(kv)d", layout, head_major, CUDA_BACKENDS)
+    raise ConfigError(f"kv_connector: vLLM on {device_type!r} is not supported yet (its KV page layout is "
+                      "unverified); supported platforms: cpu, cuda")
+
+
+def check_spec(spec: Any) -> None:
+    """Refuses a KV cache whose blocks are not plain per-token K and V of full, causal attention.
+
+    Each refusal is a case where a stored block could come back as wrong KV or where its page is not
+    the [heads, tokens, K|V] kvtier verified: MLA latents (MLAAttentionSpec), sliding-window or
+    chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on later tokens, packed
+    pages (per-token-head or NVFP4 quantization keep scales in the page, padded pages). Per-tensor
+    fp8 is plain bytes; its scales come with the weights, which the model id in every key names.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    name = type(spec).__name__
+    if type(spec) is not FullAttentionSpec:  # subclasses (MLA, sinks, ...) lay pages out otherwise
+        raise ConfigError(f"kv_connector: kvtier holds full-attention KV of K and V per token; this model's "
+                          f"cache is {name}, whose page layout kvtier has not verified")
+    unsupported = {"sliding_window": spec.sliding_window is not None,
+                   "attention_chunk_size": spec.attention_chunk_size is not None,
+                   "non_causal": spec.non_causal,
+                   "num_head_slots": spec.num_head_slots is not None,
+                   "state_content_bytes": spec.state_content_bytes is not None,
+                   "page_size_padded": spec.page_size_padded is not None,
+                   "tokens_per_state": spec.tokens_per_state != 1,
+                   "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
+    bad = [field for field, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise ConfigError(f"kv_connector: kvtier holds plain K/V pages of full causal attention; this model's "
+                          f"{name} has {bad[0]}={getattr(spec, bad[0])!r}, which is not supported yet")
