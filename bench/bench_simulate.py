@@ -9,10 +9,17 @@ future index are built outside the timed replay, as `simulate` itself reports it
 Cases, on conversation_trace.jsonl (288,500 accesses) unless `--trace` says otherwise:
   1 tier  <policy>   one HBM tier of 18,279 blocks (the 27.8 % LRU reference), every policy
   3 tiers <policy>   HBM 1,000 + DRAM 5,000 + SSD 20,000 blocks, LRU (every stored block cascades
-                     down through the tiers, so each access costs several manager decisions)
+                     down through the tiers: per access ~1.7 moves, 2.1 evictions, 2.4 slots claimed)
+
+The replay drives the manager's synchronous verbs (`load_now` / `store_now`), which run the same
+decision code as the two-phase verbs and complete each move inside the call; see
+tests/test_simulate_fastpath.py for the proof that both decide alike.
+
+`--profile POLICY` runs one replay under cProfile instead (`--tiers 3` for the three-tier case);
+cProfile's per-call overhead inflates small functions, so confirm a finding with the timed cases.
 
     python bench/bench_simulate.py [--trace NAME] [--repeat 3] [--policies lru,s3fifo,arc,belady]
-                                   [--json out.json] [--profile POLICY]
+                                   [--json out.json] [--profile POLICY [--tiers 1|3]]
 """
 
 from __future__ import annotations
@@ -67,13 +74,16 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--policies", default=",".join(p.value for p in SimPolicy))
     parser.add_argument("--json", default=None, metavar="FILE")
-    parser.add_argument("--profile", default=None, metavar="POLICY", help="cProfile one 1-tier replay instead")
+    parser.add_argument("--profile", default=None, metavar="POLICY", help="cProfile one replay instead")
+    parser.add_argument("--tiers", type=int, choices=(1, 3), default=1, help="the case --profile replays")
     args = parser.parse_args()
     trace = load_trace(resolve_trace_path(args.trace))
     num_slots = max(1, round(0.1 * trace.num_unique_blocks))
     if args.profile:
         profiler = cProfile.Profile()
-        profiler.runcall(simulate, trace, one_tier(SimPolicy(args.profile), num_slots))
+        policy = SimPolicy(args.profile)
+        config = one_tier(policy, num_slots) if args.tiers == 1 else three_tiers(policy)
+        profiler.runcall(simulate, trace, config)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return 0
     policies = [SimPolicy(p.strip()) for p in args.policies.split(",") if p.strip()]

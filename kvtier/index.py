@@ -73,38 +73,40 @@ _FREEING = CopyState.FREEING
 
 
 class SlotAllocator:
-    """A free list over `num_slots` fixed slots of one tier."""
+    """A free list over `num_slots` fixed slots of one tier.
+
+    `free` is the list itself, never rebound: the manager's per-block paths pop and append it
+    directly (`slot = free.pop() if free else None` is `allocate()` without a Python call; a
+    three-tier replay claims ~3 slots per block access), so the count in use is derived from it.
+    """
 
     def __init__(self, kind: TierKind, num_slots: int) -> None:
         if num_slots < 1:
             raise CapacityError(f"tier {kind.name}: needs at least one slot, got {num_slots}")
         self.kind = kind
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        # A counter, not a property: the manager reads it after every completion (`_rebalance`).
-        self.num_used = 0
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self.free)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self.free)
 
     def allocate(self) -> int | None:
         """A free slot, or None when the tier is full."""
-        if not self._free:
-            return None
-        self.num_used += 1
-        return self._free.pop()
+        return self.free.pop() if self.free else None
 
     def take(self, slots: set[int]) -> None:
         """Marks `slots` (all free) as used, e.g. for blocks found on disk at start-up."""
-        self._free = [s for s in self._free if s not in slots]
-        self.num_used = self.num_slots - len(self._free)
+        self.free[:] = [s for s in self.free if s not in slots]
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise KVTierError(f"tier {self.kind.name}: released slot {slot} out of range")
-        self._free.append(slot)
-        self.num_used -= 1
+        self.free.append(slot)
 
 
 class BlockIndex:

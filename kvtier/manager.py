@@ -6,6 +6,10 @@ or move); the transfer engine executes plans and the runtime reports back throug
 `complete_*` verb. Blocks in flight are explicit in the index (`WRITING`, `readers`), so what is
 being written is never served and what is being read is never evicted.
 
+`store_now` and `load_now` are the same verbs for a caller whose transfers all succeed at once
+(the trace simulator): the same decision code runs, and the moves it starts are completed inside
+the call, in the order a transfer engine completing each batch at once would complete them.
+
 Not thread-safe: the runtime serialises calls under one lock.
 """
 
@@ -31,7 +35,8 @@ _ADMIT_ALL = AdmissionKind.ALL
 _EXCLUSIVE = CacheMode.EXCLUSIVE
 
 
-_DEMOTE = MoveReason.DEMOTE  # see _READY above
+_DEMOTE, _PREFETCH = MoveReason.DEMOTE, MoveReason.PREFETCH  # see _READY above
+_EVICTED = DropReason.EVICTED
 
 
 class TierManager:
@@ -61,20 +66,27 @@ class TierManager:
         self.stats = stats or Stats()
         self.index = BlockIndex()
         self._slots = {k: SlotAllocator(k, t.num_slots) for k, t in self._tiers.items()}
-        self._owner: dict[TierKind, dict[int, Hashable]] = {k: {} for k in self._tiers}
+        # Per tier, the key in each slot (None: free). Lists, not dicts: a slot is claimed and freed
+        # per block moved, and a list item is stored without hashing or resizing.
+        self._owner: dict[TierKind, list[Hashable | None]] = {k: [None] * t.num_slots for k, t in self._tiers.items()}
         self._moves: dict[int, Move] = {}
         self._inbound: dict[Hashable, Move] = {}  # key -> promotion/prefetch in flight
         self._outgoing = dict.fromkeys(self._tiers, 0)  # demotions in flight, per source tier
         self._new_moves: list[Move] = []
+        # Moves started under `store_now` / `load_now`, to complete there: (entry, its source Copy,
+        # src, dst, the Move, or None for a demotion: see `_evict`); None outside those verbs.
+        self._queue: list[tuple[BlockEntry, Copy, TierKind, TierKind, Move | None]] | None = None
+        self._over_high = True  # see `_rebalance` and `_complete_queued`
         self._ids = itertools.count(1)
         self._joined: set[int] = set()  # prefetch moves a load has joined while in flight
         self._below = {k: self.order[i + 1:] for i, k in enumerate(self.order)}  # tiers a victim may go to
         # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
         # `_rebalance` runs after every completion.
-        # Each with its allocator and its high mark in slots, so that the check is two reads.
-        self._watermarked = tuple((k, t, self._slots[k], t.high_watermark * t.num_slots)
+        # Each with its free list and its high mark in slots, so that the check is a few reads.
+        self._watermarked = tuple((k, t, self._slots[k].free, t.high_watermark * t.num_slots)
                                   for k, t in self._tiers.items() if t.high_watermark < 1)
         self._admits_all = {k: t.admission.kind is _ADMIT_ALL for k, t in self._tiers.items()}
+        self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
         self._policies = {k: t.policy for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
         self._protected = {k: self._protected_in(k) for k in self._tiers}
@@ -113,7 +125,8 @@ class TierManager:
 
     def owner(self, tier: TierKind, slot: int) -> Hashable | None:
         """The key whose copy occupies `slot` of `tier`, or None if the slot is free."""
-        return self._owner[tier].get(slot)
+        owners = self._owner[tier]
+        return owners[slot] if 0 <= slot < len(owners) else None
 
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
@@ -173,8 +186,14 @@ class TierManager:
 
         Inclusive mode adds a write-through placement in every lower tier that admits the block.
         """
+        placed, present, rejected = self._place(keys, target)
+        placements = tuple([Placement(entry.key, tier, slot) for entry, tier, slot in placed])
+        return StorePlan(placements, tuple(present), tuple(rejected), self._drain())
+
+    def _place(self, keys: Iterable[Hashable], target: TierKind | None) -> tuple[list, list, list]:
+        """`prepare_store`'s decisions: the (entry, tier, slot) claimed, the keys present, those rejected."""
         start = self.order.index(target) if target is not None else 0
-        placements: list[Placement] = []
+        placed: list[tuple[BlockEntry, TierKind, int]] = []
         present: list[Hashable] = []
         rejected: list[Hashable] = []
         get = self.index.get
@@ -184,12 +203,10 @@ class TierManager:
             if entry is not None and entry.live_copies():
                 present.append(key)
                 continue
-            placed = self._place_new(key, tiers, entry)
-            placements += placed
-            if not placed:
+            if not self._place_new(key, tiers, entry, placed):
                 rejected.append(key)
                 self.stats.dropped[DropReason.NO_SPACE] += 1
-        return StorePlan(tuple(placements), tuple(present), tuple(rejected), self._drain())
+        return placed, present, rejected
 
     def complete_store(self, plan: StorePlan, failed: Iterable[tuple[Hashable, TierKind]] = (),
                        checksums: dict[Hashable, tuple[int, ...]] | None = None) -> tuple[Move, ...]:
@@ -226,14 +243,14 @@ class TierManager:
         get = self.index.get
         for key in keys:  # lease every source first: promoting one block must not evict another
             entry = get(key)
-            tier = entry.best_ready() if entry else None
+            tier = entry.ready_tier if entry else None  # `best_ready()`, without the call
             if tier is None:
                 missing.append(key)
                 self.stats.misses += 1
                 continue
             entry.copies[tier].readers += 1
             leased.append((entry, tier))
-        sources = tuple(self._load_source(entry, tier) for entry, tier in leased)
+        sources = tuple([self._load_source(entry, tier) for entry, tier in leased])
         return LoadPlan(sources, tuple(missing), self._drain())
 
     def complete_load(self, plan: LoadPlan, failed: dict[Hashable, str] | None = None) -> tuple[Move, ...]:
@@ -283,7 +300,7 @@ class TierManager:
             source = entry.copies[tier]
             source.readers += 1  # so that making room in `target` cannot evict the source itself
             evicted = self.stats.evictions[target]
-            slot = self._free_slot(target, demoted=False, hits=entry.hits)
+            slot = self._free_slot(target, False, entry.hits)
             if slot is not None:
                 moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
             source.readers -= 1
@@ -306,12 +323,7 @@ class TierManager:
         (cancelled) leaves the source as it was.
         """
         move = self._moves.pop(move_id)
-        entry = self.index.get(move.key)
-        if move.reason is _DEMOTE:
-            self._outgoing[move.src] -= 1
-        else:
-            self._inbound.pop(move.key, None)
-        entry.copies[move.src].readers -= 1
+        entry = self._land(move)
         if ok:
             self._finish_move(entry, move, checksums)
         else:
@@ -328,33 +340,140 @@ class TierManager:
         (a watermark check still follows every completion, so the decisions are identical), without
         a plan tuple per move. Raises as `complete_move` does; the moves before the bad id are applied.
         """
-        moves, inbound, outgoing, joined, get = self._moves, self._inbound, self._outgoing, self._joined, self.index.get
+        moves, complete = self._moves, self._complete
         for move_id in move_ids:
-            move = moves.pop(move_id)
-            entry = get(move.key)
-            if move.reason is _DEMOTE:
-                outgoing[move.src] -= 1
-            else:
-                inbound.pop(move.key, None)
-            entry.copies[move.src].readers -= 1
-            self._finish_move(entry, move, None)
-            if joined:
-                joined.discard(move_id)
-            self._rebalance()
+            complete(moves[move_id])
         return self._drain()
 
+    def _complete(self, move: Move) -> None:
+        """`complete_move(move.id, True)` without the drain: `move` is in flight."""
+        del self._moves[move.id]
+        self._finish_move(self._land(move), move, None)
+        if self._joined:
+            self._joined.discard(move.id)
+        self._rebalance()
+
+    # ---- synchronous use: every transfer completes at once --------------------------------
+
+    def store_now(self, keys: Iterable[Hashable]) -> None:
+        """Stores `keys` into the top tier as if every write and move succeeded at once.
+
+        Exactly `plan = prepare_store(keys)`, then `complete_moves` on `plan.moves`, then on what
+        that returns, and so on until nothing is left, then the same from `complete_store(plan)`:
+        the decisions are those verbs' own code; only the moves they start are not handed out but
+        queued here and completed first in first out, which is the order that loop completes them
+        in. What nobody sees is not made: no plan, no `Placement`, and demotions skip their `Move`
+        and id, which were most of what a trace replay allocated (see bench/bench_simulate.py).
+        """
+        self._begin_synchronous()
+        try:
+            placed = self._place(keys, None)[0]
+            self._complete_queued()
+            stores = self.stats.stores
+            for entry, tier, _ in placed:  # `complete_store` with every write done
+                self._make_ready(entry, tier)
+                stores[tier] += 1
+            self._rebalance()
+            self._complete_queued()
+        finally:
+            self._queue = None
+
+    def load_now(self, keys: Iterable[Hashable]) -> tuple[LoadSource, ...]:
+        """Loads `keys` as if every read and move succeeded at once; returns where each was read.
+
+        `prepare_load`, its moves completed as in `store_now`, then `complete_load` and its moves.
+        """
+        self._begin_synchronous()
+        try:
+            plan = self.prepare_load(keys)
+            self._complete_queued()
+            self.complete_load(plan)
+            self._complete_queued()
+        finally:
+            self._queue = None
+        return plan.sources
+
+    def _begin_synchronous(self) -> None:
+        # Not a context manager: a generator-based one costs ~1 µs, a request's worth of bookkeeping.
+        if self._queue is not None:
+            raise KVTierError("store_now and load_now do not nest")
+        self._queue = []
+
+    def _complete_queued(self) -> None:
+        """Completes the queued moves, and those their completions queue, first in first out.
+
+        A watermark check follows every completion, as in `complete_moves`, but is skipped where
+        it provably does nothing (it used to be a quarter of a three-tier replay's calls): after a
+        demotion whose source was freed at once. That leaves every tier's slots in use, net of
+        demotions leaving it, as they were, so the check can only act if the last one that ran
+        left a tier above its high watermark (`_over_high`), for want of victims the new copy
+        may now provide. The first completion is always checked: the verb before it claimed slots.
+        """
+        queue, outgoing, rebalance = self._queue, self._outgoing, self._rebalance
+        self._over_high = True
+        for entry, source, src, dst, move in queue:  # completions append to `queue`: the loop reaches those
+            if move is None:  # a demotion queued by `_evict`; `_land` and `_finish_move` for it
+                outgoing[src] -= 1
+                source.readers -= 1
+                if not self._finish_demotion(entry, source, src, dst) or self._over_high:
+                    rebalance()
+            else:
+                self._complete(move)
+        queue.clear()
+
+    def _land(self, move: Move) -> BlockEntry:
+        """Ends `move`'s time in flight (its source lease, its place in the in-flight maps)."""
+        entry = self.index.get(move.key)
+        if move.reason is _DEMOTE:
+            self._outgoing[move.src] -= 1
+        else:
+            self._inbound.pop(move.key, None)
+        entry.copies[move.src].readers -= 1
+        return entry
+
     def _finish_move(self, entry: BlockEntry, move: Move, checksums: tuple[int, ...] | None) -> None:
-        self._make_ready(entry, move.dst)
         if checksums is not None and entry.checksums is None:
             entry.checksums = checksums
-        pair = (move.src, move.dst)
-        (self.stats.demotions if move.reason is _DEMOTE else self.stats.promotions)[pair] += 1
-        if move.reason is MoveReason.PREFETCH and move.id not in self._joined:
+        src, dst = move.src, move.dst
+        if move.reason is _DEMOTE:
+            self._finish_demotion(entry, entry.copies[src], src, dst)
+            return
+        self._make_ready(entry, dst)
+        self.stats.promotions[src, dst] += 1
+        if move.reason is _PREFETCH and move.id not in self._joined:
             entry.prefetched = True  # no load joined it on the way: used only if a load comes later
-        if move.reason is _DEMOTE or self.mode is _EXCLUSIVE:
-            self._retire(entry, move.src, DropReason.EVICTED)  # never the last copy: dst is READY
+        if self.mode is _EXCLUSIVE:
+            self._retire(entry, src, _EVICTED)  # never the last copy: dst is READY
         else:
-            self._settle(entry, move.src)
+            self._settle(entry, src)
+
+    def _finish_demotion(self, entry: BlockEntry, source: Copy, src: TierKind, dst: TierKind) -> bool:
+        """The destination copy becomes READY and the source (already out of its policy) leaves.
+
+        The source left its policy when `_evict` chose it, and nothing re-inserts a READY copy,
+        so `_retire` would only add a no-op `remove`. Returns whether the source was freed at once
+        and was the only other copy.
+        """
+        copies = entry.copies
+        if source.readers or len(copies) != 2:
+            self._make_ready(entry, dst)
+            self.stats.demotions[src, dst] += 1
+            self._release(entry, src, _EVICTED)  # never the last copy: dst is READY
+            return False
+        # The same where it is simplest, inlined (once per block demoted): the source is unread,
+        # so it frees now, and `dst` is the only copy left, hence the fastest READY one.
+        copy = copies[dst]
+        if copy.state is not _WRITING:  # `_make_ready`, from here to the policy's insert
+            raise KVTierError(f"block {_short(entry.key)} in {dst.name} completed twice")
+        copy.state = _READY
+        self._policies[dst].insert(entry.key)
+        self.stats.demotions[src, dst] += 1
+        source.state = _FREEING  # `_release(entry, src, EVICTED)`, from here on
+        del copies[src]
+        self._owner[src][source.slot] = None
+        self._free_lists[src].append(source.slot)  # `SlotAllocator.release`, without its range check
+        entry.ready_tier = dst
+        return True
 
     def _fail_move(self, entry: BlockEntry, move: Move, failure: str | None) -> None:
         # The source may already be leaving (discarded by a failed read): then this was the last copy.
@@ -377,34 +496,38 @@ class TierManager:
 
     # ---- internals: placement and eviction ----------------------------------------------
 
-    def _place_new(self, key: Hashable, tiers: Sequence[TierKind], entry: BlockEntry | None) -> list[Placement]:
-        """Claims slots for `key` (whose entry, if any, is `entry`) in the first of `tiers` with room."""
-        placements: list[Placement] = []
+    def _place_new(self, key: Hashable, tiers: Sequence[TierKind], entry: BlockEntry | None,
+                   placed: list[tuple[BlockEntry, TierKind, int]]) -> bool:
+        """Claims slots for `key` (whose entry, if any, is `entry`) in the first of `tiers` with room.
+
+        Appends each claim to `placed` as (entry, tier, slot); returns whether there was any.
+        """
+        claimed = False
         for tier in tiers:
             if entry is not None and tier in entry.copies:
                 continue  # a copy of an earlier life is still leaving this tier
-            slot = self._free_slot(tier, demoted=False, hits=0)
+            slot = self._free_slot(tier, False, 0)
             if slot is None:
                 continue
             entry = entry or self.index.get_or_create(key)
             self._claim(entry, tier, slot)
-            placements.append(Placement(key, tier, slot))
+            placed.append((entry, tier, slot))
+            claimed = True
             if self.mode is _EXCLUSIVE:
                 break
-        return placements
+        return claimed
 
-    def _free_slot(self, tier: TierKind, *, demoted: bool, hits: int) -> int | None:
+    def _free_slot(self, tier: TierKind, demoted: bool, hits: int) -> int | None:
         """A free slot of `tier` for a block it admits, evicting one victim if that frees one now."""
         if not self._admits_all[tier] and not self._tiers[tier].admission.admits(demoted=demoted, hits=hits):
             return None
-        slots = self._slots[tier]
-        slot = slots.allocate()
-        if slot is not None:
-            return slot
+        free = self._free_lists[tier]
+        if free:
+            return free.pop()
         victims = self._policies[tier].evict(1, self._protected[tier])
         if victims:
             self._evict(self.index.get(victims[0]), tier)
-        return slots.allocate()
+        return free.pop() if free else None
 
     def _evictable(self, key: Hashable, tier: TierKind) -> bool:
         entry = self.index.get(key)
@@ -429,39 +552,75 @@ class TierManager:
         if entry.prefetched:
             self.stats.prefetch_wasted += 1  # evicted before any load used it
             entry.prefetched = False
-        if len(entry.copies) > 1:
-            for t, c in entry.copies.items():
+        copies = entry.copies
+        if len(copies) > 1:
+            for t, c in copies.items():
                 if t != tier and c.state is not _FREEING:
-                    self._release(entry, tier, DropReason.EVICTED)  # never the last copy
+                    self._release(entry, tier, _EVICTED)  # never the last copy
                     return
+        below = self._below[tier]
+        if not below:  # the last tier: a drop
+            self._release(entry, tier, _EVICTED)
+            return
         refused = False
-        for lower in self._below[tier]:
-            if lower in entry.copies:
+        admits_all, free_lists = self._admits_all, self._free_lists
+        for lower in below:
+            if lower in copies:
                 continue
-            admission = self._tiers[lower].admission
-            refused |= admission.kind is not _ADMIT_ALL and not admission.admits(demoted=True, hits=entry.hits)
-            slot = self._free_slot(lower, demoted=True, hits=entry.hits)
-            if slot is not None:
+            if not admits_all[lower] and not self._tiers[lower].admission.admits(demoted=True, hits=entry.hits):
+                refused = True
+                continue
+            # The rest of `_free_slot(lower, True, entry.hits)`, inlined: a call per block demoted
+            # cost ~5 % of a three-tier replay, and another one per block dropped from the last.
+            free = free_lists[lower]
+            if not free:
+                victims = self._policies[lower].evict(1, self._protected[lower])
+                if victims:
+                    self._evict(self.index.get(victims[0]), lower)
+            slot = free.pop() if free else None
+            if slot is None:
+                continue
+            queue = self._queue
+            if queue is None:
                 self._start_move(entry, tier, lower, slot, _DEMOTE)
                 return
-        last = tier == self.order[-1]
-        reason = DropReason.EVICTED if last else DropReason.ADMISSION if refused else DropReason.LOWER_FULL
-        self._release(entry, tier, reason)
+            # `_start_move(entry, tier, lower, slot, DEMOTE)` under `store_now` / `load_now`, inlined
+            # (once per block demoted) and without the `Move` and its id, which nothing there looks
+            # up and which were what a replay allocated most. `lower` holds no copy of the block:
+            # checked above, and making room there only moved other blocks.
+            source = copies[tier]
+            source.readers += 1
+            copies[lower] = Copy(slot)
+            self._owner[lower][slot] = entry.key
+            self._outgoing[tier] += 1
+            queue.append((entry, source, tier, lower, None))
+            return
+        self._release(entry, tier, DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
 
     def _rebalance(self) -> None:
-        """Demotes from every tier above its high watermark down to its low watermark."""
+        """Demotes from every tier above its high watermark down to its low watermark.
+
+        Sets `_over_high`: whether a tier is still above its high watermark, for want of victims.
+        (Evictions only claim slots further down, and the tiers are visited top down, so a tier
+        checked here stays as it was left.)
+        """
         outgoing = self._outgoing
-        for tier, spec, slots, high in self._watermarked:
-            used = slots.num_used - outgoing[tier]
+        over_high = False
+        for tier, spec, free, high in self._watermarked:
+            num_slots = spec.num_slots
+            used = num_slots - len(free) - outgoing[tier]
             if used <= high:
                 continue
-            target = math.floor(spec.low_watermark * slots.num_slots)
+            target = math.floor(spec.low_watermark * num_slots)
+            evict, protected, get = spec.policy.evict, self._protected[tier], self.index.get
             while used > target:
-                victims = spec.policy.evict(1, self._protected[tier])
+                victims = evict(1, protected)
                 if not victims:
+                    over_high |= used > high
                     break
-                self._evict(self.index.get(victims[0]), tier)
-                used = slots.num_used - outgoing[tier]
+                self._evict(get(victims[0]), tier)
+                used = num_slots - len(free) - outgoing[tier]
+        self._over_high = over_high
 
     def _load_source(self, entry: BlockEntry, tier: TierKind) -> LoadSource:
         entry.hits += 1
@@ -480,7 +639,7 @@ class TierManager:
             return self._lease_inbound(entry, inbound)
         up = self.promote_to
         if up is not None and tier > up and up not in entry.copies:
-            slot = self._free_slot(up, demoted=False, hits=entry.hits)
+            slot = self._free_slot(up, False, entry.hits)
             if slot is not None:
                 move = self._start_move(entry, tier, up, slot, MoveReason.PROMOTE)
                 copy.readers -= 1  # the move holds its own lease
@@ -492,15 +651,28 @@ class TierManager:
         return LoadSource(entry.key, move.dst, move.dst_slot, after_move=move.id)
 
     def _start_move(self, entry: BlockEntry, src: TierKind, dst: TierKind, slot: int, reason: MoveReason) -> Move:
-        move = Move(next(self._ids), entry.key, src, entry.copies[src].slot, dst, slot, reason)
-        entry.copies[src].readers += 1
-        self._claim(entry, dst, slot)
+        """Claims `slot` of `dst` and leases the source copy for a move; returns the move.
+
+        Under `store_now` / `load_now` the move is queued for them instead of handed out (and a
+        demotion there does not come here: `_evict` queues it without a `Move`).
+        """
+        copies, key = entry.copies, entry.key
+        if dst in copies:  # `_claim`'s check, inlined with the rest: a move starts per block moved
+            raise KVTierError(f"block {_short(key)} already has a copy in {dst.name}")
+        source = copies[src]
+        move = Move(next(self._ids), key, src, source.slot, dst, slot, reason)
+        source.readers += 1
+        copies[dst] = Copy(slot)
+        self._owner[dst][slot] = key
         self._moves[move.id] = move
         if reason is _DEMOTE:
             self._outgoing[src] += 1
         else:
-            self._inbound[entry.key] = move
-        self._new_moves.append(move)
+            self._inbound[key] = move
+        if self._queue is None:
+            self._new_moves.append(move)
+        else:
+            self._queue.append((entry, source, src, dst, move))
         return move
 
     def _drain(self) -> tuple[Move, ...]:
@@ -532,15 +704,29 @@ class TierManager:
 
         If it was the block's last live copy, the block is dropped and counted under `reason`.
         """
-        copy = entry.copies[tier]
+        copies = entry.copies
+        copy = copies[tier]
         if copy.state is not _FREEING:
             copy.state = _FREEING
-            if entry.ready_tier == tier:  # else the fastest READY copy is still the same one
-                entry.refresh()
-            if entry.live_copies() == 0:
+            if len(copies) == 1:  # the only copy (once per block dropped): no READY copy is left
+                entry.ready_tier = None
                 self.stats.dropped[reason] += 1
                 entry.pins = 0
-        self._settle(entry, tier)
+            else:
+                if entry.ready_tier == tier:  # else the fastest READY copy is still the same one
+                    entry.refresh()
+                for other in copies.values():  # `entry.live_copies() == 0`, inlined
+                    if other.state is not _FREEING:
+                        break
+                else:
+                    self.stats.dropped[reason] += 1
+                    entry.pins = 0
+        if copy.readers == 0:  # what `_settle` checks; the copy is FREEING by now
+            del copies[tier]  # `_free(entry, tier, copy)`, inlined: it runs once per eviction
+            self._owner[tier][copy.slot] = None
+            self._free_lists[tier].append(copy.slot)  # `SlotAllocator.release`, without its range check
+            if not copies:
+                self.index.discard(entry.key)
 
     def _retire(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
         """Like `_release`, for a copy that may still be in its policy."""
@@ -551,11 +737,16 @@ class TierManager:
     def _settle(self, entry: BlockEntry, tier: TierKind) -> None:
         copy = entry.copies[tier]
         if copy.state is _FREEING and copy.readers == 0:
-            del entry.copies[tier]
-            del self._owner[tier][copy.slot]
-            self._slots[tier].release(copy.slot)
-            if not entry.copies:
-                self.index.discard(entry.key)
+            self._free(entry, tier, copy)
+
+    def _free(self, entry: BlockEntry, tier: TierKind, copy: Copy) -> None:
+        """Gives an unread FREEING copy's slot back; the block leaves the index with its last copy."""
+        copies = entry.copies
+        del copies[tier]
+        self._owner[tier][copy.slot] = None
+        self._slots[tier].release(copy.slot)
+        if not copies:
+            self.index.discard(entry.key)
 
 
 def _short(key: Hashable) -> str:

@@ -4,13 +4,15 @@ The tiers are virtual: slot counts and bandwidths, no bytes. Everything else is 
 one `TierManager` with one eviction policy per tier (made by `make_policy`, or `BeladyPolicy`),
 the runtime's admission rules and watermarks, and the same verbs in the same order as `KVTier`:
 
-    n = lookup(keys)                        longest cached prefix, in any tier
-    prepare_load(keys[:n]) / complete_load  the hit blocks are read (and promoted per the manager)
-    prepare_store(keys[n:]) / complete_store  the missed blocks were just computed: store them
+    n = lookup(keys)          longest cached prefix, in any tier
+    load_now(keys[:n])        the hit blocks are read (and promoted per the manager)
+    store_now(keys[n:])       the missed blocks were just computed: store them
 
-Every move the manager plans (promotions, demotions) completes at once, successfully, in the order
-issued; the moves that completions trigger follow. Nothing is in flight between requests, and
-requests are served one at a time in trace order (timestamps only order them).
+`load_now` and `store_now` are the manager's `prepare_*` / `complete_*` pairs for transfers that
+all succeed at once: every move the manager plans (promotions, demotions) completes at once, in
+the order issued, and the moves that completions trigger follow (tests/test_simulate_fastpath.py
+checks that this decides exactly as the two-phase verbs driven that way). Nothing is in flight
+between requests, and requests are served one at a time in trace order (timestamps only order them).
 
 Accounting (what `block_hit_rate` means). Every hash id of a request is one block access, the
 partial tail block included: its id names the tail's tokens as exactly as a full block's id does, so
@@ -49,7 +51,7 @@ import numpy as np
 
 from kvtier.config import CacheMode, parse_size
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.manager import Move, TierManager, TierSlots
+from kvtier.manager import TierManager, TierSlots
 from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate_belady import BeladyPolicy, FutureAccesses
@@ -266,7 +268,7 @@ class _Replay:
         """Serves every request in order; see the module docstring for the verbs and the TTFT model.
 
         `simulate` turns the cyclic garbage collector off for the replay: the manager allocates
-        a few objects per block moved (moves, copies, plans) and frees them by reference count,
+        a few objects per block moved (copies, queued moves) and frees them by reference count,
         but every few thousand allocations the collector would walk every live object, the trace
         and the whole index included, which cost a three-tier replay about 30 % of its time.
         """
@@ -303,29 +305,12 @@ class _Replay:
             on_progress(len(trace.requests) % PROGRESS_EVERY)
 
     def _load(self, blocks: tuple) -> None:
-        m = self.manager
-        plan = m.prepare_load(blocks)
-        if plan.moves:
-            self._finish(plan.moves)
-        self.engine_reads.update(src.tier for src in plan.sources)
-        self._finish(m.complete_load(plan))
+        reads = self.engine_reads
+        for src in self.manager.load_now(blocks):
+            reads[src.tier] += 1  # not Counter.update: its isinstance(Mapping) check costs ~1 µs
 
     def _store(self, blocks: tuple) -> None:
-        m = self.manager
-        plan = m.prepare_store(blocks)
-        if plan.moves:
-            self._finish(plan.moves)
-        self._finish(m.complete_store(plan))
-
-    def _finish(self, moves: Sequence[Move]) -> None:
-        """Completes `moves`, and every move their completions trigger, in the order issued.
-
-        First-in first-out, a generation at a time: the moves triggered by completing `moves`
-        follow all of `moves`, exactly as one queue served one move at a time would order them.
-        """
-        complete_moves = self.manager.complete_moves
-        while moves:
-            moves = complete_moves([m.id for m in moves])
+        self.manager.store_now(blocks)
 
     def report(self, trace: Trace, replay_s: float) -> dict:
         """The JSON-ready report of a finished replay."""

@@ -55,9 +55,15 @@ class LRUPolicy(EvictionPolicy):
             ValueError: `n` is negative.
             Exception: whatever `protected` raises; nothing has changed by then.
         """
+        order = self._order
+        if n == 1:  # the hot path (one victim per block stored into a full tier): checked first
+            for key in order:
+                if not protected(key):
+                    del order[key]  # ends the loop: the iterator is not advanced again
+                    return [key]
+            return None
         if n < 0:
             raise ValueError(f"evict: n must be >= 0, got {n}")
-        order = self._order
         if n == 0:
             return []
         if n > len(order):
