@@ -228,4 +228,4 @@ def _turn_line(t: dict[str, Any]) -> str:
 
 
 def _hits_line(hits: dict) -> str:
-    return "hits " + " ".join(f"{TierKind(t).name.lower()} {n}" for t, n in sorted(hits.items()))
+    return "hits " + " ".join(f"{TierKind(t).name.lower()} {n}" for t, n in sorted(hits.items()) if n)

@@ -330,13 +330,13 @@ class _Replay:
             },
             "ttft_s": _percentiles(self.ttft_s), "ttft_no_cache_s": _percentiles(self.ttft_no_cache_s),
             "tiers": {t.kind.name.lower(): self._tier_report(t) for t in cfg.tiers},
-            "dropped": dict(stats.dropped),
+            "dropped": {reason: n for reason, n in stats.dropped.items() if n},
             "replay_s": replay_s, "accesses_per_s": self.num_accesses / replay_s if replay_s > 0 else None,
         }  # fmt: skip
 
     def _tier_report(self, tier: VirtualTier) -> dict:
         stats, kind, block_bytes = self.manager.stats, tier.kind, self.config.block_bytes
-        moves = stats.demotions + stats.promotions
+        moves = {route: n + stats.promotions[route] for route, n in stats.demotions.items()}
         moved_in = sum(n for (_, dst), n in moves.items() if dst == kind)
         moved_out = sum(n for (src, _), n in moves.items() if src == kind)
         num_hits = stats.hits[kind]
