@@ -11,6 +11,13 @@ being written is never served and what is being read is never evicted.
 the call, in the order a transfer engine completing each batch at once would complete them.
 
 Not thread-safe: the runtime serialises calls under one lock.
+
+Size (over STYLE's ~400 lines, on purpose): the manager is one state machine over one index, and
+its per-block paths (evict, demote, release) are inlined into each other because a replay runs
+them a few million times (bench/bench_simulate.py). Spreading the class over modules would
+scatter the invariants those paths keep in step (`_outgoing`, free lists, owners, `ready_tier`)
+without making any of them smaller; the hypothesis state machine (tests/test_manager.py) and the
+two-path equivalence test (tests/test_simulate_fastpath.py) guard them instead.
 """
 
 from __future__ import annotations
