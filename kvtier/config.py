@@ -68,6 +68,7 @@ class TierConfig:
 class TransferConfig:
     io_workers: int = 4
     chunk_bytes: int = 1 << 20  # consecutive layers are copied together up to this size (0: per layer)
+    inline_bytes: int = 256 << 10  # small host-memory batches run in the caller's thread (0: never)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +259,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         if above.kind is below.kind:  # `hbm` and `HBM` are two YAML keys but one tier
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
-    _check_keys(transfer_raw, {"io_workers", "chunk_bytes"}, "transfer")
+    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes"}, "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
@@ -272,6 +273,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         transfer=TransferConfig(
             io_workers=_number(transfer_raw.get("io_workers", 4), "transfer.io_workers", int, 1, 256),
             chunk_bytes=parse_size(transfer_raw.get("chunk_bytes", "1MiB"), "transfer.chunk_bytes"),
+            inline_bytes=parse_size(transfer_raw.get("inline_bytes", "256KiB"), "transfer.inline_bytes"),
         ),
         prefetch=PrefetchConfig(
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),

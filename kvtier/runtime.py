@@ -107,7 +107,8 @@ class KVTier:
             self._close_tiers()
             raise
         self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
-                                     chunk_bytes=config.transfer.chunk_bytes, stats=self.stats)
+                                     chunk_bytes=config.transfer.chunk_bytes,
+                                     inline_bytes=config.transfer.inline_bytes, stats=self.stats)
         self._lock = threading.RLock()
         self._move_handles: dict[int, TransferHandle] = {}
         self._metrics_server = None
@@ -280,10 +281,12 @@ class KVTier:
             needs_sum = self.tiers[m.dst].medium in _BELOW_DRAM and self.manager.index.get(m.key).checksums is None
             ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), self._end(m.dst, m.dst_slot),
                               verify=self._verify(m.key, m.src), checksum=needs_sum))
-        handle = self.engine.submit(ops, lambda h: self._on_moved(moves, h)) if ops else _done_handle(self.layout)
-        for m in moves:
+        if not ops:
+            return _done_handle(self.layout)
+        handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
+        for m in moves:  # before submitting: a small batch runs inline, `_on_moved` included
             self._move_handles[m.id] = handle
-        return handle
+        return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle)
 
     def _on_stored(self, plan: StorePlan, h: TransferHandle) -> None:
         failed = [(p.key, p.tier) for p in plan.placements if p.key in h.failed]

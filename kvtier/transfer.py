@@ -91,13 +91,19 @@ class TransferEngine:
         job_workers: batches that may run at once.
         chunk_bytes: consecutive layers are copied together until a copy reaches this size
             (0: one copy per layer).
+        inline_bytes: a batch of at most this many bytes whose copies are all host memory to
+            host memory (no CUDA, no disk or remote end, no copy waiting on another transfer) runs
+            in the submitting thread instead of a worker (0: never). Handing a small copy to a
+            worker and back costs far more than the copy (~100 µs against ~6 µs for 64 KiB on a
+            loaded 2-core host), which dominated small stores and loads on CPU engines.
         stats: receives bytes moved per (source, destination).
     """
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
-                 chunk_bytes: int = 0, stats: Stats | None = None) -> None:
+                 chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None) -> None:
         self.layout = layout
         self.chunk_bytes = chunk_bytes
+        self.inline_bytes = inline_bytes
         self.stats = stats or Stats()
         self._jobs = ThreadPoolExecutor(job_workers, thread_name_prefix="kvtier-job")
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-io")
@@ -124,8 +130,17 @@ class TransferEngine:
         handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
         if self._cuda is not None:  # the caller's pending GPU work on its buffers comes first
             handle.cuda_ready = self._cuda.mark_caller()
-        self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
+        if self._runs_inline(ops):  # done when this returns; `on_done` has run in this thread
+            self._run(list(ops), handle, on_done, layers, time.perf_counter())
+        else:
+            self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
         return handle
+
+    def _runs_inline(self, ops: Sequence[CopyOp]) -> bool:
+        """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`)."""
+        if self._cuda is not None or len(ops) * self.layout.block_bytes > self.inline_bytes:
+            return False
+        return all(op.after is None and not op.src.below_dram and not op.dst.below_dram for op in ops)
 
     def close(self) -> None:
         """Waits for running transfers, then stops the workers. Idempotent."""

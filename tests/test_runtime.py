@@ -66,14 +66,16 @@ class GatedTier(Tier):
         self.inner.close()
 
 
-def config(tmp_path, hbm=2, dram=3, ssd=6, mode=CacheMode.EXCLUSIVE, promote_to=D, marks=(1.0, 1.0), chunk_bytes=0):
-    """Tiers of a few blocks each; watermarks off so placements are exact; per-layer copies."""
+def config(tmp_path, hbm=2, dram=3, ssd=6, mode=CacheMode.EXCLUSIVE, promote_to=D, marks=(1.0, 1.0), chunk_bytes=0,
+           inline_bytes=0):
+    """Tiers of a few blocks each; watermarks off so placements are exact; per-layer copies; every
+    batch on the engine's workers unless `inline_bytes` says otherwise."""
     tiers = [TierConfig(H, hbm * BLOCK, device="cpu", high_watermark=marks[0], low_watermark=marks[1]),
              TierConfig(D, dram * BLOCK, high_watermark=marks[0], low_watermark=marks[1]),
              TierConfig(S, ssd * BLOCK, path=tmp_path / "ssd", high_watermark=marks[0], low_watermark=marks[1])]
     return KVTierConfig(model="kvtier-tiny", tiers=tuple(t for t in tiers if t.capacity_bytes), mode=mode,
                         promote_to=promote_to, prefetch=PrefetchConfig(D, 64 * BLOCK),
-                        transfer=TransferConfig(io_workers=2, chunk_bytes=chunk_bytes))
+                        transfer=TransferConfig(io_workers=2, chunk_bytes=chunk_bytes, inline_bytes=inline_bytes))
 
 
 @pytest.fixture
@@ -328,10 +330,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["store", "load", "prefetch", "pin", "u
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS, mode=st.sampled_from(list(CacheMode)))
-def test_random_operations_never_serve_wrong_bytes_or_exceed_capacity(tmp_path, ops, mode):
+@given(ops=OPS, mode=st.sampled_from(list(CacheMode)), inline=st.booleans())
+def test_random_operations_never_serve_wrong_bytes_or_exceed_capacity(tmp_path, ops, mode, inline):
     pins: dict[int, int] = {}
-    with runtime(tmp_path, mode=mode) as kv:
+    with runtime(tmp_path, mode=mode, inline_bytes=4 * BLOCK if inline else 0) as kv:
         for op, keys in ops:
             if op == "store":
                 kv.store(keys, blocks(keys)).wait(WAIT_S)
@@ -357,3 +359,40 @@ def test_random_operations_never_serve_wrong_bytes_or_exceed_capacity(tmp_path, 
         for k in pins:
             assert kv.where([k])[0] is not None, "a pinned block was evicted"
         assert kv.stats.checksum_errors == 0 and kv.stats.io_errors == 0
+
+
+# ---- the transfer engine: small host-memory batches in the caller's thread ----------------------
+
+
+def test_small_host_memory_batches_run_inline_the_rest_on_workers(tmp_path):
+    from kvtier.tiers.dram import DRAMTier
+    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+
+    engine = TransferEngine(LAYOUT, inline_bytes=2 * BLOCK)
+    dram = DRAMTier(4 * BLOCK, BLOCK)
+    (tmp_path / "ssd").mkdir()
+    gated = GatedTier(SSDTier(tmp_path / "ssd", 4 * BLOCK, BLOCK, num_files=1), gate_layer=0)
+    data = blocks([1, 2, 3])
+    ran_in: list[int] = []
+
+    def copies(tier, n):
+        return [CopyOp(k, Endpoint(buffer=data[i]), Endpoint(tier, i)) for i, k in enumerate([1, 2, 3][:n])]
+
+    def submit(ops):
+        return engine.submit(ops, lambda h: ran_in.append(threading.get_ident()))
+
+    try:
+        handle = submit(copies(dram, 2))  # within inline_bytes, memory to memory: done on return
+        assert handle.done() and handle.failed == {} and ran_in == [threading.get_ident()]
+        assert torch.equal(dram.view(1, 0, BLOCK), data[1])
+        handle = submit(copies(dram, 3))  # over inline_bytes: a worker
+        assert handle.wait(WAIT_S) and ran_in[-1] != threading.get_ident()
+        gated.write_gate.clear()  # a disk end goes to a worker however small: this call must not block
+        handle = submit(copies(gated, 1))
+        assert not handle.done()
+        gated.write_gate.set()
+        assert handle.wait(WAIT_S) and ran_in[-1] != threading.get_ident()
+    finally:
+        gated.close()
+        engine.close()
+        dram.close()
