@@ -95,14 +95,16 @@ def replay_both(requests, sizes, policy, mode, promote_to, admission, marks, che
     return ref
 
 
+TRACE = DEFAULT_TRACE_DIR / "conversation_trace.jsonl"
+needs_traces = pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
+
+
 @pytest.fixture(scope="module")
 def trace_slice():
-    path = DEFAULT_TRACE_DIR / "conversation_trace.jsonl"
-    if not path.is_file():
-        pytest.skip(f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
-    return [r.hash_ids for r in load_trace(path).requests[:1500]]
+    return [r.hash_ids for r in load_trace(TRACE).requests[:1500]]
 
 
+@needs_traces
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
 @pytest.mark.parametrize("mode", list(CacheMode), ids=lambda m: m.value)
 @pytest.mark.parametrize("promote_to", [D, None], ids=["promote-dram", "no-promotion"])

@@ -41,6 +41,10 @@ LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS
 LAYOUTS = HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS
 CASES = [(layout, ratio) for layout in LAYOUTS for ratio in gpu_check.kernel_ratios(layout)]
 DTYPE_NAMES = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("float16", "fp16")}
+# On a GPU both copy paths run; the kernel's launches go through cupy.
+CUDA_BACKENDS = [pytest.param(Backend.CUDA, marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                                                     reason="Backend.CUDA needs cupy")),
+                 Backend.TORCH]
 
 
 def vllm_caches(layout: str, ratio: int, dtype=torch.bfloat16, device="cpu",
@@ -314,12 +318,10 @@ def test_mla_is_refused_at_start_up():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", [Backend.CUDA, Backend.TORCH])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("layout, ratio", CASES)
 def test_on_cuda_tensors_each_backend_round_trips_and_means_each_tokens_kv(tmp_path, model_dir, monkeypatch,
                                                                           layout, ratio, backend):
-    if backend is Backend.CUDA and importlib.util.find_spec("cupy") is None:
-        pytest.skip("Backend.CUDA needs cupy")
     import kvtier.integrations.vllm_transfers as transfers
 
     monkeypatch.setattr(transfers, "gather_blocks", lambda *a, **k: gather_blocks(*a, **k, backend=backend))
