@@ -621,11 +621,17 @@ class TierManager:
             target = math.floor(spec.low_watermark * num_slots)
             evict, protected, get = spec.policy.evict, self._protected[tier], self.index.get
             while used > target:
-                victims = evict(1, protected)
-                if not victims:
-                    over_high |= used > high
-                    break
-                self._evict(get(victims[0]), tier)
+                # All `used - target` victims in one call where there are that many: the same keys
+                # as one call per victim (an eviction changes only lower tiers, never this tier's
+                # order or which of its blocks are protected), for one call's overhead.
+                victims = evict(used - target, protected) if used - target > 1 else None
+                if victims is None:
+                    victims = evict(1, protected)
+                    if not victims:
+                        over_high |= used > high
+                        break
+                for victim in victims:
+                    self._evict(get(victim), tier)
                 used = num_slots - len(free) - outgoing[tier]
         self._over_high = over_high
 
