@@ -11,7 +11,11 @@ The route of each copy follows the media of its two ends:
   other end is a device or another non-memory tier.
 
 Bytes read from a tier below DRAM are checked against their per-layer checksums (xxh3-64) before
-they are delivered; bytes written below DRAM get their checksums computed on the way.
+they are delivered; bytes written below DRAM get their checksums computed on the way. A checksum
+is seeded with the block's key and the layer's index (`block_seed`), so it binds the bytes to the
+block and the place they belong: a record whose key was moved (a misdirected write, an offset bug,
+a swapped journal entry) or a layer read from another layer's offset fails the check and is a
+miss, never another block's KV served as good.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier
 
 log = logging.getLogger(__name__)
+_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +82,15 @@ class CopyOp:
     after: TransferHandle | None = None
 
 
-def layer_checksum(host_bytes: torch.Tensor) -> int:
-    """xxh3-64 of a CPU uint8 tensor's bytes."""
-    return xxhash.xxh3_64_intdigest(host_bytes.numpy())
+def block_seed(key: Hashable) -> int:
+    """The 64-bit seed of `key`'s checksums: a digest of the key's bytes (its `repr` for keys that
+    are not bytes, e.g. the integers tests use), so equal keys agree across processes and restarts."""
+    return xxhash.xxh3_64_intdigest(key if isinstance(key, bytes) else repr(key).encode())
+
+
+def layer_checksum(host_bytes: torch.Tensor, seed: int = 0, layer: int = 0) -> int:
+    """xxh3-64 of a CPU uint8 tensor's bytes, seeded with `seed` (a `block_seed`) and the layer index."""
+    return xxhash.xxh3_64_intdigest(host_bytes.numpy(), seed=(seed + layer) & _U64)
 
 
 class TransferEngine:
@@ -236,20 +247,19 @@ class TransferEngine:
         if host is None and (op.checksum or dst is None):  # a device source bound for a checksum or a disk
             host = self._staging(length, 1)
             self._cuda.copy(host, src, blocking=True, after=ready)
-        checksums = self._checksums(host, first, last) if op.checksum else []
+        checksums = self._checksums(host, op.key, first, last) if op.checksum else []
         if dst is None:
             _stage(Stage.WRITE, op.dst.tier.write, op.dst.slot, host, offset)
         elif host is not dst:
             self._copy_tensor(dst, host if host is not None else src, host is not None and src is None, ready)
         return checksums
 
-    def _checksums(self, host: torch.Tensor, first: int, last: int) -> list[int]:
-        base = self.layout.offsets[first]
-        return [layer_checksum(host[self.layout.offsets[l] - base: self.layout.offsets[l + 1] - base])
-                for l in range(first, last + 1)]
+    def _checksums(self, host: torch.Tensor, key: Hashable, first: int, last: int) -> list[int]:
+        base, offsets, seed = self.layout.offsets[first], self.layout.offsets, block_seed(key)
+        return [layer_checksum(host[offsets[l] - base: offsets[l + 1] - base], seed, l) for l in range(first, last + 1)]
 
     def _verify(self, op: CopyOp, host: torch.Tensor, first: int, last: int) -> None:
-        for layer, got in zip(range(first, last + 1), self._checksums(host, first, last)):
+        for layer, got in zip(range(first, last + 1), self._checksums(host, op.key, first, last)):
             if got != op.verify[layer]:
                 raise _StageError(Stage.VERIFY, IntegrityError(
                     f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
@@ -333,4 +343,4 @@ class _CudaCopier:
             event.synchronize()
 
 
-__all__ = ["CopyOp", "Endpoint", "Failure", "Stage", "TransferEngine", "TransferHandle", "layer_checksum"]
+__all__ = ["CopyOp", "Endpoint", "Failure", "Stage", "TransferEngine", "TransferHandle", "block_seed", "layer_checksum"]
