@@ -162,29 +162,36 @@ class TierManager:
 
     # ---- pins ----------------------------------------------------------------------------
 
-    def pin(self, keys: Iterable[Hashable]) -> int:
-        """Protects stored `keys` from eviction in every tier; returns how many were pinned."""
-        n = 0
+    def pin(self, keys: Iterable[Hashable]) -> list[Hashable]:
+        """Protects stored `keys` from eviction in every tier, one pin each.
+
+        Returns the keys pinned, in order; a key that is not stored is skipped. Pins count:
+        each needs its own `unpin`, and a block dropped anyway (a failed read of its last copy)
+        loses its pins with it.
+        """
+        pinned = []
         for key in keys:
             entry = self.index.get(key)
             if entry is not None and entry.live_copies():
                 entry.pins += 1
-                n += 1
-        return n
+                pinned.append(key)
+        return pinned
 
-    def unpin(self, keys: Iterable[Hashable]) -> tuple[Move, ...]:
-        """Undoes one `pin` of each key; returns demotions that are now possible.
+    def unpin(self, keys: Iterable[Hashable]) -> tuple[list[Hashable], tuple[Move, ...]]:
+        """Undoes one `pin` of each key, the mirror of `pin`: a key holding no pin (never pinned,
+        already unpinned, or dropped with its pins) is skipped.
 
-        Raises:
-            KVTierError: a key that is not pinned.
+        Returns:
+            The keys unpinned, in order, and the demotions that are now possible.
         """
+        unpinned = []
         for key in keys:
             entry = self.index.get(key)
-            if entry is None or entry.pins == 0:
-                raise KVTierError(f"unpin of block {_short(key)} that is not pinned")
-            entry.pins -= 1
+            if entry is not None and entry.pins:
+                entry.pins -= 1
+                unpinned.append(key)
         self._rebalance()
-        return self._drain()
+        return unpinned, self._drain()
 
     # ---- store ---------------------------------------------------------------------------
 

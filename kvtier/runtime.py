@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -178,13 +178,19 @@ class KVTier:
             handle = self._submit_moves(moves)
         return Prefetch(handle, moves, self)
 
-    def pin(self, keys: Sequence[Hashable]) -> int:
+    def pin(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Protects stored `keys` from eviction; returns the keys pinned (those not stored are
+        skipped). Give the same list to `unpin` when done."""
         with self._lock:
             return self.manager.pin(keys)
 
-    def unpin(self, keys: Sequence[Hashable]) -> None:
+    def unpin(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Undoes one `pin` of each key; returns the keys unpinned (a key holding no pin is
+        skipped, as `pin` skips a key that is not stored)."""
         with self._lock:
-            self._submit_moves(self.manager.unpin(keys))
+            unpinned, moves = self.manager.unpin(keys)
+            self._submit_moves(moves)
+            return unpinned
 
     def where(self, keys: Sequence[Hashable]) -> list[TierKind | None]:
         """The fastest tier holding a ready copy of each key (None: not stored)."""
@@ -230,15 +236,24 @@ class KVTier:
         return bound
 
     def close(self) -> None:
-        """Waits for transfers in flight, then releases every tier. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            if self._metrics_server is not None:
-                self._metrics_server.shutdown()
-            self.engine.close()
-            if self._journal is not None:
-                self._journal.close()
-            self._close_tiers()
+        """Waits for transfers in flight, then releases every tier. Idempotent.
+
+        Every part is closed even when one fails (a disk that died, a pool node gone), so nothing
+        is left open behind the first failure.
+
+        Raises:
+            TierIOError: once, after everything was closed, naming each part that failed to close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        steps = [("metrics", self._metrics_server.shutdown if self._metrics_server is not None else None),
+                 ("transfer engine", self.engine.close),
+                 ("SSD journal", self._journal.close if self._journal is not None else None)]
+        failures = _run_all(steps + self._tier_closers())
+        if failures:
+            raise TierIOError("KVTier.close: " + "; ".join(f"{name}: {e}" for name, e in failures)
+                              + " (everything else was closed)") from failures[0][1]
 
     def __enter__(self) -> "KVTier":
         return self
@@ -360,9 +375,27 @@ class KVTier:
             raise ValueError(f"{what}: duplicate keys in one call")
         return dict(zip(keys, bufs))
 
+    def _tier_closers(self) -> list[tuple[str, Callable[[], None]]]:
+        return [(f"{kind.name} tier", tier.close) for kind, tier in self.tiers.items()]
+
     def _close_tiers(self) -> None:
-        for tier in self.tiers.values():
-            tier.close()
+        """Closes every tier built so far, after a failed start: the start's own error is what
+        the caller sees, so a tier that also fails to close is only logged."""
+        for name, e in _run_all(self._tier_closers()):
+            log.warning("closing the %s after a failed start: %s", name, e)
+
+
+def _run_all(steps: Sequence[tuple[str, Callable[[], None] | None]]) -> list[tuple[str, Exception]]:
+    """Runs every step in order, even after one fails; returns the (name, error) of each that failed."""
+    failures = []
+    for name, step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as e:  # collected, not swallowed: close() raises them together
+            failures.append((name, e))
+    return failures
 
 
 def _done_handle(layout: BlockLayout) -> TransferHandle:

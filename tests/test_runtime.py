@@ -230,7 +230,7 @@ def test_prefetch_never_evicts_pinned_blocks(tmp_path):
     with runtime(tmp_path, dram=2) as kv:
         store(kv, [1, 2], target=D)
         store(kv, [3, 4], target=S)
-        assert kv.pin([1, 2]) == 2
+        assert kv.pin([1, 2]) == [1, 2]
         prefetch = kv.prefetch([3, 4])
         prefetch.wait(WAIT_S)
         assert kv.where([1, 2, 3, 4]) == [D, D, S, S]
@@ -299,7 +299,7 @@ def test_full_disk_during_demotion_drops_with_reason_and_keeps_serving(tmp_path,
 
 def test_store_with_no_room_anywhere_is_counted(tmp_path):
     with runtime(tmp_path, hbm=1, dram=1, ssd=1) as kv:
-        assert kv.pin([]) == 0
+        assert kv.pin([]) == []
         store(kv, [1, 2, 3])
         kv.pin([1, 2, 3])
         handle = kv.store([4], blocks([4]))

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache, DynamicCache, DynamicLayer
 
-from kvtier.errors import KVTierError
 from kvtier.handle import TransferHandle
 from kvtier.integrations.hf_prefix import check_extends, leading_ok, token_ids_1d
 from kvtier.keys import BlockKey, block_keys
@@ -288,18 +287,13 @@ class KVTierStreamingCache(Cache):
     def _pin_leading(self, keys: Sequence[BlockKey]) -> int:
         """Pins keys in order until one is no longer stored; returns how many were pinned."""
         n = 0
-        while n < len(keys) and self._kv.pin([keys[n]]) == 1:
+        while n < len(keys) and self._kv.pin([keys[n]]):
             n += 1
         return n
 
     def _unpin(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            try:
-                self._kv.unpin([key])
-            except KVTierError:
-                # Expected, not a bug: a block dropped after a failed read loses its pins, and
-                # a later copy stored by another request was never pinned by this cache.
-                pass
+        # A block dropped after a failed read lost its pins: `unpin` skips it.
+        self._kv.unpin(keys)
 
     def _emit(self, event: str, value: int) -> None:
         if self._observer is not None:
