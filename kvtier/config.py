@@ -69,6 +69,15 @@ class TransferConfig:
     io_workers: int = 4
     chunk_bytes: int = 1 << 20  # consecutive layers are copied together up to this size (0: per layer)
     inline_bytes: int = 256 << 10  # small host-memory batches run in the caller's thread (0: never)
+    # A tier that fails as a whole leaves the cascade and is probed after this long, the wait
+    # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.health).
+    tier_retry_s: float = 0.5
+    tier_retry_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tier_retry_s <= self.tier_retry_max_s:
+            raise ConfigError(f"transfer.tier_retry_s: need 0 < tier_retry_s <= tier_retry_max_s, "
+                              f"got {self.tier_retry_s} and {self.tier_retry_max_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +268,8 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         if above.kind is below.kind:  # `hbm` and `HBM` are two YAML keys but one tier
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
-    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes"}, "transfer")
+    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s"},
+                "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
@@ -274,6 +284,9 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             io_workers=_number(transfer_raw.get("io_workers", 4), "transfer.io_workers", int, 1, 256),
             chunk_bytes=parse_size(transfer_raw.get("chunk_bytes", "1MiB"), "transfer.chunk_bytes"),
             inline_bytes=parse_size(transfer_raw.get("inline_bytes", "256KiB"), "transfer.inline_bytes"),
+            tier_retry_s=_number(transfer_raw.get("tier_retry_s", 0.5), "transfer.tier_retry_s", float, 1e-3),
+            tier_retry_max_s=_number(transfer_raw.get("tier_retry_max_s", 30.0), "transfer.tier_retry_max_s",
+                                     float, 1e-3),
         ),
         prefetch=PrefetchConfig(
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),

@@ -25,6 +25,12 @@ class TierIOError(KVTierError, OSError):
     """A tier failed to read or write bytes (disk full, unwritable path, short read)."""
 
 
+class TierUnavailable(TierIOError):
+    """The tier as a whole cannot serve now (its pool nodes do not answer, its device is gone),
+    as opposed to one slot failing. The runtime takes it out of the cascade and probes it with
+    backoff (`Tier.probe`) until it answers again."""
+
+
 class IntegrityError(KVTierError):
     """Bytes read back do not match the checksum they were stored with."""
 

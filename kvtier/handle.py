@@ -12,7 +12,7 @@ import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from kvtier.errors import TransferError
+from kvtier.errors import TierUnavailable, TransferError
 
 
 class Stage:
@@ -27,9 +27,13 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
+    """Why one block's transfer failed: the stage, the layer, the error's text, and whether the
+    failing tier said it is unavailable as a whole (`TierUnavailable`), not just this block."""
+
     stage: str
     layer: int
     error: str
+    unavailable: bool = False
 
 
 class TransferHandle:
@@ -110,7 +114,7 @@ class TransferHandle:
 
     def fail(self, key: Hashable, stage: str, layer: int, error: BaseException | str) -> None:
         if key not in self.failed:
-            self.failed[key] = Failure(stage, layer, str(error))
+            self.failed[key] = Failure(stage, layer, str(error), isinstance(error, TierUnavailable))
 
     def layer_done(self, layer: int) -> None:
         with self._cond:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError, KVTierError
@@ -68,6 +68,7 @@ class TierManager:
             if not 0 < t.low_watermark <= t.high_watermark <= 1:
                 raise ConfigError(f"tiers.{t.kind.name.lower()}: need 0 < low_watermark <= high_watermark <= 1")
         self.order = tuple(self._tiers)
+        self._last = self.order[-1]
         self.mode = mode
         self.promote_to = promote_to if promote_to in self._tiers else None
         self.stats = stats or Stats()
@@ -86,30 +87,83 @@ class TierManager:
         self._over_high = True  # see `_rebalance` and `_complete_queued`
         self._ids = itertools.count(1)
         self._joined: set[int] = set()  # prefetch moves a load has joined while in flight
-        self._below = {k: self.order[i + 1:] for i, k in enumerate(self.order)}  # tiers a victim may go to
-        # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
-        # `_rebalance` runs after every completion.
-        # Each with its free list and its high mark in slots, so that the check is a few reads.
-        self._watermarked = tuple((k, t, self._slots[k].free, t.high_watermark * t.num_slots)
-                                  for k, t in self._tiers.items() if t.high_watermark < 1)
+        self._down: frozenset[TierKind] = frozenset()  # tiers out of the cascade (see `set_available`)
+        self._derive_cascade()
         self._admits_all = {k: t.admission.kind is _ADMIT_ALL for k, t in self._tiers.items()}
         self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
         self._policies = {k: t.policy for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
         self._protected = {k: self._protected_in(k) for k in self._tiers}
 
+    def _derive_cascade(self) -> None:
+        """The per-tier tables that follow from the order and the tiers out of service."""
+        down = self._down
+        self._up = tuple(k for k in self.order if k not in down)
+        # Per tier, the tiers a victim of it may go to: those below it that are in service.
+        self._below = {k: tuple(t for t in self.order[i + 1:] if t not in down) for i, k in enumerate(self.order)}
+        self._promote_now = self.promote_to if self.promote_to not in down else None
+        # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
+        # `_rebalance` runs after every completion; a tier out of service is left as it is.
+        # Each with its free list and its high mark in slots, so that the check is a few reads.
+        self._watermarked = tuple((k, t, self._slots[k].free, t.high_watermark * t.num_slots)
+                                  for k, t in self._tiers.items() if t.high_watermark < 1 and k not in down)
+
+    # ---- tiers in and out of service -----------------------------------------------------
+
+    def set_available(self, tier: TierKind, available: bool) -> tuple[Move, ...]:
+        """Takes `tier` out of the cascade (False) or puts it back (True).
+
+        A tier out of service (a pool node that does not answer, a disk that failed) gets no new
+        block: stores, demotions, promotions and prefetches go to the other tiers, in order. Its
+        blocks stay indexed, since the tier may come back with them, but are not served: `lookup`
+        and `prepare_load` see only copies in tiers in service. Returns the demotions that putting
+        a tier back made possible.
+
+        Raises:
+            KVTierError: `tier` is not configured.
+        """
+        if tier not in self._tiers:
+            raise KVTierError(f"tier {tier.name} is not configured")
+        self._down = self._down - {tier} if available else self._down | {tier}
+        self._derive_cascade()
+        self._rebalance()
+        return self._drain()
+
+    @property
+    def unavailable(self) -> frozenset[TierKind]:
+        """The tiers out of the cascade now."""
+        return self._down
+
+    def held_elsewhere(self, key: Hashable, tiers: Collection[TierKind]) -> bool:
+        """Whether `key` has a live copy (READY or WRITING) outside `tiers`."""
+        entry = self.index.get(key)
+        return entry is not None and any(t not in tiers and c.state is not _FREEING for t, c in entry.copies.items())
+
+    def below(self, tier: TierKind) -> tuple[TierKind, ...]:
+        """The tiers in service below `tier`, in order: where its victims and failed writes go."""
+        return self._below[tier]
+
     # ---- queries -------------------------------------------------------------------------
 
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """Length of the longest prefix of `keys` whose blocks are READY in some tier."""
         n = 0
-        get = self.index.get
+        get, down = self.index.get, self._down
         for key in keys:
             entry = get(key)
-            if entry is None or entry.ready_tier is None:
+            tier = entry.ready_tier if entry is not None else None
+            if tier is None or (down and tier in down and self._serving(entry) is None):
                 break
             n += 1
         return n
+
+    def _serving(self, entry: BlockEntry) -> TierKind | None:
+        """The fastest READY copy of `entry` in a tier in service (`ready_tier` when none is down)."""
+        down = self._down
+        if not down or entry.ready_tier not in down:
+            return entry.ready_tier
+        ready = [t for t, c in entry.copies.items() if c.state is _READY and t not in down]
+        return min(ready, default=None)
 
     def where(self, key: Hashable) -> TierKind | None:
         """The fastest tier holding a READY copy of `key`, or None."""
@@ -120,7 +174,7 @@ class TierManager:
         """Marks `keys` as just used in the tier that would serve them."""
         for key in keys:
             entry = self.index.get(key)
-            tier = entry.ready_tier if entry else None
+            tier = self._serving(entry) if entry else None
             if tier is not None:
                 self._tiers[tier].policy.touch(key)
 
@@ -211,7 +265,7 @@ class TierManager:
         present: list[Hashable] = []
         rejected: list[Hashable] = []
         get = self.index.get
-        tiers = self.order[start:]
+        tiers = self.order[start:] if not self._down else [t for t in self.order[start:] if t not in self._down]
         for key in keys:
             entry = get(key)
             if entry is not None and entry.live_copies():
@@ -223,9 +277,16 @@ class TierManager:
         return placed, present, rejected
 
     def complete_store(self, plan: StorePlan, failed: Iterable[tuple[Hashable, TierKind]] = (),
-                       checksums: dict[Hashable, tuple[int, ...]] | None = None) -> tuple[Move, ...]:
+                       checksums: dict[Hashable, tuple[int, ...]] | None = None,
+                       retrying: Collection[Hashable] = ()) -> tuple[Move, ...]:
         """Applies a finished store: written copies become READY, failed ones are freed.
 
+        Args:
+            failed: the (key, tier) placements whose write failed.
+            checksums: per-layer checksums of the blocks written.
+            retrying: keys of failed placements the caller stores again further down
+                (`prepare_store` with a lower target): a failed copy of theirs that was their
+                last is not counted as dropped, since the retry counts its own outcome.
         Returns the demotions this triggered.
         """
         failed = set(failed)
@@ -234,7 +295,7 @@ class TierManager:
             entry = get(p.key)
             if failed and (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
-                self._release(entry, p.tier, DropReason.STORE_FAILED)
+                self._release(entry, p.tier, None if p.key in retrying else DropReason.STORE_FAILED)
                 continue
             self._make_ready(entry, p.tier)
             stores[p.tier] += 1
@@ -258,6 +319,8 @@ class TierManager:
         for key in keys:  # lease every source first: promoting one block must not evict another
             entry = get(key)
             tier = entry.ready_tier if entry else None  # `best_ready()`, without the call
+            if tier is not None and self._down:
+                tier = self._serving(entry)
             if tier is None:
                 missing.append(key)
                 self.stats.misses += 1
@@ -302,13 +365,15 @@ class TierManager:
         """
         if target not in self._tiers:
             raise KVTierError(f"prefetch target tier {target.name} is not configured")
+        if target in self._down:
+            return ()
         moves: list[Move] = []
         spent = 0
         for key in keys:
             if spent >= budget_blocks:
                 break
             entry = self.index.get(key)
-            tier = entry.best_ready() if entry else None
+            tier = self._serving(entry) if entry else None
             if tier is None or tier <= target or key in self._inbound or target in entry.copies:
                 continue
             source = entry.copies[tier]
@@ -495,12 +560,42 @@ class TierManager:
         if failure in (DropReason.CHECKSUM, DropReason.READ_FAILED):
             self._count_bad_read(failure)
             self._retire(entry, move.src, failure)
+        elif failure == DropReason.DEMOTION_FAILED and move.reason is _DEMOTE:  # the destination failed
+            self.stats.io_errors += 1
+            self._demote_past(entry, move.src, move.dst)
+        elif failure == DropReason.TIER_DOWN and move.reason is _DEMOTE:
+            self._keep_evicted(entry, move.src)
         elif failure is not None and move.reason is MoveReason.DEMOTE:
             self.stats.io_errors += 1
             self._retire(entry, move.src, failure)  # it was already evicted from above
         else:
             self.stats.io_errors += failure is not None
             self._settle(entry, move.src)
+
+    def _demote_past(self, entry: BlockEntry, src: TierKind, failed: TierKind) -> None:
+        """A demotion from `src` that `failed` could not take goes on to the next tier in service
+        below it that admits it and has (or can make) room; only when none does is it dropped."""
+        if entry.copies[src].state is _FREEING:  # discarded meanwhile (a load found it corrupt)
+            self._settle(entry, src)
+            return
+        for lower in self._below[failed]:
+            if lower in entry.copies:
+                continue
+            slot = self._free_slot(lower, True, entry.hits)
+            if slot is not None:
+                self._start_move(entry, src, lower, slot, _DEMOTE)
+                return
+        self._release(entry, src, DropReason.DEMOTION_FAILED)  # already out of its policy
+
+    def _keep_evicted(self, entry: BlockEntry, tier: TierKind) -> None:
+        """A victim that could not be read out of `tier`, because the tier is down, stays there:
+        back in its policy, served again if the tier comes back (a hung node), dropped by a failed
+        read if it comes back without it (a restarted one)."""
+        copy = entry.copies[tier]
+        if copy.state is _READY:
+            self._policies[tier].insert(entry.key)
+        else:
+            self._settle(entry, tier)
 
     def _count_bad_read(self, reason: str) -> None:
         if reason == DropReason.CHECKSUM:
@@ -573,8 +668,8 @@ class TierManager:
                     self._release(entry, tier, _EVICTED)  # never the last copy
                     return
         below = self._below[tier]
-        if not below:  # the last tier: a drop
-            self._release(entry, tier, _EVICTED)
+        if not below:  # the last tier in service: a drop
+            self._release(entry, tier, _EVICTED if tier is self._last else DropReason.LOWER_DOWN)
             return
         refused = False
         admits_all, free_lists = self._admits_all, self._free_lists
@@ -657,7 +752,7 @@ class TierManager:
         if inbound is not None:
             copy.readers -= 1  # read the copy on its way up instead
             return self._lease_inbound(entry, inbound)
-        up = self.promote_to
+        up = self._promote_now
         if up is not None and tier > up and up not in entry.copies:
             slot = self._free_slot(up, False, entry.hits)
             if slot is not None:
@@ -719,10 +814,11 @@ class TierManager:
             entry.ready_tier = tier
         self._policies[tier].insert(entry.key)
 
-    def _release(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
+    def _release(self, entry: BlockEntry, tier: TierKind, reason: str | None) -> None:
         """Takes a copy (already out of its policy) out of service; frees it once unread.
 
-        If it was the block's last live copy, the block is dropped and counted under `reason`.
+        If it was the block's last live copy, the block is dropped and counted under `reason`
+        (None: not counted, the caller stores it again elsewhere).
         """
         copies = entry.copies
         copy = copies[tier]
@@ -730,7 +826,8 @@ class TierManager:
             copy.state = _FREEING
             if len(copies) == 1:  # the only copy (once per block dropped): no READY copy is left
                 entry.ready_tier = None
-                self.stats.dropped[reason] += 1
+                if reason is not None:
+                    self.stats.dropped[reason] += 1
                 entry.pins = 0
             else:
                 if entry.ready_tier == tier:  # else the fastest READY copy is still the same one
@@ -739,7 +836,8 @@ class TierManager:
                     if other.state is not _FREEING:
                         break
                 else:
-                    self.stats.dropped[reason] += 1
+                    if reason is not None:
+                        self.stats.dropped[reason] += 1
                     entry.pins = 0
         if copy.readers == 0:  # what `_settle` checks; the copy is FREEING by now
             del copies[tier]  # `_free(entry, tier, copy)`, inlined: it runs once per eviction

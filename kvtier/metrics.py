@@ -39,14 +39,17 @@ class RuntimeCollector:
         used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes of a tier's slots in use", labels=["tier"])
         blocks = GaugeMetricFamily("kvtier_tier_used_blocks", "Slots in use", labels=["tier"])
         media = InfoMetricFamily("kvtier_tier", "What backs each tier", labels=["tier"])
+        up = GaugeMetricFamily("kvtier_tier_up", "1 while a tier is in the cascade, 0 while it is out of "
+                                                 "service (failed as a whole, probed with backoff)", labels=["tier"])
         for t in info["tiers"]:
             name, usage = t["tier"], snap["usage"][t["tier"]]
+            up.add_metric([name], 0 if name in snap.get("unavailable", {}) else 1)
             cap.add_metric([name], t["capacity_bytes"])
             used.add_metric([name], usage["used"] * t["slot_bytes"])
             blocks.add_metric([name], usage["used"])
             media.add_metric([name], {k: str(v) for k, v in t.items()
                                       if k in ("medium", "device", "o_direct", "pinned", "transport")})
-        yield from (cap, used, blocks, media)
+        yield from (cap, used, blocks, media, up)
 
     def _events(self, snap: dict) -> Iterator[Any]:
         yield _by_label("kvtier_hits", "Blocks served, by tier", "tier", snap["hits"])
@@ -54,9 +57,13 @@ class RuntimeCollector:
         yield _by_label("kvtier_evictions", "Copies evicted, by tier", "tier", snap["evictions"])
         yield _by_label("kvtier_dropped", "Blocks that left the cache, by reason", "reason", snap["dropped"])
         yield _by_label("kvtier_prefetch", "Prefetched blocks by outcome", "outcome", snap["prefetch"])
+        yield _by_label("kvtier_tier_failures", "Times a tier was taken out of service", "tier", snap["tier_failures"])
+        yield _by_label("kvtier_tier_recoveries", "Times a tier came back after a probe", "tier",
+                        snap["tier_recoveries"])
         for name, help_text in (("misses", "Blocks asked for and not stored"),
                                 ("checksum_errors", "Blocks whose bytes failed their checksum"),
-                                ("io_errors", "Failed reads and writes")):
+                                ("io_errors", "Failed reads and writes"),
+                                ("store_retries", "Blocks stored again further down after a failed write")):
             c = CounterMetricFamily(f"kvtier_{name}", help_text)
             c.add_metric([], snap[name])
             yield c

@@ -16,46 +16,21 @@ import torch
 import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
-from kvtier.errors import ConfigError, KVTierError, TierIOError
-from kvtier.handle import Stage, TransferHandle
+from kvtier.errors import KVTierError, TierIOError
+from kvtier.handle import Failure, Stage, TransferHandle
+from kvtier.health import TierService
 from kvtier.layout import BlockLayout
 from kvtier.manager import LoadPlan, Move, MoveReason, StorePlan, TierManager, TierSlots
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
+from kvtier.tiers.build import build_tier
 from kvtier.transfer import CopyOp, Endpoint, TransferEngine
 
 log = logging.getLogger(__name__)
 
 _BELOW_DRAM = (Medium.REMOTE, Medium.DISK)
 _READ_FAILURES = {Stage.VERIFY: DropReason.CHECKSUM, Stage.READ: DropReason.READ_FAILED}
-
-
-def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
-    """The tier a config section describes.
-
-    Raises:
-        ConfigError: the tier kind has no local implementation.
-        CapacityError, TierIOError: as the tier's constructor.
-    """
-    if cfg.kind is TierKind.HBM:
-        from kvtier.tiers.hbm import HBMTier
-        return HBMTier(cfg.capacity_bytes, slot_bytes, device=cfg.device)
-    if cfg.kind is TierKind.DRAM:
-        from kvtier.tiers.dram import DRAMTier
-        return DRAMTier(cfg.capacity_bytes, slot_bytes)
-    if cfg.kind is TierKind.SSD:
-        from kvtier.tiers.ssd import SSDTier
-        try:
-            cfg.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TierIOError(f"tiers.ssd.path {cfg.path}: cannot create the directory: {e.strerror}") from None
-        return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct,
-                       persist=cfg.persist)
-    if cfg.kind is TierKind.POOL:
-        from kvtier.pool.tier import build_pool_tier
-        return build_pool_tier(cfg, slot_bytes)
-    raise ConfigError(f"tiers.{cfg.kind.name.lower()}: this tier is not available in this build")
 
 
 @dataclass
@@ -110,6 +85,8 @@ class KVTier:
                                      chunk_bytes=config.transfer.chunk_bytes,
                                      inline_bytes=config.transfer.inline_bytes, stats=self.stats)
         self._lock = threading.RLock()
+        self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
+                                    config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
         self._move_handles: dict[int, TransferHandle] = {}
         self._metrics_server = None
         self._closed = False
@@ -146,7 +123,7 @@ class KVTier:
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.rejected:
                 handle.fail(key, Stage.WRITE, 0, "no tier had room for the block")
-            return self.engine.submit(ops, lambda h: self._on_stored(plan, h), handle=handle)
+            return self.engine.submit(ops, lambda h: self._on_stored(plan, h, h, buffers), handle=handle)
 
     def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor]) -> TransferHandle:
         """Copies stored blocks into the caller's buffers, layer by layer.
@@ -211,6 +188,16 @@ class KVTier:
             for h in handles.values():
                 h.wait(timeout_s)
 
+    def recheck(self) -> list[TierKind]:
+        """Probes every tier out of service now, without waiting for its backoff (a background
+        prober does this on its own); returns the tiers that answered and are back in the cascade."""
+        return self._service.recheck()
+
+    def wait_for_tiers(self, timeout_s: float | None = None) -> bool:
+        """Waits until every tier is in service again (the background prober puts a tier back as
+        soon as it answers); True if so, False if some tier is still out after `timeout_s`."""
+        return self._service.wait(timeout_s)
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tier: slots used and total."""
         with self._lock:
@@ -218,8 +205,9 @@ class KVTier:
                     for k in self.manager.order}
 
     def snapshot(self) -> dict[str, object]:
+        """Usage, every counter, and the tiers out of service now (`unavailable`, with why)."""
         with self._lock:
-            return {"usage": self.usage(), **self.stats.snapshot()}
+            return {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts()}
 
     def describe(self) -> dict[str, object]:
         return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
@@ -248,6 +236,7 @@ class KVTier:
             return
         self._closed = True
         steps = [("metrics", self._metrics_server.shutdown if self._metrics_server is not None else None),
+                 ("tier prober", self._service.close),
                  ("transfer engine", self.engine.close),
                  ("SSD journal", self._journal.close if self._journal is not None else None)]
         failures = _run_all(steps + self._tier_closers())
@@ -303,16 +292,69 @@ class KVTier:
             self._move_handles[m.id] = handle
         return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle)
 
-    def _on_stored(self, plan: StorePlan, h: TransferHandle) -> None:
+    def _on_stored(self, plan: StorePlan, h: TransferHandle, caller: TransferHandle,
+                   buffers: Mapping[Hashable, torch.Tensor]) -> None:
+        """Applies a finished store (`h`, reporting to the `caller`'s handle).
+
+        A block whose write failed, with no other copy, is stored again in the next tier in
+        service below the one that failed (a tier that failed as a whole leaves the cascade
+        first), in this thread and before the caller's handle finishes: the caller sees the
+        block stored, and a drop is counted only when no tier below could take it.
+        """
         failed = [(p.key, p.tier) for p in plan.placements if p.key in h.failed]
         sums = {k: tuple(v) for k, v in h.checksums.items() if k not in h.failed}
         with self._lock:
-            self._submit_moves(self.manager.complete_store(plan, failed, sums))
+            failed_in: dict[Hashable, list[TierKind]] = {}
+            for key, tier in failed:
+                self._service.note(tier, h.failed[key])
+                failed_in.setdefault(key, []).append(tier)
+            again = {key: tiers[0] for key, tiers in failed_in.items()  # stored nowhere else, and room below
+                     if self.manager.below(tiers[0]) and not self.manager.held_elsewhere(key, tiers)}
+            self._submit_moves(self.manager.complete_store(plan, failed, sums, retrying=again))
             self._journal_landed((p.key, p.tier, p.slot) for p in plan.placements if p.key not in h.failed)
+            retries = self._plan_retries(again, caller)
+        for retry in retries:
+            self._store_again(retry, caller, buffers)
+
+    def _plan_retries(self, failed_at: Mapping[Hashable, TierKind], caller: TransferHandle) -> list[StorePlan]:
+        """Store plans for blocks whose write failed in a tier: each into the tiers below it.
+        Caller holds the lock."""
+        by_target: dict[TierKind, list[Hashable]] = {}
+        for key, tier in failed_at.items():
+            by_target.setdefault(self.manager.below(tier)[0], []).append(key)
+        plans = []
+        for target, keys in by_target.items():
+            plan = self.manager.prepare_store(keys, target)
+            self._submit_moves(plan.moves)
+            for key in plan.present:  # another copy landed meanwhile (inclusive mode): stored after all
+                caller.failed.pop(key, None)
+            self.stats.store_retries += len(plan.placements)
+            if plan.placements:
+                plans.append(plan)
+        return plans
+
+    def _store_again(self, plan: StorePlan, caller: TransferHandle, buffers: Mapping[Hashable, torch.Tensor]) -> None:
+        """Runs a retry plan in this thread; the caller's handle learns each block's outcome."""
+        with self._lock:
+            ops = [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
+                          checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
+        retry = TransferHandle([p.key for p in plan.placements], self.layout.num_layers)
+        self.engine.run_now(ops, retry)
+        for p in plan.placements:  # before applying it: a retry of the retry has the last word
+            if p.key in retry.failed:
+                caller.failed[p.key] = retry.failed[p.key]
+            else:
+                caller.failed.pop(p.key, None)
+                if p.key in retry.checksums:
+                    caller.checksums[p.key] = retry.checksums[p.key]
+        self._on_stored(plan, retry, caller, buffers)
 
     def _on_loaded(self, plan: LoadPlan, h: TransferHandle) -> None:
-        failed = {k: _READ_FAILURES.get(f.stage, f.stage) for k, f in h.failed.items()}
         with self._lock:
+            for s in plan.sources:
+                if s.key in h.failed:
+                    self._service.note(s.tier, h.failed[s.key])
+            failed = {k: _failure_reason(f, f.stage) for k, f in h.failed.items()}
             self._submit_moves(self.manager.complete_load(plan, failed))
 
     def _on_moved(self, moves: Sequence[Move], h: TransferHandle) -> None:
@@ -321,14 +363,20 @@ class KVTier:
             for m in moves:
                 self._move_handles.pop(m.id, None)
                 f = h.failed.get(m.key)
-                failure = None if f is None or f.stage == Stage.CANCELLED else _READ_FAILURES.get(
-                    f.stage, DropReason.DEMOTION_FAILED)
+                if f is not None and f.stage in (Stage.READ, Stage.WRITE):
+                    self._service.note(m.src if f.stage == Stage.READ else m.dst, f)
+                failure = None if f is None or f.stage == Stage.CANCELLED else _failure_reason(
+                    f, DropReason.DEMOTION_FAILED)
                 if f is not None and f.stage == Stage.CANCELLED:
                     self.stats.prefetch_cancelled += 1
                 sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
                 follow += self.manager.complete_move(m.id, f is None, sums, failure)
             self._journal_landed((m.key, m.dst, m.dst_slot) for m in moves if m.key not in h.failed)
             self._submit_moves(follow)
+
+    def _set_available(self, tier: TierKind, available: bool) -> None:
+        """Takes `tier` out of the cascade or puts it back (the tier service's call); lock held."""
+        self._submit_moves(self.manager.set_available(tier, available))
 
     def _open_journal(self):
         """Opens the persistent SSD tier's journal and adopts the blocks it records, if any."""
@@ -383,6 +431,14 @@ class KVTier:
         the caller sees, so a tier that also fails to close is only logged."""
         for name, e in _run_all(self._tier_closers()):
             log.warning("closing the %s after a failed start: %s", name, e)
+
+
+def _failure_reason(failure: Failure, otherwise: str) -> str:
+    """What the manager is told of a failed copy: a corrupt or unreadable source (discarded), a
+    source whose tier is down (kept: the tier may come back), or `otherwise`."""
+    if failure.stage == Stage.READ and failure.unavailable:
+        return DropReason.TIER_DOWN
+    return _READ_FAILURES.get(failure.stage, otherwise)
 
 
 def _run_all(steps: Sequence[tuple[str, Callable[[], None] | None]]) -> list[tuple[str, Exception]]:

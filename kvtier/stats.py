@@ -22,12 +22,15 @@ class DropReason:
     EVICTED = "evicted_from_last_tier"
     ADMISSION = "admission_rejected"
     LOWER_FULL = "lower_tiers_full"
+    LOWER_DOWN = "lower_tiers_unavailable"  # evicted while every tier below was out of service
     NO_SPACE = "no_space"  # a store found no room in any tier
     STORE_FAILED = "store_io_error"
     DEMOTION_FAILED = "demotion_io_error"
     CHECKSUM = "checksum_error"
     READ_FAILED = "read_io_error"
     MOVE_ABORTED = "move_aborted"  # a cancelled move whose source had meanwhile been discarded
+    # A failure reason, never a drop: the copy is in a tier that is down; it is kept for the tier's return.
+    TIER_DOWN = "tier_unavailable"
 
 
 def _per_tier() -> dict:
@@ -66,6 +69,9 @@ class Stats:
     prefetch_used: int = 0
     prefetch_cancelled: int = 0
     prefetch_wasted: int = 0  # prefetched, then evicted before any load used it
+    tier_failures: dict = field(default_factory=_per_tier)  # TierKind -> times taken out of the cascade
+    tier_recoveries: dict = field(default_factory=_per_tier)  # TierKind -> times put back after a probe
+    store_retries: int = 0  # blocks whose store failed in one tier and was tried again further down
     # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
     transfer_latency: dict = field(default_factory=dict)
     transfer_seconds: Counter = field(default_factory=Counter)  # (src, dst) -> summed seconds
@@ -102,6 +108,8 @@ class Stats:
                 "evictions": tiers(self.evictions), "demotions": pairs(self.demotions),
                 "promotions": pairs(self.promotions), "dropped": {k: v for k, v in self.dropped.items() if v},
                 "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
+                "tier_failures": tiers(self.tier_failures), "tier_recoveries": tiers(self.tier_recoveries),
+                "store_retries": self.store_retries,
                 "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
                              "cancelled": self.prefetch_cancelled, "wasted": self.prefetch_wasted},
                 "bytes_moved": pairs(self.bytes_moved),

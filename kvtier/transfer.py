@@ -147,6 +147,15 @@ class TransferEngine:
             self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
         return handle
 
+    def run_now(self, ops: Sequence[CopyOp], handle: TransferHandle) -> TransferHandle:
+        """Copies `ops` in the calling thread (its disk and remote copies still on the I/O
+        workers) and returns when they are done, `handle` finished. For a completion callback
+        that must copy more before its own handle finishes (the runtime's store retries)."""
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        self._run(list(ops), handle, None, None, time.perf_counter())
+        return handle
+
     def _runs_inline(self, ops: Sequence[CopyOp]) -> bool:
         """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`)."""
         if self._cuda is not None or len(ops) * self.layout.block_bytes > self.inline_bytes:

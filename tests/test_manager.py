@@ -52,12 +52,20 @@ class ManagerMachine(RuleBasedStateMachine):
     # ---- issuing plans ---------------------------------------------------------------
 
     def _queue_moves(self, moves):
+        for mv in moves:
+            assert mv.dst not in self.m.unavailable, "a move into a tier out of service"
         self.pending += [("move", mv) for mv in moves]
+
+    @rule(tier=st.sampled_from([H, D, S]), available=st.booleans())
+    def set_available(self, tier, available):
+        self._queue_moves(self.m.set_available(tier, available))
+        assert (tier in self.m.unavailable) is not available
 
     @rule(keys=KEYS, tier=st.sampled_from([None, H, D, S]))
     def store(self, keys, tier):
         for key in keys:  # one at a time: a key dropped and stored again in one call is still seen
             plan = self.m.prepare_store([key], tier)
+            assert not {p.tier for p in plan.placements} & self.m.unavailable, "a store into a tier out of service"
             self.pending.append(("store", plan))
             self._queue_moves(plan.moves)
             self.every_lost_block_is_counted()
@@ -129,7 +137,15 @@ class ManagerMachine(RuleBasedStateMachine):
             if (p.key, p.tier) not in failed:
                 self.data[(p.tier, p.slot)] = p.key
                 self.ever_ready.add(p.key)  # READY now, even if this very completion evicts it
-        self._queue_moves(self.m.complete_store(plan, failed))
+        retry = data.draw(st.booleans()) if failed else False  # as the runtime does: again, further down
+        again = {p.key: p.tier for p in plan.placements if (p.key, p.tier) in failed and self.m.below(p.tier)
+                 and not self.m.held_elsewhere(p.key, {p.tier})}
+        self._queue_moves(self.m.complete_store(plan, failed, retrying=again if retry else ()))
+        for key, tier in (again.items() if retry else ()):
+            replan = self.m.prepare_store([key], self.m.below(tier)[0])
+            assert all(p.tier > tier for p in replan.placements)
+            self.pending.append(("store", replan))
+            self._queue_moves(replan.moves)
 
     def _complete_move(self, mv, ok, data):
         assert self.m.owner(mv.src, mv.src_slot) == mv.key, "a move's source slot changed hands"
@@ -138,7 +154,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.data[(mv.dst, mv.dst_slot)] = mv.key
             self._queue_moves(self.m.complete_move(mv.id, True, (mv.key,)))
             return
-        failures = [DropReason.CHECKSUM, DropReason.READ_FAILED, DropReason.DEMOTION_FAILED]
+        failures = [DropReason.CHECKSUM, DropReason.READ_FAILED, DropReason.DEMOTION_FAILED, DropReason.TIER_DOWN]
         if mv.reason is not MoveReason.DEMOTE:
             failures.append(None)  # cancelled
         failure = data.draw(st.sampled_from(failures))
@@ -156,7 +172,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert copy.state is CopyState.READY or copy.state is CopyState.FREEING
             assert self.data.get((s.tier, s.slot)) == s.key, "load served bytes of another block"
         if not ok and plan.sources:
-            failed.setdefault(plan.sources[0].key, DropReason.CHECKSUM)
+            reason = data.draw(st.sampled_from([DropReason.CHECKSUM, DropReason.READ_FAILED, DropReason.TIER_DOWN]))
+            failed.setdefault(plan.sources[0].key, reason)
         self._queue_moves(self.m.complete_load(plan, failed))
 
     # ---- invariants --------------------------------------------------------------------
@@ -184,6 +201,12 @@ class ManagerMachine(RuleBasedStateMachine):
             leaving = {mv.key for mv in self.m.moves_in_flight() if mv.reason is MoveReason.DEMOTE and mv.src is tier}
             ready = {e.key for e in self.m.index if e.copies.get(tier) and e.copies[tier].state is CopyState.READY}
             assert ready - leaving == {k for k in ready if k in policy} and len(policy) == len(ready - leaving)
+
+    @invariant()
+    def lookups_see_only_tiers_in_service(self):
+        for entry in self.m.index:
+            servable = any(c.state is CopyState.READY and t not in self.m.unavailable for t, c in entry.copies.items())
+            assert self.m.lookup([entry.key]) == int(servable)
 
     @invariant()
     def pinned_blocks_stay(self):
@@ -298,14 +321,33 @@ def test_prefetch_never_evicts_pinned_blocks():
     assert m.where(1) is D
 
 
-def test_failed_demotion_drops_with_reason():
+def test_failed_demotion_goes_on_down_and_drops_only_past_the_last_tier():
     m = make_manager((1, 2, 2))
     _store_ready(m, [1])
     plan, moves = _store_ready(m, [2])
     (demote,) = [mv for mv in moves if mv.reason is MoveReason.DEMOTE]
-    m.complete_move(demote.id, False, None, DropReason.DEMOTION_FAILED)
+    assert (demote.src, demote.dst) == (H, D)
+    (again,) = m.complete_move(demote.id, False, None, DropReason.DEMOTION_FAILED)
+    assert (again.key, again.src, again.dst, again.reason) == (demote.key, H, S, MoveReason.DEMOTE), \
+        "the tier below the one that failed takes it"
+    assert m.lookup([demote.key]) == 1, "still served from its source meanwhile"
+    assert m.complete_move(again.id, False, None, DropReason.DEMOTION_FAILED) == ()
     assert m.lookup([demote.key]) == 0
-    assert m.stats.dropped[DropReason.DEMOTION_FAILED] == 1 and m.stats.io_errors == 1
+    assert m.stats.dropped[DropReason.DEMOTION_FAILED] == 1 and m.stats.io_errors == 2
+
+
+def test_a_tier_out_of_service_is_skipped_and_its_blocks_not_served():
+    m = make_manager((1, 2, 2))
+    _store_ready(m, [1], S)
+    assert m.lookup([1]) == 1
+    assert m.set_available(S, False) == () and m.unavailable == {S}
+    assert m.lookup([1]) == 0 and m.prepare_load([1]).missing == (1,), "its copy is kept, not served"
+    assert m.below(H) == (D,) and m.below(D) == ()
+    plan, moves = _store_ready(m, [2, 3, 4])  # HBM and DRAM full: no demotion can go into SSD
+    assert all(mv.dst is not S for mv in moves) and all(p.tier is not S for p in plan.placements)
+    assert m.prepare_prefetch([1], S, 4) == ()
+    m.set_available(S, True)
+    assert m.lookup([1]) == 1 and m.where(1) is S
 
 
 def test_checksum_failure_discards_the_copy():

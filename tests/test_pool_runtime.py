@@ -15,6 +15,7 @@ from kvtier.pool.detect import TransportKind
 from kvtier.pool.testing import NodeProcess, running_node
 from kvtier.pool.tier import PoolTier
 from kvtier.runtime import KVTier
+from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
 from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
@@ -100,13 +101,19 @@ def test_a_lost_pool_node_turns_its_blocks_into_misses_and_the_rest_keeps_servin
             assert lost and set(handle.failed) == lost, "exactly the pool's blocks miss"
             served = [i for i, k in enumerate(keys) if k not in lost]
             assert torch.equal(out[served], blocks([keys[i] for i in served]))
-            assert kv.where(sorted(lost)) == [None] * len(lost)
-            assert sum(kv.snapshot()["dropped"].values()) >= len(lost)
+            assert "pool" in kv.snapshot()["unavailable"], "the pool is out of the cascade"
+            assert all(kv.lookup([k]) == 0 for k in lost), "its blocks are not served while it is down"
+            assert kv.recheck() == [], "a probe finds it still down"
             node.start()  # the node comes back empty; the tier stores through it again
+            kv.recheck()  # or the background prober got there first
+            assert kv.snapshot()["unavailable"] == {} and kv.stats.tier_recoveries[P] == 1
             fresh = list(range(100, 108))
             store_each(kv, fresh)
             out, handle = load(kv, fresh)
             assert handle.failed == {} and torch.equal(out, blocks(fresh))
+            _, handle = load(kv, sorted(lost))  # the restarted node lost them: misses, then dropped
+            assert set(handle.failed) == lost and kv.where(sorted(lost)) == [None] * len(lost)
+            assert kv.stats.dropped[DropReason.READ_FAILED] >= len(lost)
         with PoolClient([node.address], tenant="serving", secret=SECRET.encode(), timeout_s=WAIT_S) as c:
             assert c.stats()[0]["bytes_in"] >= BLOCK, "the restarted node took blocks again"
     finally:

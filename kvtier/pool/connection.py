@@ -217,6 +217,10 @@ class NodeLink:
     def down(self) -> bool:
         return time.monotonic() < self._down_until
 
+    def revive(self) -> None:
+        """Ends the skip period of a node marked down: the next call tries it afresh (a probe)."""
+        self._down_until = 0.0
+
     def connection(self) -> _Loan:
         """Lends a connection for a sequence of calls (`with link.connection() as conn:`).
 

@@ -23,8 +23,9 @@ import threading
 import torch
 import xxhash
 
-from kvtier.errors import TierIOError, TransferError
+from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.pool.client import PoolClient, Slot
+from kvtier.pool.connection import NodeUnavailable
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,19 @@ class PoolTier(Tier):
         if not memory.is_cuda and memory.numel():
             self._client.register_memory(memory.data_ptr(), memory.numel() * memory.element_size(), memory)
 
+    def probe(self) -> None:
+        """Asks every node for its stats, those marked down included; succeeds once one answers.
+
+        Raises:
+            TierUnavailable: no node answered; the message has each node's error.
+        """
+        for link in self._client.links:
+            link.revive()
+        facts = self._client.stats()
+        if facts and all("error" in f for f in facts):
+            raise TierUnavailable("POOL tier: no node answers: " + "; ".join(f"{f['address']}: {f['error']}"
+                                                                              for f in facts))
+
     def describe(self) -> dict[str, object]:
         """The base facts plus nodes, tenant, and the data plane in use with its reason (per node
         when the nodes differ)."""
@@ -146,23 +160,34 @@ class PoolTier(Tier):
         try:
             handle = self._client.alloc(key, self.slot_bytes)
         except TransferError as e:
-            raise TierIOError(f"POOL slot {slot}: {e}") from None
+            raise self._error(e, self._client.home(key))(f"POOL slot {slot}: {e}") from None
         with self._lock:
             self._check_open()
             self._slots[slot] = handle
         return handle
 
     def _io(self, slot: int, handle: Slot, op, verb: str) -> None:
+        error, unreachable = TierIOError, False
         try:
             if op():
                 return
             reason = "the pool dropped the slot (evicted or node restarted)"
         except TransferError as e:
-            reason = str(e)
-        with self._lock:
-            if self._slots[slot] is handle:
-                self._slots[slot] = None
-        raise TierIOError(f"POOL slot {slot}: {verb} failed: {reason}")
+            reason, error, unreachable = str(e), self._error(e, handle.node), isinstance(e, NodeUnavailable)
+        if not unreachable:  # a node that did not answer may still hold the slot: keep it for its return
+            with self._lock:
+                if self._slots[slot] is handle:
+                    self._slots[slot] = None
+        raise error(f"POOL slot {slot}: {verb} failed: {reason}")
+
+    def _error(self, e: TransferError, node: int) -> type[TierIOError]:
+        """TierUnavailable when `e` says node `node` does not answer and no other node does
+        either (the tier failed as a whole); else a failure of this slot only, since the other
+        nodes serve the rest."""
+        links = self._client.links
+        if isinstance(e, NodeUnavailable) and all(link.down for i, link in enumerate(links) if i != node):
+            return TierUnavailable
+        return TierIOError
 
 
 def build_pool_tier(cfg, slot_bytes: int) -> Tier:

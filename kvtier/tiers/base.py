@@ -102,6 +102,15 @@ class Tier(ABC):
             "capacity_bytes": self.capacity_bytes,
         }
 
+    def probe(self) -> None:
+        """Checks that the tier can serve, after it failed as a whole (`TierUnavailable`); the
+        runtime calls it with backoff and puts the tier back in the cascade when it returns.
+        Quick, bounded by the tier's own timeouts; the default (memory tiers) always succeeds.
+
+        Raises:
+            TierUnavailable: the tier still cannot serve; the message says why.
+        """
+
     def close(self) -> None:
         """Releases the tier's memory or files. Idempotent."""
 

@@ -26,12 +26,15 @@ import threading
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError, TierIOError
+from kvtier.errors import ConfigError, TierIOError, TierUnavailable
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
 ALIGN_BYTES = 4096
 MAX_BOUNCE_BYTES = 4 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+# What the kernel says when the device itself is gone or failing, not one range of it: the tier
+# leaves the cascade (TierUnavailable) until `probe` reads every file again.
+_DEVICE_GONE = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EROFS, errno.ESHUTDOWN})
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,21 @@ class SSDTier(Tier):
                 _pread_all(fd, memoryview(data), start + offset, self._direct)
         except OSError as e:
             raise _io_error(e, "read", path, slot, start + offset, len(data)) from e
+
+    def probe(self) -> None:
+        """Reads the first 4 KiB of every slot file (O_DIRECT when the tier uses it).
+
+        Raises:
+            TierUnavailable: a file cannot be read, naming it.
+        """
+        bounce = self._bounce()[:ALIGN_BYTES]
+        for fd, path in zip(list(self._fds), list(self._paths)):
+            try:
+                _pread_all(fd, memoryview(bounce), 0, self._direct)
+            except OSError as e:
+                raise TierUnavailable(e.errno, f"SSD tier: probe read failed ({e.strerror})", path) from e
+        if not self._fds:
+            raise TierUnavailable(errno.EBADF, "SSD tier is closed", self.directory)
 
     def describe(self) -> dict[str, object]:
         """Base facts plus directory, files, stride, disk use and the O_DIRECT decision with its reason."""
@@ -363,20 +381,26 @@ def _pread_all(fd: int, buf: memoryview, file_offset: int, direct: bool) -> None
         n = os.preadv(fd, [buf[done:]], file_offset + done)
         done += n
         if n == 0 or (direct and done < len(buf) and done % ALIGN_BYTES):
-            raise OSError(
+            raise _ShortRead(
                 errno.EIO,
                 f"short read: the file ends after {done} of {len(buf)} bytes at offset {file_offset}"
                 " (truncated?)",
             )
 
 
+class _ShortRead(OSError):
+    """A file shorter than the slot (truncated): that slot's failure, not the device's."""
+
+
 def _io_error(e: OSError, op: str, path: str, slot: int, file_offset: int, num_bytes: int) -> TierIOError:
-    """A TierIOError with the errno of `e`, naming the slot, the range and the file."""
+    """A TierIOError with the errno of `e`, naming the slot, the range and the file;
+    `TierUnavailable` when the errno says the device itself failed."""
     if isinstance(e, TierIOError):
         return e
     message = f"SSD tier slot {slot}: {op} of {num_bytes} bytes at file offset {file_offset} failed: "
     message += str(e.strerror)
-    err = TierIOError(e.errno, message, path)
+    gone = e.errno in _DEVICE_GONE and not isinstance(e, _ShortRead)
+    err = (TierUnavailable if gone else TierIOError)(e.errno, message, path)
     err.slot = slot  # type: ignore[attr-defined]
     return err
 

@@ -1,0 +1,123 @@
+"""A dead or hung pool node must not drain the other tiers.
+
+The attack (issue 9, item 2): exclusive mode, blocks spread over DRAM, a pool node and SSD; the node
+is killed (SIGKILL) or frozen (SIGSTOP); then every block is loaded. Each load of an SSD block
+promotes it into DRAM (freeing its SSD slot) and pushes a DRAM victim down toward the dead node.
+Before, the failed demotion dropped that victim: 186 of 200 blocks were gone, about 140 of them had
+been on SSD, and new stores failed while SSD had room. Now a failed demotion goes on down the
+cascade, the node's tier leaves the cascade until it answers a probe, a store that failed in it is
+stored further down, and only the blocks the node alone held are lost, each counted with its reason.
+Cost: about 10 s (node processes, a frozen node's timeouts of 0.5 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import config_from_dict
+from kvtier.pool.testing import NodeProcess
+from kvtier.runtime import KVTier
+from kvtier.stats import DropReason
+from kvtier.tiers.base import TierKind
+from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
+
+D, P, S = TierKind.DRAM, TierKind.POOL, TierKind.SSD
+NUM_BLOCKS = 24
+
+
+@pytest.fixture
+def node():
+    n = NodeProcess(capacity="4MiB", region_size="256KiB")
+    yield n
+    n.close()
+
+
+def runtime(tmp_path, address: str, timeout_s: float = WAIT_S) -> KVTier:
+    (tmp_path / "ssd").mkdir(exist_ok=True)
+    marks = {"high_watermark": 1.0, "low_watermark": 1.0}
+    return KVTier(config_from_dict({
+        "model": "kvtier-tiny", "mode": "exclusive", "promote_to": "dram",
+        "tiers": {"dram": {"capacity": 4 * BLOCK, **marks},
+                  "pool": {"capacity": 8 * BLOCK, "nodes": [address], "timeout_s": timeout_s, "reconnect_s": 0.2,
+                           **marks},
+                  "ssd": {"capacity": 40 * BLOCK, "path": str(tmp_path / "ssd"), **marks}},
+        "transfer": {"tier_retry_s": 60, "tier_retry_max_s": 60},  # probes only when the test asks (recheck)
+    }), layout=LAYOUT)
+
+
+def fill(kv: KVTier) -> dict[int, TierKind]:
+    for k in range(NUM_BLOCKS):  # one at a time: each store pushes the oldest down a tier
+        assert kv.store([k], blocks([k])).wait(WAIT_S)
+        kv.quiesce(WAIT_S)
+    where = dict(zip(range(NUM_BLOCKS), kv.where(range(NUM_BLOCKS))))
+    assert set(where.values()) == {D, P, S}, where
+    return where
+
+
+def load_each(kv: KVTier, keys) -> set[int]:
+    """Loads keys one at a time (each a promotion into DRAM); returns those that missed."""
+    missed = set()
+    for k in keys:
+        out = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        handle = kv.load([k], out)
+        handle.wait(WAIT_S)
+        kv.quiesce(WAIT_S)
+        if k in handle.failed:
+            missed.add(k)
+        else:
+            assert torch.equal(out[0], blocks([k])[0]), f"block {k}: wrong bytes served"
+    return missed
+
+
+def assert_nothing_else_lost(kv: KVTier, where: dict[int, TierKind]) -> None:
+    elsewhere = [k for k, t in where.items() if t is not P]
+    assert kv.lookup(elsewhere) == len(elsewhere) or all(kv.lookup([k]) for k in elsewhere), \
+        "every block that was not on the node is still stored"
+    assert load_each(kv, elsewhere) == set(), "and loads back intact"
+    dropped = kv.snapshot()["dropped"]
+    assert DropReason.DEMOTION_FAILED not in dropped and DropReason.STORE_FAILED not in dropped, dropped
+
+
+def test_a_killed_node_costs_only_its_own_blocks(tmp_path, node):
+    with runtime(tmp_path, node.address) as kv:
+        where = fill(kv)
+        on_node = {k for k, t in where.items() if t is P}
+        node.kill()
+        missed = load_each(kv, range(NUM_BLOCKS))
+        assert missed == on_node, "exactly the node's blocks miss"
+        assert "pool" in kv.snapshot()["unavailable"] and kv.stats.tier_failures[P] == 1
+        assert_nothing_else_lost(kv, where)
+        fresh = list(range(100, 110))
+        for k in fresh:
+            handle = kv.store([k], blocks([k]))
+            assert handle.wait(WAIT_S) and not handle.failed, "new stores succeed while SSD has room"
+            kv.quiesce(WAIT_S)
+        assert load_each(kv, fresh) == set()
+        assert P not in kv.where(fresh), "nothing is sent to the dead node"
+
+
+def test_a_store_that_fails_in_the_dead_tier_is_stored_further_down(tmp_path, node):
+    with runtime(tmp_path, node.address) as kv:
+        node.kill()
+        handle = kv.store([1, 2], blocks([1, 2]), target=P)
+        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
+        assert kv.where([1, 2]) == [S, S] and kv.stats.store_retries == 2
+        assert kv.stats.num_dropped == 0
+        assert load_each(kv, [1, 2]) == set()
+
+
+def test_a_frozen_node_is_skipped_then_rejoins_with_its_blocks(tmp_path, node):
+    with runtime(tmp_path, node.address, timeout_s=0.5) as kv:
+        where = fill(kv)
+        on_node = {k for k, t in where.items() if t is P}
+        node.pause()
+        missed = load_each(kv, range(NUM_BLOCKS))
+        assert missed == on_node
+        assert_nothing_else_lost(kv, where)
+        assert all(kv.lookup([k]) == 0 for k in on_node), "not served while the node is frozen"
+        assert kv.recheck() == []
+        node.resume()
+        assert kv.recheck() == [P], "back once it answers a probe"
+        assert load_each(kv, sorted(on_node)) == set(), "a hung node's blocks come back with it"
+        assert kv.stats.num_dropped == 0, kv.snapshot()["dropped"]
