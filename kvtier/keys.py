@@ -2,9 +2,9 @@
 
     key_i = xxh3_128(namespace.digest ‖ key_{i-1} ‖ token ids of block i as little-endian int64)
 
-with `key_{-1}` = 16 zero bytes. Equal keys therefore mean equal prefixes (model, KV dtype, block size,
-tenant salt and every earlier token), so any process on any machine that computed a prefix can serve it
-to any other. Nothing here uses Python's `hash()`, so keys survive `PYTHONHASHSEED` and restarts.
+with `key_{-1}` = 16 zero bytes. Equal keys therefore mean equal prefixes (model, weights, KV dtype,
+block size, tenant salt and every earlier token), so any process on any machine that computed a prefix
+can serve it to any other. Nothing here uses Python's `hash()`, so keys survive `PYTHONHASHSEED` and restarts.
 
 Changing this encoding invalidates every persisted block (SSD files, pool nodes): bump `_NAMESPACE_TAG`.
 """
@@ -30,7 +30,7 @@ KEY_BYTES = 16
 ROOT_KEY = BlockKey(bytes(KEY_BYTES))
 """The parent of a sequence's first block."""
 
-_NAMESPACE_TAG = b"kvtier.namespace.v1"
+_NAMESPACE_TAG = b"kvtier.namespace.v2"  # v2: the weights fingerprint
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -39,17 +39,22 @@ class Namespace:
     """What, besides tokens, must match for two blocks to hold the same bytes.
 
     Attributes:
-        model: identifies the *weights* (e.g. the HF id and revision the engine loaded). Not the
-            catalog's geometry name: a base and a chat model share geometry but never KV.
+        model: names the model (e.g. the HF id and revision, or the path the engine loaded). Not
+            the catalog's geometry name: a base and a chat model share geometry but never KV.
         kv_dtype: the exact cache byte format (e.g. `fp16`, `fp8_e4m3`); formats of one width differ.
         block_tokens: tokens per block.
         tenant_salt: isolates tenants: blocks of different salts never share keys.
+        weights: a fingerprint of the weights themselves (`kvtier.weights`): a path or a name is
+            not an identity, weights change under it. The integrations fill it in (from the files
+            an engine loads, or the tensors in memory, or the user's `weights_id`); empty means
+            only `model` names the weights (synthetic runs, simulations).
     """
 
     model: str
     kv_dtype: str
     block_tokens: int
     tenant_salt: str = ""
+    weights: str = ""
 
     def __post_init__(self) -> None:
         kv_dtype = getattr(self.kv_dtype, "value", self.kv_dtype)  # accept a geometry.KVDtype
@@ -58,8 +63,9 @@ class Namespace:
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"Namespace.{field} must be a non-empty string, got {value!r}")
-        if not isinstance(self.tenant_salt, str):
-            raise ConfigError(f"Namespace.tenant_salt must be a string, got {self.tenant_salt!r}")
+        for field in ("tenant_salt", "weights"):
+            if not isinstance(getattr(self, field), str):
+                raise ConfigError(f"Namespace.{field} must be a string, got {getattr(self, field)!r}")
         block_tokens = self.block_tokens
         if not isinstance(block_tokens, numbers.Integral) or isinstance(block_tokens, bool) or block_tokens <= 0:
             raise ConfigError(f"Namespace.block_tokens must be a positive integer, got {block_tokens!r}")
@@ -68,7 +74,7 @@ class Namespace:
     @cached_property
     def digest(self) -> bytes:
         """16 bytes identifying the namespace; every field is length-prefixed so none can bleed into another."""
-        parts = [_NAMESPACE_TAG, self.model, self.kv_dtype, self.tenant_salt]
+        parts = [_NAMESPACE_TAG, self.model, self.kv_dtype, self.tenant_salt, self.weights]
         encoded = b"".join(_length_prefixed(p if isinstance(p, bytes) else p.encode("utf-8")) for p in parts)
         return xxhash.xxh3_128_digest(encoded + struct.pack("<q", self.block_tokens))
 

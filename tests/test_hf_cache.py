@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,14 @@ transformers = pytest.importorskip("transformers")
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.integrations.hf import HFKVTier, KVTierStreamingCache
+from kvtier.integrations.hf import HFKVTier, KVTierStreamingCache, weights_of
 from kvtier.integrations.tiny_model import build_tiny_llama
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tiers.ssd import SSDTier
+from kvtier.weights import WeightsSource, weights_fingerprint
 
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 BLOCK_TOKENS = 4
@@ -158,7 +160,7 @@ def test_prefix_cache_matches_default_and_skips_the_shared_prefix(model, kv, cou
     assert first.num_cached_tokens == 0 and sum(counted) == a.shape[1] + NEW_TOKENS - 1
     assert_same(first.output, default_generate(model, a), exact_logits=True)
     assert first.num_stored_blocks == (a.shape[1] + NEW_TOKENS - 1) // BLOCK_TOKENS
-    assert {t for t in kv.where(block_keys(NS, a[0])) if t is not None} >= {D, S}, "spilled below HBM"
+    assert {t for t in kv.where(block_keys(hf.namespace, a[0])) if t is not None} >= {D, S}, "spilled below HBM"
 
     counted.clear()
     second = hf.generate(b, **GEN)
@@ -219,7 +221,7 @@ def test_streaming_cache_beyond_the_hbm_budget_matches_default_and_loads_ahead(m
         assert cache.save(out.sequences[0]).wait(WAIT_S)
     assert_same(out, default_generate(model, a), exact_logits=True)
     assert streamed == a.shape[1] // BLOCK_TOKENS, "the whole prompt left the device"
-    tiers = kv.where(block_keys(NS, a[0]))
+    tiers = kv.where(block_keys(hf.namespace, a[0]))
     assert tiers.count(H) <= 2 and S in tiers, "24 blocks do not fit a 2-block HBM tier: they stream from below"
     assert kv.stats.hits[S] > 0
 
@@ -278,6 +280,31 @@ def test_streaming_layer_computes_while_the_next_layer_is_still_loading(model, p
     torch.testing.assert_close(result["logits"], want, rtol=0, atol=1e-5)
 
 
+# ---- the weights in the namespace -------------------------------------------------------------
+
+
+def test_the_binding_names_the_weights_it_computes_with(model, model_dir, kv):
+    hf = HFKVTier(model, kv, NS)
+    assert hf.namespace == replace(NS, weights=weights_of(model)) and hf.namespace.weights.startswith("params:")
+    from transformers import AutoModelForCausalLM
+
+    assert weights_of(AutoModelForCausalLM.from_pretrained(model_dir)) == hf.namespace.weights  # loaded again
+    named = replace(NS, weights="id:ckpt-7")
+    assert HFKVTier(model, kv, named).namespace == named, "a namespace that names its weights is kept"
+
+
+def test_offloaded_tensors_are_fingerprinted_by_their_files(model, model_dir):
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        offloaded = LlamaForCausalLM(model.config)  # no bytes in memory, as with disk offload
+    offloaded.name_or_path = str(model_dir)
+    assert weights_of(offloaded) == weights_fingerprint(WeightsSource(str(model_dir)))
+    offloaded.name_or_path = ""
+    with pytest.raises(ConfigError, match="Namespace.weights: cannot fingerprint"):
+        weights_of(offloaded)
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 
@@ -302,7 +329,7 @@ def test_prefix_cache_block_that_fails_to_load_is_a_miss_and_recomputed(model, p
     hf = HFKVTier(model, kv, NS)
     a, b = prompts()
     hf.generate(a, **GEN)
-    keys = block_keys(NS, b[0])[:22]
+    keys = block_keys(hf.namespace, b[0])[:22]
     kv.prefetch(keys[:3], target=D).wait(WAIT_S)  # the first blocks above SSD, the rest below
     kv.quiesce(WAIT_S)
     tiers = kv.where(keys)

@@ -29,10 +29,10 @@ token_lists = st.lists(st.integers(min_value=0, max_value=(1 << 31) - 1), max_si
 
 def test_golden_keys_never_change():
     """Persisted blocks (SSD, pool nodes) are found by these bytes; a change here orphans them all."""
-    assert NS.digest.hex() == "daa4502da9a15cfdbee55c8a8f8f0f7f"
+    assert NS.digest.hex() == "13f8f1e7ec979eb1a9ec1165d7e253e7"  # namespace v2 (with weights)
     assert keys_hex(block_keys(NS, TOKENS)) == [
-        "e2e96c50f6f7823fb6c43a845676ac8a",
-        "9c9c39c2fd1c56784370873bd8ad469d",
+        "597e12c428c57e2dff1f4b71ecf64e05",
+        "b02d57da238c573035bb2fc3447c7ca8",
     ]
 
 
@@ -83,7 +83,8 @@ def test_keys_are_identical_in_a_process_with_another_hash_seed(seed):
 @pytest.mark.parametrize(
     "other",
     [Namespace("Llama-3-8B", "fp16", 4, "tenant-a"), Namespace("Llama-2-7B", "fp8_e4m3", 4, "tenant-a"),
-     Namespace("Llama-2-7B", "fp16", 4, "tenant-b"), Namespace("Llama-2-7B", "fp16", 4)],
+     Namespace("Llama-2-7B", "fp16", 4, "tenant-b"), Namespace("Llama-2-7B", "fp16", 4),
+     Namespace("Llama-2-7B", "fp16", 4, "tenant-a", weights="files:0123")],
 )  # fmt: skip
 def test_any_namespace_change_changes_every_key(other):
     tokens = list(range(64))
@@ -100,6 +101,7 @@ def test_block_size_is_part_of_the_namespace():
 def test_fields_cannot_bleed_into_each_other():
     assert Namespace("ab", "c", 4).digest != Namespace("a", "bc", 4).digest
     assert Namespace("m", "fp16", 4, "x").digest != Namespace("m", "fp16x", 4).digest
+    assert Namespace("m", "fp16", 4, "x", "y").digest != Namespace("m", "fp16", 4, "xy").digest
 
 
 def test_kv_dtype_enum_and_its_name_are_the_same_namespace():
@@ -156,3 +158,5 @@ def test_bad_parent_and_namespace_raise():
         Namespace("m", "fp16", 0)
     with pytest.raises(ConfigError, match="model"):
         Namespace("", "fp16", 16)
+    with pytest.raises(ConfigError, match="Namespace.weights must be a string"):
+        Namespace("m", "fp16", 16, weights=b"files:0123")

@@ -3,7 +3,8 @@
 The wheel is never installed: the four modules the ABC and its dynamic loader need
 (`hicache_storage`, `storage/backend_factory`, `storage/__init__`, `environ`) are extracted into a
 temporary directory and imported with torch alone; no SGLang module is stubbed, except
-`observability.metrics_collector` in the one `get_stats` test (it pulls in the whole server).
+`observability.metrics_collector` in the one `get_stats` test and `runtime_context` in the one
+test of the served model path (both pull in the whole server).
 SGLang's host pool cannot be imported without its kernels, so `FakeHostPool` copies the page
 accessors of `MHATokenToKVPoolHost` (0.5.23) that the storage paths call. Tiers are real: a CPU
 stand-in for HBM, DRAM and SSD files under tmp_path, a few pages each, so pages spill to SSD.
@@ -16,6 +17,7 @@ import dataclasses
 import importlib
 import sys
 import threading
+import types
 import zipfile
 from pathlib import Path
 
@@ -258,6 +260,8 @@ def test_bad_configuration_is_a_clear_error_at_start_up(sgl, tmp_path):
         cls(storage_config(sgl, {}), {})
     with pytest.raises(ConfigError, match="kvtier_timeout: unknown"):
         cls(storage_config(sgl, {"kvtier_timeout": 3}), {})
+    with pytest.raises(ConfigError, match="extra_config.kvtier_weights_id: expected a non-empty string"):
+        cls(storage_config(sgl, {"kvtier_weights_id": ""}), {})
     gpu = tmp_path / "gpu.yaml"
     gpu.write_text(yaml.safe_dump({"model": "m", "tiers": {"hbm": {"capacity": "1MiB"}}}))
     with pytest.raises(ConfigError, match="tiers.hbm"):
@@ -305,6 +309,31 @@ def test_ranks_and_layouts_never_share_pages(sgl, rt):
     layer_first = backend(sgl, rt, FakeHostPool("layer_first"))
     assert rank0.set("k", page(1))
     assert not rank1.exists("k") and not layer_first.exists("k")
+
+
+def test_the_weights_name_the_pages(sgl, rt):
+    first = backend(sgl, rt, extra={"kvtier_weights_id": "ckpt-1"})
+    same, other = (backend(sgl, rt, extra={"kvtier_weights_id": w}) for w in ("ckpt-1", "ckpt-2"))
+    assert first.set("k", page(1))
+    assert same.exists("k") and not other.exists("k")
+
+
+def test_inside_sglang_the_served_model_path_is_fingerprinted_not_its_alias(sgl, rt, tmp_path, monkeypatch):
+    from kvtier.integrations.sglang_options import served_weights
+    from kvtier.weights import WeightsSource
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(bytes(8) + b"weights-1")  # not valid safetensors: read whole
+    # SGLang's runtime context (its real module imports the whole server): the model path and revision.
+    context = type(sys)("sglang.srt.runtime_context")
+    context.get_model = lambda: types.SimpleNamespace(model_path=str(model_dir), revision=None)
+    monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", context)
+    assert served_weights(storage_config(sgl, model_name="llama-alias"), rt.config) == WeightsSource(str(model_dir))
+    assert backend(sgl, rt, model_name="llama-alias").set("k", page(1))
+    assert backend(sgl, rt, model_name="llama-alias").exists("k")
+    (model_dir / "model.safetensors").write_bytes(bytes(8) + b"weights-2")
+    assert not backend(sgl, rt, model_name="llama-alias").exists("k")
 
 
 def test_clear_makes_every_page_a_miss(sgl, rt):

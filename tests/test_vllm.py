@@ -46,6 +46,7 @@ from kvtier.keys import block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd import SSDTier
+from kvtier.weights import WeightsSource, weights_fingerprint
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -119,6 +120,15 @@ def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     assert read_settings({"kvtier_config": str(dram_yaml), "model_id": "m@v1"}, _facts()).namespace.model == "m@v1"
 
 
+def test_settings_name_the_weights_in_the_keys(dram_yaml, tiny_model):
+    facts = _facts(weights=WeightsSource(str(tiny_model)))
+    fingerprint = weights_fingerprint(WeightsSource(str(tiny_model)))
+    assert fingerprint.startswith("files:")
+    assert read_settings({"kvtier_config": str(dram_yaml)}, facts).namespace.weights == fingerprint
+    given = read_settings({"kvtier_config": str(dram_yaml), "weights_id": "ckpt-7"}, facts)
+    assert given.namespace.weights == "id:ckpt-7"  # the user's name wins; the files are not read
+
+
 @pytest.mark.parametrize("extra, facts, message", [
     ({"kvtier_config": None}, {}, "kvtier_config: missing"),
     ({"kvtier_config": "/nonexistent/kvtier.yaml"}, {}, "/nonexistent/kvtier.yaml"),
@@ -126,6 +136,7 @@ def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     ({"load_timeout_s": 0}, {}, "load_timeout_s"),
     ({"lookup_timeout_s": "1s"}, {}, "lookup_timeout_s: expected a positive number of seconds"),
     ({"model_id": ""}, {}, "model_id"),
+    ({"weights_id": ""}, {}, "weights_id: expected a non-empty string"),
     ({}, {"block_size": 16}, "block_tokens=32 but the engine's block_size is 16"),
     ({}, {"kv_dtype": "bfloat16"}, "set kv_dtype: bf16"),
     ({}, {"layer_names": LAYER_NAMES[:3]}, "describes 4 KV layers"),
@@ -168,6 +179,7 @@ def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, 
 def test_connector_reads_the_engine_from_vllms_config(tiny_model, dram_yaml):
     connector = _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml)})
     assert connector.settings.namespace.model == str(tiny_model)
+    assert connector.settings.namespace.weights == weights_fingerprint(WeightsSource(str(tiny_model)))
     assert list(connector.settings.layer_index) == list(LAYER_NAMES)  # model order, whatever vLLM's order
 
 

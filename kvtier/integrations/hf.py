@@ -22,8 +22,9 @@ Both give the tokens a `DynamicCache` gives: a block is either the exact bytes t
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,11 +32,15 @@ import torch
 if importlib.util.find_spec("transformers") is None:  # the caches below subclass its Cache classes
     raise ImportError("kvtier.integrations.hf needs Hugging Face transformers: pip install 'kvtier[hf]'")
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.hf_codec import BlockCodec, bind_model
 from kvtier.integrations.hf_prefix import KVTierPrefixCache, leading_ok, token_ids_1d
 from kvtier.integrations.hf_stream import KVTierStreamingCache, Observer
 from kvtier.keys import BlockKey, Namespace
 from kvtier.runtime import KVTier
+from kvtier.weights import WeightsSource, fingerprint_tensors, weights_fingerprint
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Generation", "HFKVTier", "KVTierPrefixCache", "KVTierStreamingCache", "Observer"]
 
@@ -46,7 +51,12 @@ class HFKVTier:
     Args:
         model: a loaded `PreTrainedModel` (e.g. `AutoModelForCausalLM`) with full-attention layers.
         kv: the runtime holding the blocks; its layout must be this model's.
-        namespace: the namespace block keys are made in; `model` must name these weights.
+        namespace: the namespace block keys are made in. Without `weights`, this binding fills
+            them in with a fingerprint of the model's tensors as loaded (`weights_of`): the
+            weights actually used, whatever path they came from. A namespace with `weights` is
+            kept as given (the caller names the weights, e.g. with a checkpoint digest).
+            `self.namespace` is the one keys are made in. Build a new `HFKVTier` after
+            changing the model's weights in place: the fingerprint is taken here.
 
     Raises:
         GeometryError, ConfigError: the model's layers, KV heads, head size or dtype do not give
@@ -55,6 +65,8 @@ class HFKVTier:
 
     def __init__(self, model: Any, kv: KVTier, namespace: Namespace) -> None:
         self.codec: BlockCodec = bind_model(model.config, model.dtype, kv.layout, namespace)
+        if not namespace.weights:
+            namespace = replace(namespace, weights=weights_of(model))
         self.model, self.kv, self.namespace = model, kv, namespace
         self.device = model.device
 
@@ -108,6 +120,28 @@ class HFKVTier:
         handle = self.kv.load(keys, blocks)
         handle.wait()
         return blocks, leading_ok(keys, handle)
+
+
+def weights_of(model: Any) -> str:
+    """The fingerprint of a loaded model's weights (`Namespace.weights`).
+
+    Its tensors in `state_dict()` order (names, dtypes, shapes and sampled bytes: see
+    `fingerprint_tensors`), so two models loaded from one path before and after it was rebuilt
+    differ. Where tensors hold no bytes here (offloaded to disk: the `meta` device), the files at
+    the model's `name_or_path` instead.
+
+    Raises:
+        ConfigError: the tensors hold no bytes and the model names no path to read instead.
+    """
+    try:
+        return fingerprint_tensors(model.state_dict().items())
+    except ValueError as e:
+        source = str(getattr(model, "name_or_path", "") or "")
+        if not source:
+            raise ConfigError(f"Namespace.weights: cannot fingerprint the model's weights ({e}) and it names no "
+                              "path to read them from; give Namespace(..., weights=...) naming them") from None
+        log.info("kvtier: fingerprinting the files at %s instead of the tensors in memory (%s)", source, e)
+        return weights_fingerprint(WeightsSource(source))
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ Every other key of the extra config reaches this class in `storage_config.extra_
 
 `interface_v1: 1` makes SGLang call `batch_get_v1`/`batch_set_v1` with host-pool indices (one
 allocation per batch here); without it SGLang allocates a page per key and calls `batch_get`/
-`batch_set`. Both work. Keys of our own: `kvtier_config` (required: a kvtier YAML file) and
-`kvtier_timeout_s` (default 30: how long one batch may wait before its pages count as misses).
+`batch_set`. Both work. Keys of our own (`sglang_options`): `kvtier_config` (required: a kvtier
+YAML file), `kvtier_timeout_s` (default 30: how long one batch may wait before its pages count as
+misses) and `kvtier_weights_id` (names the weights; default: a fingerprint of the weight files).
 The YAML's tiers are *per SGLang rank process*; a GPU tier would take memory SGLang budgeted for
 itself, so `tiers.hbm` is refused unless `device: cpu`. For example:
 
@@ -28,11 +29,13 @@ Why the page geometry comes from SGLang, not from `model`: an SGLang page is wha
 registers its host pool: one block is one page, stored as opaque bytes (one "layer": the page's
 byte order is SGLang's, not layer-major). A page of any other byte size is a miss with a counted
 error, never a crash. Keys: `xxh3_128(namespace ‖ epoch ‖ SGLang page hash)`, where the namespace
-covers the served model, the page dtype, the page size, the host layout (two layouts order the same
-bytes differently), the tenant and the rank's shard (TP rank unless MLA, PP and CP ranks).
+covers the served model, a fingerprint of its weights (files rebuilt under the same model path
+give other keys: `kvtier.weights`), the page dtype, the page size, the host layout (two layouts
+order the same bytes differently), the tenant and the rank's shard (TP rank unless MLA, PP and CP).
 
 Limitations: pages live in this process's kvtier (its DRAM, SSD files and pool slots); they are not
-shared between SGLang processes and do not survive a restart. So MLA with TP > 1 is refused: SGLang
+shared between SGLang processes, and outlive one only on a persistent SSD tier (`persist: true`;
+never across changed weights, which change the keys). So MLA with TP > 1 is refused: SGLang
 writes replicated MLA pages from one rank only and takes the minimum hit count over ranks. Sidecar
 pools of hybrid models (`*_v2` calls: Mamba, SWA, indexer) are not stored: they report misses, so
 those models recompute. `clear()` starts a new key epoch: old pages are unreachable at once and
@@ -46,18 +49,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
-from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.keys import BlockKey, Namespace
+from kvtier.integrations.sglang_options import Options, page_namespace
+from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
-from kvtier.tiers.base import TierKind
 
 try:
     from sglang.srt.mem_cache.hicache_storage import (
@@ -70,10 +71,6 @@ except ImportError as e:  # this module is only ever imported by SGLang itself, 
 
 log = logging.getLogger(__name__)
 
-_OWN_PREFIX = "kvtier_"
-_OWN_KEYS = {"kvtier_config", "kvtier_timeout_s"}
-
-
 class Errors:
     """Why a page was refused (labels of `KVTierHiCacheStorage.errors`)."""
 
@@ -83,53 +80,6 @@ class Errors:
     RUNTIME = "runtime_error"
     BAD_INDICES = "host_indices_mismatch"
     SIDECAR = "sidecar_pool_unsupported"
-
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    """Our keys of SGLang's extra config."""
-
-    config: KVTierConfig | None
-    timeout_s: float
-
-    @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None, need_config: bool) -> Options:
-        """Raises: ConfigError naming the key that is unknown, missing or invalid."""
-        extra = dict(extra or {})
-        unknown = sorted(k for k in extra if str(k).startswith(_OWN_PREFIX) and k not in _OWN_KEYS)
-        if unknown:
-            raise ConfigError(f"extra_config.{unknown[0]}: unknown key; expected one of {sorted(_OWN_KEYS)}")
-        timeout_s = extra.get("kvtier_timeout_s", 30.0)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"extra_config.kvtier_timeout_s: expected a positive number, got {timeout_s!r}")
-        path = extra.get("kvtier_config")
-        if path is not None and (not isinstance(path, str) or not path.strip()):
-            raise ConfigError(f"extra_config.kvtier_config: expected the path of a kvtier YAML file, got {path!r}")
-        if path is None:
-            if need_config:
-                raise ConfigError("extra_config.kvtier_config: missing; give the path of a kvtier YAML "
-                                  "file (see kvtier.integrations.sglang_storage)")
-            return cls(None, float(timeout_s))
-        config = load_config(path)
-        _check_no_gpu_tier(config)
-        return cls(config, float(timeout_s))
-
-
-def _check_no_gpu_tier(config: KVTierConfig) -> None:
-    hbm = config.tier(TierKind.HBM)
-    if hbm is not None and hbm.device != "cpu":
-        raise ConfigError("tiers.hbm: under SGLang, kvtier sits below SGLang's own GPU and host pools; "
-                          "remove tiers.hbm (or set device: cpu) so kvtier takes no GPU memory")
-
-
-def shard_label(sc: Any) -> str:
-    """What distinguishes this rank's pages from another rank's for the same page hash."""
-    parts = [] if sc.is_mla_model else [f"tp{sc.tp_rank}/{sc.tp_size}"]  # MLA: replicated over TP
-    if sc.pp_size > 1:
-        parts.append(f"pp{sc.pp_rank}/{sc.pp_size}")
-    if sc.attn_cp_size > 1:
-        parts.append(f"cp{sc.attn_cp_rank}/{sc.attn_cp_size}")
-    return ",".join(parts)
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -184,10 +134,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"kvtier block_bytes {self.runtime.layout.block_bytes} != SGLang page of "
                               f"{page_bytes} bytes ({page_tokens} tokens, {mem_pool_host.dtype}, "
                               f"layout {getattr(mem_pool_host, 'layout', '?')})")
-        config = self.runtime.config
         dtype = str(mem_pool_host.dtype).removeprefix("torch.")
-        salt = f"{config.tenant}|{shard_label(self.storage_config)}|{getattr(mem_pool_host, 'layout', '')}"
-        namespace = Namespace(self.storage_config.model_name or config.model, dtype, page_tokens, salt)
+        namespace = page_namespace(self.storage_config, self.options, self.runtime.config, dtype, page_tokens,
+                                   getattr(mem_pool_host, "layout", ""))
         with self._lock:
             self._host = mem_pool_host
             self._namespace = namespace.digest

@@ -9,8 +9,10 @@ Use it with vLLM's own loader, no plugin needed:
 
 `kv_connector_extra_config` takes `kvtier_config` (required: a kvtier YAML whose `block_tokens`
 equals the engine's block size and whose `model`/`kv_dtype` match the served model),
-`model_id`, `load_timeout_s` and `lookup_timeout_s`; anything else is an error at start-up, as is
-a mismatch.
+`model_id`, `weights_id`, `load_timeout_s` and `lookup_timeout_s`; anything else is an error at
+start-up, as is a mismatch. Block keys name the weights by a fingerprint of the files vLLM loaded
+(`kvtier.weights`: sampled tensor bytes, not just the path), so weights rebuilt under the same path
+never hit the old KV; `weights_id` names them instead where the files cannot be read.
 
 Platforms, KV cache layouts and attention backends (checked at start-up; anything else is refused
 there, naming what and why, never copied the wrong way):

@@ -35,12 +35,14 @@ from kvtier.integrations.vllm_shards import Sharding, rank_config
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import BlockLayout
 from kvtier.tiers.kinds import TierKind
+from kvtier.weights import WeightsSource, user_weights_id, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
 EXTRA = "kv_connector_extra_config"
 _KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
-         "model_id": "what identifies the weights in block keys (default: the engine's model and revision)",
+         "model_id": "what names the model in block keys (default: the engine's model and revision)",
+         "weights_id": "names the weights in block keys (default: a fingerprint of the files the engine loads)",
          "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
          "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)"}
 class Backend(Protocol):
@@ -78,7 +80,7 @@ class EngineFacts:
     """What the connector must know about the engine, read once from vLLM's config.
 
     Attributes:
-        model_id: identifies the weights (goes into every block key).
+        model_id: names the model (goes into every block key).
         block_size: tokens per engine block.
         kv_dtype: the cache's exact element format: `fp32`, `bf16`, `fp16`, `fp8_e4m3`, ...
         layer_names: attention layers in model order (layer i of a kvtier block is layer_names[i]).
@@ -89,6 +91,9 @@ class EngineFacts:
         sharding: this rank's slice of each block (tensor parallelism).
         engine_tag: names this engine among others on the host (its lookup sockets).
         kv_cache_layout: vLLM's resolved `KVCacheLayout` name (None: not resolved; see `page_format`).
+        weights: where the engine loads its weights from; a fingerprint of those files goes into
+            every block key (None: unknown, as in tests of the settings alone). Files, not tensors:
+            the scheduler's process has no weights, and both roles must compute the same keys.
     """
 
     model_id: str
@@ -102,6 +107,7 @@ class EngineFacts:
     sharding: Sharding = Sharding()
     engine_tag: str = "engine"
     kv_cache_layout: str | None = None
+    weights: WeightsSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +173,9 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
         raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
     timeouts = [_seconds(extra, name, default) for name, default in (("load_timeout_s", 30.0),
                                                                      ("lookup_timeout_s", 1.0))]
-    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant)
+    weights = user_weights_id(extra.get("weights_id"), f"{EXTRA}.weights_id")
+    weights = weights or (weights_fingerprint(facts.weights) if facts.weights else "")
+    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant, weights)
     return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
                     {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
@@ -254,7 +262,9 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        sharding=_sharding(vllm_config),
                        engine_tag=f"{transfer.engine_id}-dp{parallel.data_parallel_rank}",
                        kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
-                       or vllm_config.cache_config.kv_cache_layout)
+                       or vllm_config.cache_config.kv_cache_layout,
+                       weights=WeightsSource(getattr(model, "model_weights", "") or str(model.model), model.revision,
+                                             vllm_config.load_config.download_dir))
 
 
 def _sharding(vllm_config: Any) -> Sharding:
