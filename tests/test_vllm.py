@@ -127,6 +127,9 @@ def test_settings_name_the_weights_in_the_keys(dram_yaml, tiny_model):
     assert read_settings({"kvtier_config": str(dram_yaml)}, facts).namespace.weights == fingerprint
     given = read_settings({"kvtier_config": str(dram_yaml), "weights_id": "ckpt-7"}, facts)
     assert given.namespace.weights == "id:ckpt-7"  # the user's name wins; the files are not read
+    loaded = [read_settings({"kvtier_config": str(dram_yaml)}, replace(facts, load_settings=f"quantization={q}"))
+              for q in ("None", "fp8")]
+    assert loaded[0].namespace.digest != loaded[1].namespace.digest, "the same files loaded another way"
 
 
 @pytest.mark.parametrize("extra, facts, message", [
@@ -179,7 +182,8 @@ def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, 
 def test_connector_reads_the_engine_from_vllms_config(tiny_model, dram_yaml):
     connector = _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml)})
     assert connector.settings.namespace.model == str(tiny_model)
-    assert connector.settings.namespace.weights == weights_fingerprint(WeightsSource(str(tiny_model)))
+    assert connector.settings.namespace.weights == (weights_fingerprint(WeightsSource(str(tiny_model)))
+                                                 + ";dtype=torch.float32;quantization=None")
     assert list(connector.settings.layer_index) == list(LAYER_NAMES)  # model order, whatever vLLM's order
 
 

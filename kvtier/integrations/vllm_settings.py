@@ -94,6 +94,8 @@ class EngineFacts:
         weights: where the engine loads its weights from; a fingerprint of those files goes into
             every block key (None: unknown, as in tests of the settings alone). Files, not tensors:
             the scheduler's process has no weights, and both roles must compute the same keys.
+        load_settings: how the engine turns those files into the model it runs (dtype,
+            quantization): the same files loaded another way compute other KV, so they key it too.
     """
 
     model_id: str
@@ -108,6 +110,7 @@ class EngineFacts:
     engine_tag: str = "engine"
     kv_cache_layout: str | None = None
     weights: WeightsSource | None = None
+    load_settings: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,7 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
                                                                      ("lookup_timeout_s", 1.0))]
     weights = user_weights_id(extra.get("weights_id"), f"{EXTRA}.weights_id")
     weights = weights or (weights_fingerprint(facts.weights) if facts.weights else "")
+    weights += f";{facts.load_settings}" if facts.load_settings else ""
     namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant, weights)
     return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
                     {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
@@ -264,7 +268,8 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
                        or vllm_config.cache_config.kv_cache_layout,
                        weights=WeightsSource(getattr(model, "model_weights", "") or str(model.model), model.revision,
-                                             vllm_config.load_config.download_dir))
+                                             vllm_config.load_config.download_dir),
+                       load_settings=f"dtype={model.dtype};quantization={model.quantization}")
 
 
 def _sharding(vllm_config: Any) -> Sharding:
