@@ -73,6 +73,10 @@ class TransferConfig:
     # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.health).
     tier_retry_s: float = 0.5
     tier_retry_max_s: float = 30.0
+    # Stores in flight (submitted, not yet landed) beyond this many bytes are dropped and counted
+    # (`store_backlog_full`), never queued: the engine must not wait for kvtier.
+    max_store_backlog_bytes: int = 256 << 20
+    background_nice: int = 10  # added to the nice value of the threads that move blocks between tiers
 
     def __post_init__(self) -> None:
         if not 0 < self.tier_retry_s <= self.tier_retry_max_s:
@@ -268,8 +272,8 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         if above.kind is below.kind:  # `hbm` and `HBM` are two YAML keys but one tier
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
-    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s"},
-                "transfer")
+    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s",
+                               "max_store_backlog", "background_nice"}, "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
@@ -287,6 +291,9 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             tier_retry_s=_number(transfer_raw.get("tier_retry_s", 0.5), "transfer.tier_retry_s", float, 1e-3),
             tier_retry_max_s=_number(transfer_raw.get("tier_retry_max_s", 30.0), "transfer.tier_retry_max_s",
                                      float, 1e-3),
+            max_store_backlog_bytes=parse_size(transfer_raw.get("max_store_backlog", "256MiB"),
+                                               "transfer.max_store_backlog"),
+            background_nice=_number(transfer_raw.get("background_nice", 10), "transfer.background_nice", int, 0, 19),
         ),
         prefetch=PrefetchConfig(
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),

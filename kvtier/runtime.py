@@ -16,7 +16,7 @@ import torch
 import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
-from kvtier.errors import KVTierError, TierIOError
+from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
@@ -63,6 +63,9 @@ class KVTier:
                  tiers: Mapping[TierKind, Tier] | None = None, stats: Stats | None = None) -> None:
         self.config = config
         self.layout = layout or _layout_from_model(config)
+        if config.transfer.max_store_backlog_bytes < self.layout.block_bytes:
+            raise ConfigError(f"transfer.max_store_backlog: {config.transfer.max_store_backlog_bytes} bytes is less "
+                              f"than one block ({self.layout.block_bytes} bytes): every store would be dropped")
         self.stats = stats or Stats()
         self.tiers: dict[TierKind, Tier] = dict(tiers or {})
         try:
@@ -83,7 +86,10 @@ class KVTier:
             raise
         self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
                                      chunk_bytes=config.transfer.chunk_bytes,
-                                     inline_bytes=config.transfer.inline_bytes, stats=self.stats)
+                                     inline_bytes=config.transfer.inline_bytes, stats=self.stats,
+                                     background_nice=config.transfer.background_nice)
+        self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
+        self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
         self._lock = threading.RLock()
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
@@ -116,14 +122,19 @@ class KVTier:
         """
         buffers = self._check_blocks(keys, blocks, "blocks")
         with self._lock:
-            plan = self.manager.prepare_store(keys, target)
+            taken, over = self._within_backlog(keys)
+            plan = self.manager.prepare_store(taken, target)
             ops = [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
                           checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
             self._submit_moves(plan.moves)
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.rejected:
                 handle.fail(key, Stage.WRITE, 0, "no tier had room for the block")
-            return self.engine.submit(ops, lambda h: self._on_stored(plan, h, h, buffers), handle=handle)
+            for key in over:
+                handle.fail(key, Stage.WRITE, 0, "the store backlog is full: dropped rather than waited for")
+            backlog = len(ops) * self.layout.block_bytes
+            self._backlog_bytes += backlog
+            return self.engine.submit(ops, lambda h: self._store_done(plan, h, buffers, backlog), handle=handle)
 
     def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor]) -> TransferHandle:
         """Copies stored blocks into the caller's buffers, layer by layer.
@@ -135,7 +146,7 @@ class KVTier:
         buffers = self._check_blocks(keys, into, "into")
         with self._lock:
             plan = self.manager.prepare_load(keys)
-            self._submit_moves(plan.moves)
+            self._submit_moves(plan.moves, background=False)
             ops = [CopyOp(s.key, self._end(s.tier, s.slot), Endpoint(buffer=buffers[s.key]),
                           verify=self._verify(s.key, s.tier),
                           after=self._move_handles.get(s.after_move)) for s in plan.sources]
@@ -207,7 +218,8 @@ class KVTier:
     def snapshot(self) -> dict[str, object]:
         """Usage, every counter, and the tiers out of service now (`unavailable`, with why)."""
         with self._lock:
-            return {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts()}
+            return {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
+                    "store_backlog_bytes": self._backlog_bytes}
 
     def describe(self) -> dict[str, object]:
         return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
@@ -278,19 +290,42 @@ class KVTier:
             raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
         return entry.checksums
 
-    def _submit_moves(self, moves: Sequence[Move]) -> TransferHandle:
-        """Starts `moves` as one batch; caller holds the lock."""
+    def _submit_moves(self, moves: Sequence[Move], background: bool = True) -> TransferHandle:
+        """Starts `moves` as one batch, on the background workers unless a caller waits on them
+        (`background=False`: the promotions a load reads from); caller holds the lock."""
         ops = []
         for m in moves:
             needs_sum = self.tiers[m.dst].medium in _BELOW_DRAM and self.manager.index.get(m.key).checksums is None
             ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), self._end(m.dst, m.dst_slot),
                               verify=self._verify(m.key, m.src), checksum=needs_sum))
         if not ops:
-            return _done_handle(self.layout)
+            return self._done
         handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
         for m in moves:  # before submitting: a small batch runs inline, `_on_moved` included
             self._move_handles[m.id] = handle
-        return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle)
+        return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle, background=background)
+
+    def _within_backlog(self, keys: Sequence[Hashable]) -> tuple[Sequence[Hashable], Sequence[Hashable]]:
+        """The leading keys whose stores fit in the backlog, and the rest (counted as dropped).
+
+        Stores in flight hold the caller's buffers and the workers' time; past
+        `transfer.max_store_backlog_bytes` a new block is dropped at once, never queued for a
+        stall. Caller holds the lock.
+        """
+        room = self.config.transfer.max_store_backlog_bytes - self._backlog_bytes
+        fits = max(room // self.layout.block_bytes, 0)
+        if fits >= len(keys):
+            return keys, ()
+        self.stats.dropped[DropReason.BACKLOG] += len(keys) - fits
+        return keys[:fits], keys[fits:]
+
+    def _store_done(self, plan: StorePlan, h: TransferHandle, buffers: Mapping[Hashable, torch.Tensor],
+                    backlog: int) -> None:
+        try:
+            self._on_stored(plan, h, h, buffers)
+        finally:
+            with self._lock:
+                self._backlog_bytes -= backlog
 
     def _on_stored(self, plan: StorePlan, h: TransferHandle, caller: TransferHandle,
                    buffers: Mapping[Hashable, torch.Tensor]) -> None:
@@ -411,14 +446,18 @@ class KVTier:
             prefetch.handle.cancel(idle)
 
     def _check_blocks(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, torch.Tensor]:
-        bufs = list(blocks) if not isinstance(blocks, torch.Tensor) else [blocks[i] for i in range(blocks.shape[0])]
+        n = self.layout.block_bytes
+        rows = isinstance(blocks, torch.Tensor) and blocks.dim() == 2
+        if rows and blocks.shape[1] == n and blocks.dtype == torch.uint8 and (n == 1 or blocks.stride(1) == 1):
+            bufs = blocks.unbind(0)  # each row of a [k, n] uint8 tensor whose rows are dense is a valid block
+        else:
+            bufs = blocks.unbind(0) if isinstance(blocks, torch.Tensor) and blocks.dim() else list(blocks)
+            for i, b in enumerate(bufs):
+                if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != n or not b.is_contiguous():
+                    raise ValueError(f"{what}[{i}]: expected a contiguous uint8 tensor of {n} bytes, "
+                                     f"got {b.dtype} {tuple(b.shape)}")
         if len(bufs) != len(keys):
             raise ValueError(f"{what}: {len(bufs)} blocks for {len(keys)} keys")
-        n = self.layout.block_bytes
-        for i, b in enumerate(bufs):
-            if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != n or not b.is_contiguous():
-                raise ValueError(f"{what}[{i}]: expected a contiguous uint8 tensor of {n} bytes, "
-                                 f"got {b.dtype} {tuple(b.shape)}")
         if len(set(keys)) != len(keys):
             raise ValueError(f"{what}: duplicate keys in one call")
         return dict(zip(keys, bufs))

@@ -24,6 +24,7 @@ class DropReason:
     LOWER_FULL = "lower_tiers_full"
     LOWER_DOWN = "lower_tiers_unavailable"  # evicted while every tier below was out of service
     NO_SPACE = "no_space"  # a store found no room in any tier
+    BACKLOG = "store_backlog_full"  # a store that would have waited behind too many others
     STORE_FAILED = "store_io_error"
     DEMOTION_FAILED = "demotion_io_error"
     CHECKSUM = "checksum_error"

@@ -21,10 +21,11 @@ miss, never another block's KV served as good.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -35,10 +36,12 @@ from kvtier.errors import IntegrityError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.layout import BlockLayout
 from kvtier.stats import Stats
-from kvtier.tiers.base import Medium, Tier
+from kvtier.tiers.base import Medium, Tier, TierKind, copy_bytes
 
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
+_TIER_NAMES = {kind: kind.name.lower() for kind in TierKind}  # route labels, built once: every copy names two
+_BUFFER_NAMES = {"cpu": "buffer:cpu", "cuda": "buffer:cuda"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,10 @@ class Endpoint:
 
     @property
     def name(self) -> str:
-        return self.tier.kind.name.lower() if self.tier is not None else f"buffer:{self.buffer.device.type}"
+        if self.tier is not None:
+            return _TIER_NAMES[self.tier.kind]
+        kind = self.buffer.device.type
+        return _BUFFER_NAMES.get(kind) or f"buffer:{kind}"
 
     def view(self, offset: int, length: int) -> torch.Tensor | None:
         if self.buffer is not None:
@@ -108,22 +114,32 @@ class TransferEngine:
             worker and back costs far more than the copy (~100 µs against ~6 µs for 64 KiB on a
             loaded 2-core host), which dominated small stores and loads on CPU engines.
         stats: receives bytes moved per (source, destination).
+        background_nice: the nice value added to the threads of background batches (demotions,
+            promotions, prefetches; `submit(background=True)`): on a host whose cores the engine's
+            own compute threads fill (a CPU engine), moving blocks between tiers then takes only
+            the time the engine leaves, instead of slowing its forward passes (0: same priority).
+
+    Foreground batches (the engine's stores and loads) and background ones run on separate
+    workers, so a load never queues behind a burst of demotions.
     """
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
-                 chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None) -> None:
+                 chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None,
+                 background_nice: int = 0) -> None:
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.inline_bytes = inline_bytes
         self.stats = stats or Stats()
-        self._jobs = ThreadPoolExecutor(job_workers, thread_name_prefix="kvtier-job")
-        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-io")
+        self._lanes = (_Lane("kvtier", job_workers, io_workers, 0),
+                       _Lane("kvtier-bg", job_workers, io_workers, background_nice))
+        self._all_spans = self._layer_spans(range(layout.num_layers))  # the usual case, computed once
         self._local = threading.local()
         self._cuda = _CudaCopier() if torch.cuda.is_available() else None
         self._closed = False
 
     def submit(self, ops: Sequence[CopyOp], on_done: Callable[[TransferHandle], None] | None = None,
-               layers: Sequence[int] | None = None, handle: TransferHandle | None = None) -> TransferHandle:
+               layers: Sequence[int] | None = None, handle: TransferHandle | None = None,
+               background: bool = False) -> TransferHandle:
         """Starts copying `ops`; returns at once.
 
         Jobs start in submission order, and a copy only waits (`after`) on transfers submitted
@@ -135,16 +151,18 @@ class TransferEngine:
             layers: copy only these layers (default: all, in order).
             handle: report on this handle (it may carry more keys than `ops`, e.g. misses
                 already marked failed); default a new one for the ops' keys.
+            background: a move between tiers, nobody waiting on it: the background workers.
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
         if self._cuda is not None:  # the caller's pending GPU work on its buffers comes first
             handle.cuda_ready = self._cuda.mark_caller()
+        lane = self._lanes[background]
         if self._runs_inline(ops):  # done when this returns; `on_done` has run in this thread
-            self._run(list(ops), handle, on_done, layers, time.perf_counter())
+            self._run_whole(ops, handle, on_done, layers, time.perf_counter())
         else:
-            self._jobs.submit(self._run, list(ops), handle, on_done, layers, time.perf_counter())
+            lane.jobs.submit(self._run, lane, list(ops), handle, on_done, layers, time.perf_counter())
         return handle
 
     def run_now(self, ops: Sequence[CopyOp], handle: TransferHandle) -> TransferHandle:
@@ -153,7 +171,7 @@ class TransferEngine:
         that must copy more before its own handle finishes (the runtime's store retries)."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        self._run(list(ops), handle, None, None, time.perf_counter())
+        self._run(self._lanes[0], list(ops), handle, None, None, time.perf_counter())
         return handle
 
     def _runs_inline(self, ops: Sequence[CopyOp]) -> bool:
@@ -166,16 +184,17 @@ class TransferEngine:
         """Waits for running transfers, then stops the workers. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._jobs.shutdown(wait=True)
-            self._io.shutdown(wait=True)
+            for lane in self._lanes:
+                lane.close()
 
     # ---- execution -----------------------------------------------------------------------
 
-    def _run(self, ops: list[CopyOp], handle: TransferHandle, on_done, layers, submitted: float) -> None:
+    def _run(self, lane: _Lane, ops: list[CopyOp], handle: TransferHandle, on_done, layers,
+             submitted: float) -> None:
         error: BaseException | None = None
         try:
             for first, last in self._spans(layers):
-                self._run_span(ops, handle, first, last)
+                self._run_span(lane, ops, handle, first, last)
                 handle.layer_done(last)
             self._observe(ops, handle, time.perf_counter() - submitted)
             if on_done is not None:
@@ -185,8 +204,34 @@ class TransferEngine:
             error = e
         handle.finish(error)
 
-    def _observe(self, ops: list[CopyOp], handle: TransferHandle, seconds: float) -> None:
+    def _run_whole(self, ops: Sequence[CopyOp], handle: TransferHandle, on_done, layers, submitted: float) -> None:
+        """An inline batch (`_runs_inline`): the caller sees it only once it is done, so layer
+        progress cannot be watched and each block is one copy of its layers, without spans."""
+        if layers is not None:
+            return self._run(self._lanes[0], list(ops), handle, on_done, layers, submitted)
+        error: BaseException | None = None
+        last = self.layout.num_layers - 1
+        try:
+            for op in ops:
+                if handle.is_cancelled(op.key):
+                    handle.fail(op.key, Stage.CANCELLED, 0, "cancelled")
+                elif op.key not in handle.failed:
+                    self._copy_guarded(op, handle, 0, last)
+            handle.layer_done(last)
+            self._observe(ops, handle, time.perf_counter() - submitted)
+            if on_done is not None:
+                on_done(handle)
+        except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
+            log.exception("transfer of %d blocks failed", len(ops))
+            error = e
+        handle.finish(error)
+
+    def _observe(self, ops: Sequence[CopyOp], handle: TransferHandle, seconds: float) -> None:
         """Per-block latency, from submission to the last layer landing, by route."""
+        if len(ops) == 1:  # the usual small call: no Counter
+            if ops[0].key not in handle.failed:
+                self.stats.observe_transfer(ops[0].src.name, ops[0].dst.name, seconds, 1)
+            return
         routes = Counter((op.src.name, op.dst.name) for op in ops if op.key not in handle.failed)
         for (src, dst), n in routes.items():
             self.stats.observe_transfer(src, dst, seconds, n)
@@ -197,9 +242,11 @@ class TransferEngine:
         Fewer, larger copies cost less per byte; a layer is still reported as soon as the span
         holding it lands, so `chunk_bytes=0` gives strictly per-layer progress.
         """
-        order = list(layers) if layers is not None else list(range(self.layout.num_layers))
+        return self._all_spans if layers is None else self._layer_spans(layers)
+
+    def _layer_spans(self, layers: Iterable[int]) -> list[tuple[int, int]]:
         spans: list[tuple[int, int]] = []
-        for layer in order:
+        for layer in layers:
             if spans and spans[-1][1] == layer - 1 and self._span_bytes(*spans[-1]) < self.chunk_bytes:
                 spans[-1] = (spans[-1][0], layer)
             else:
@@ -209,14 +256,19 @@ class TransferEngine:
     def _span_bytes(self, first: int, last: int) -> int:
         return self.layout.offsets[last + 1] - self.layout.offsets[first]
 
-    def _run_span(self, ops: list[CopyOp], handle: TransferHandle, first: int, last: int) -> None:
+    def _run_span(self, lane: _Lane, ops: list[CopyOp], handle: TransferHandle, first: int, last: int) -> None:
         live = [op for op in ops if self._still_live(op, handle, first, last)]
         slow = [op for op in live if op.src.below_dram or op.dst.below_dram]
-        futures = [self._io.submit(self._copy_guarded, op, handle, first, last) for op in slow]
+        # All but one disk/remote copy go to the I/O workers, so that they are in flight together;
+        # this thread does the last itself (at queue depth 1: no hand-off at all) and the memory ones.
+        futures = [lane.io.submit(self._copy_guarded, op, handle, first, last) for op in slow[:-1]]
         for op in live:
             if not (op.src.below_dram or op.dst.below_dram):
                 self._copy_guarded(op, handle, first, last)
-        wait(futures)
+        if slow:
+            self._copy_guarded(slow[-1], handle, first, last)
+        if futures:
+            wait(futures)
         if self._cuda is not None:
             self._cuda.sync()
 
@@ -278,7 +330,7 @@ class TransferEngine:
         if dst.is_cuda or src.is_cuda:
             self._cuda.copy(dst, src, blocking=staged, after=ready)  # a staging buffer is reused at once: wait
         else:
-            dst.copy_(src)
+            copy_bytes(dst, src)
 
     def _staging(self, length: int, which: int) -> torch.Tensor:
         """A per-thread host buffer (pinned with CUDA) of at least `length` bytes."""
@@ -288,6 +340,29 @@ class TransferEngine:
         if bufs[which].numel() < length:
             bufs[which] = torch.empty(length, dtype=torch.uint8, pin_memory=self._cuda is not None)
         return bufs[which][:length]
+
+
+class _Lane:
+    """Workers for one kind of batch: jobs (one batch each) and I/O threads (its slow copies),
+    their threads `nice`d by `nice` (Linux applies a nice value per thread)."""
+
+    def __init__(self, name: str, job_workers: int, io_workers: int, nice: int) -> None:
+        init = (lambda: _lower_priority(nice)) if nice else None
+        self.jobs = ThreadPoolExecutor(job_workers, thread_name_prefix=f"{name}-job", initializer=init)
+        self.io = ThreadPoolExecutor(io_workers, thread_name_prefix=f"{name}-io", initializer=init)
+
+    def close(self) -> None:
+        self.jobs.shutdown(wait=True)
+        self.io.shutdown(wait=True)
+
+
+def _lower_priority(nice: int) -> None:
+    """Adds `nice` to the calling thread's nice value (best effort: logged where refused)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+    except (AttributeError, OSError) as e:
+        log.debug("background transfer threads keep their priority: %s", e)
 
 
 class _StageError(Exception):

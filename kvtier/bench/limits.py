@@ -4,7 +4,7 @@ A limit moves the same bytes as the kvtier op it is paired with, at the same blo
 depth, with the least software a program can put in the way:
 
 - `CopyLimit`: device <-> host copies. On a GPU, pinned `cudaMemcpy` (torch `copy_` between a pinned
-  host tensor and a device tensor, then a stream synchronize); without one, memcpy (torch `copy_`
+  host tensor and a device tensor, then a stream synchronize); without one, memcpy (one thread: `tiers.base.copy_bytes`
   between two host tensors), since a CPU tensor stands in for HBM.
 - `DirectIOLimit`: raw `pwrite`/`preadv` of each block, O_DIRECT exactly when the SSD tier has it,
   files striped like the tier's, from 4 KiB-aligned host memory.
@@ -26,6 +26,7 @@ import torch
 
 from kvtier.errors import TierIOError
 from kvtier.pool.client import byte_view
+from kvtier.tiers.base import copy_bytes
 
 PAGE_BYTES = 4096
 
@@ -52,8 +53,8 @@ class CopyLimit:
 
     def __init__(self, num_blocks: int, block_bytes: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.spill_name = "pinned cudaMemcpy D2H" if self.cuda else "memcpy (torch copy_)"
-        self.fill_name = "pinned cudaMemcpy H2D" if self.cuda else "memcpy (torch copy_)"
+        self.spill_name = "pinned cudaMemcpy D2H" if self.cuda else "memcpy (one thread)"
+        self.fill_name = "pinned cudaMemcpy H2D" if self.cuda else "memcpy (one thread)"
         self.host = host_buffer(num_blocks, block_bytes, pinned=self.cuda)
         self.device = random_fill(torch.empty((num_blocks, block_bytes), dtype=torch.uint8, device=device))
 
@@ -68,7 +69,7 @@ class CopyLimit:
             dst.copy_(src, non_blocking=True)
             torch.cuda.current_stream().synchronize()
         else:
-            dst.copy_(src)
+            copy_bytes(dst, src)  # the fastest host copy here, as the runtime's own (see copy_bytes)
 
     def close(self) -> None:
         self.host = self.device = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.errors import CapacityError, ConfigError, TierIOError
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
 
 
 class HBMTier(Tier):
@@ -152,6 +152,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None
     buffer is filled (or free to reuse) when this returns.
     """
     if dst.device == src.device:
+        if dst.device.type == "cpu":
+            copy_bytes(dst, src)
+            return
         if stream is None or dst.device.type != "cuda":
             dst.copy_(src)
             return
