@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.pool.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,11 +38,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--hugepages", action="store_true", help="map the memory on 2 MiB hugepages (MAP_HUGETLB)")
     serve.add_argument("--lease-s", type=float, default=10.0, help="read lease granted per hit (default 10)")
     serve.add_argument("--max-lease-s", type=float, default=60.0, help="longest lease a client may ask for")
-    serve.add_argument("--max-connections", type=int, default=1024)
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="connections at once, those still authenticating included (default 1024)")
+    serve.add_argument("--max-handshakes", type=int, default=64,
+                       help="connections still authenticating at once; past it the oldest is closed (default 64)")
+    serve.add_argument("--handshake-timeout-s", type=float, default=10.0,
+                       help="time a connection has to authenticate, all of its handshake (default 10)")
+    serve.add_argument("--max-leases-per-connection", type=int, default=MAX_LEASES_PER_OWNER,
+                       help=f"read and write leases one connection may hold (default {MAX_LEASES_PER_OWNER})")
+    serve.add_argument("--max-leases-per-tenant", type=int, default=MAX_LEASES_PER_TENANT,
+                       help=f"leases one tenant may hold over all its connections (default {MAX_LEASES_PER_TENANT})")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port)")
     serve.set_defaults(func=run_serve)
-    stats = sub.add_parser("stats", help="show a node's capacity, use, hits, evictions and transport")
+    stats = sub.add_parser("stats", help="show a node's capacity, use, hits, evictions and transport",
+                           description="What the credential may see: a tenant's own use and counters and the "
+                                       "node's static facts, or node-wide figures for an operator (tenants file: "
+                                       "`operator: true`; without a tenants file the default tenant is one).")
     stats.add_argument("address", metavar="HOST:PORT")
     stats.add_argument("--tenant", default="default", help="tenant to authenticate as (default: default)")
     stats.add_argument("--secret-file", metavar="FILE", help="file holding the tenant's secret")
@@ -68,13 +81,19 @@ def node_config(args: argparse.Namespace):
     for name in ("lease_s", "max_lease_s"):
         if not 0 <= getattr(args, name) < 1e6:
             raise ConfigError(f"--{name.replace('_', '-')}: must be in [0, 1e6), got {getattr(args, name)}")
-    if args.max_connections < 1:
-        raise ConfigError(f"--max-connections: must be >= 1, got {args.max_connections}")
+    if not 0 < args.handshake_timeout_s < 1e6:
+        raise ConfigError(f"--handshake-timeout-s: must be in (0, 1e6), got {args.handshake_timeout_s}")
+    for name in ("max_connections", "max_handshakes", "max_leases_per_connection", "max_leases_per_tenant"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     transport, reason = choose_transport(TransportKind(args.transport))
     tenants = load_tenants(args.tenants, capacity) if args.tenants else open_tenants(capacity)
     return NodeConfig(host, port, capacity, tenants, region_bytes=region, transport=transport.value,
                       transport_reason=reason, hugepages=args.hugepages, lease_s=args.lease_s,
-                      max_lease_s=args.max_lease_s, max_connections=args.max_connections)
+                      max_lease_s=args.max_lease_s, max_connections=args.max_connections,
+                      max_handshakes=args.max_handshakes, handshake_timeout_s=args.handshake_timeout_s,
+                      max_leases_per_connection=args.max_leases_per_connection,
+                      max_leases_per_tenant=args.max_leases_per_tenant)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -133,11 +152,14 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def _print_table(f: dict[str, Any]) -> None:
+    """A node's stats as a table: node-wide rows for an operator's credential, the tenant's own
+    figures otherwise (the node decides which it sends)."""
     from rich.console import Console
     from rich.table import Table
 
     from kvtier.pool.units import format_size
 
+    node_wide = f.get("scope", "node") == "node"
     lookups = f["hits"] + f["misses"]
     rows = [
         ("node", f"{f['address']} (id {f['node']}, up {f['uptime_s']:.0f} s)"),
@@ -145,23 +167,32 @@ def _print_table(f: dict[str, Any]) -> None:
         ("memory", f["memory"]),
         ("capacity", (f"{format_size(f['capacity_bytes'])} in {f['num_regions']} regions of "
                       f"{format_size(f['region_bytes'])}")),
-        ("used", (f"{format_size(f['used_bytes'])} ({100 * f['used_bytes'] / f['capacity_bytes']:.1f}%), "
-                  f"{f['num_blocks']:,} blocks, {f['free_regions']} free regions")),
+        ("used" if node_wide else "used by this tenant",
+         f"{format_size(f['used_bytes'])} ({100 * f['used_bytes'] / f['capacity_bytes']:.1f}%), "
+         f"{f['num_blocks']:,} blocks" + (f", {f['free_regions']} free regions" if node_wide else "")),
         ("hits / misses", f"{f['hits']:,} / {f['misses']:,}"
                           + (f" ({100 * f['hits'] / lookups:.1f}% hit)" if lookups else "")),
         ("puts / evictions", f"{f['puts']:,} / {f['evictions']:,}"),
-        ("rejected puts", f"full {f['rejected_full']:,}, quota {f['rejected_quota']:,}, busy {f['rejected_busy']:,}"),
+        ("rejected puts", (f"full {f['rejected_full']:,}, quota {f['rejected_quota']:,}, busy {f['rejected_busy']:,}, "
+                           f"lease limit {f.get('rejected_limit', 0):,}")),
         ("duplicate puts", (f"{format_size(f.get('duplicate_put_bytes', 0))} sent for keys already stored "
                             f"(and dropped); {format_size(f.get('bytes_in', 0))} written")),
         ("leases", f"{f['active_leases']:,} active, {f['leases_expired']:,} expired"),
-        ("connections", (f"{f['active_connections']:,} open, {f['connections']:,} since start, "
-                         f"{f['auth_failures']:,} auth failures, {f['protocol_errors']:,} protocol errors")),
     ]
+    if node_wide:
+        rows.append(("connections", (
+            f"{f['active_connections']:,} open, {f['connections']:,} since start, {f['refused_busy']:,} refused busy, "
+            f"{f['auth_failures']:,} auth failures ({f.get('auth_throttled', 0):,} refused after), "
+            f"{f['protocol_errors']:,} protocol errors")))
+        rows.append(("handshakes", (f"{f.get('handshakes_pending', 0):,} pending, "
+                                    f"{f.get('handshake_timeouts', 0):,} timed out, "
+                                    f"{f.get('handshakes_evicted', 0):,} closed for newer ones")))
     if "tenant" in f:
         t = f["tenant"]
         rows.append(("this tenant", (f"{t['name']}: {format_size(t['used_bytes'])} of "
                                      f"{format_size(t['quota_bytes'])} quota, {t['num_blocks']:,} blocks")))
-    table = Table("", "", show_header=False, title="kvtier pool node")
+    title = "kvtier pool node" + ("" if node_wide else " (as this tenant sees it)")
+    table = Table("", "", show_header=False, title=title)
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)

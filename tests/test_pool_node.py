@@ -88,10 +88,11 @@ def node():
 
 @pytest.fixture(scope="module")
 def tenants_file(tmp_path_factory):
+    """alice holds the operator's credential (node-wide STATS); bob is a tenant with a quota."""
     path = tmp_path_factory.mktemp("pool") / "tenants.yaml"
     (path.parent / "bob.key").write_bytes(SECRETS["bob"] + b"\n")
     path.write_text("tenants:\n"
-                    f"  - {{name: alice, secret: {SECRETS['alice'].decode()}}}\n"
+                    f"  - {{name: alice, secret: {SECRETS['alice'].decode()}, operator: true}}\n"
                     "  - {name: bob, secret_file: bob.key, quota: 128KiB}\n")
     return path
 
@@ -447,15 +448,19 @@ def test_hugepages_are_used_or_the_reason_is_reported():
 
 
 def test_connections_beyond_the_limit_are_refused_with_busy():
+    """Authenticated connections fill the limit; the next one is told BUSY. (Connections still in
+    their handshake make room for new ones instead: tests/attacks/test_attack_pool_admission.py.)"""
     with running_node(capacity="4MiB", extra=["--max-connections", "2"]) as n:
         held: list[Raw] = []
         for _ in range(10):  # open until refused (the readiness probe's socket may still count for a moment)
             raw = Raw(n.address, auth=False)
-            raw.send(MsgType.HELLO, {"tenant": "default", "nonce": os.urandom(32)})
+            nonce = os.urandom(32)
+            raw.send(MsgType.HELLO, {"tenant": "default", "nonce": nonce})
             msg, header, _ = raw.recv()
             if msg is MsgType.ERROR:
                 assert header["code"] == ErrorCode.BUSY and raw.closed_by_peer()
                 break
+            raw.call(MsgType.AUTH, {"mac": proof(b"", b"client", "default", nonce, header["nonce"])})
             held.append(raw)
         assert 1 <= len(held) <= 2
         for raw in held:

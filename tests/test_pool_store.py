@@ -211,3 +211,121 @@ def test_too_large_and_generations_are_unique(clock) -> None:
         put(store, b"k%d" % i)
         gens.add(read_lease(store, b"k%d" % i, lease_s=0).block.gen)
     assert len(gens) == 20
+
+
+# ---- no tenant reads bytes it did not write (issue 9, item 1) -------------------------------
+
+class Scrubs(list):
+    """A `Scrub` that records its calls: (region id, start, length, hand_over)."""
+
+    def __call__(self, region, start: int, length: int, hand_over: bool) -> int:
+        self.append((region.id, start, length, hand_over))
+        return length
+
+
+def scrubbing_store(clock: Clock, regions: int = 1, **kw) -> tuple[BlockStore, Scrubs]:
+    scrubs = Scrubs()
+    return BlockStore(regions * REGION, REGION, {"a": regions * REGION, "b": regions * REGION}, clock,
+                      scrub=scrubs, **kw), scrubs
+
+
+def test_a_region_passing_to_another_tenant_is_zeroed_over_what_was_allocated(clock) -> None:
+    store, scrubs = scrubbing_store(clock)
+    put(store, b"k0")
+    put(store, b"k1")
+    assert store.delete("a", [b"k0", b"k1"]) == 2  # the region is free, and holds a's bytes
+    put(store, b"k2")
+    assert scrubs == [], "back to its last tenant: nothing to hide"
+    store.delete("a", [b"k2"])
+    assert put(store, b"b0", tenant="b") is GrantStatus.GRANTED
+    assert scrubs == [(0, 0, 2 * BLOCK, True)], "only the extent ever allocated is zeroed"
+    assert store.counters["scrubbed_bytes"] == 2 * BLOCK and store.counters["region_handovers"] == 1
+
+
+def test_an_idle_region_evicted_for_another_tenant_is_zeroed_before_it_is_handed_over(clock) -> None:
+    store, scrubs = scrubbing_store(clock)
+    for i in range(4):
+        put(store, b"a%d" % i)
+    assert store.alloc("b", b"slot", BLOCK).status is GrantStatus.GRANTED  # evicts a's whole region
+    assert store.contains("a", [b"a0"]) == [False]
+    assert scrubs[0] == (0, 0, REGION, True)
+
+
+def test_a_mutable_block_is_zeroed_when_its_slot_held_bytes_before(clock) -> None:
+    store, scrubs = scrubbing_store(clock)
+    put(store, b"k")
+    store.delete("a", [b"k"])
+    slot = store.alloc("a", b"slot", BLOCK - 10).block  # readable at once: the old bytes must not show
+    assert scrubs == [(0, 0, BLOCK - 10, False)]
+    assert store.alloc("a", b"fresh", BLOCK).block.offset == BLOCK and len(scrubs) == 1, "a never-used slot"
+    assert store.alloc("a", b"slot", BLOCK - 10).block is slot and len(scrubs) == 1, "the same block: not again"
+
+
+def write(store: BlockStore, grant, start: int, length: int) -> None:
+    b = grant.block
+    store.end_access(store.begin_access("a", b.region.id, b.offset + start, length, b.gen, write=True), ok=True)
+
+
+def test_a_commit_needs_writes_that_covered_every_byte_not_a_byte_count(clock) -> None:
+    store = make_store(clock)
+    g = store.put_begin("a", b"k", BLOCK, 30)
+    for _ in range(4):
+        write(store, g, 0, BLOCK // 4)  # as many bytes as the block, all in its first quarter
+    assert not store.commit("a", b"k", g.block.gen, 1) and store.get("a", [b"k"], 1) == [None]
+    g = store.put_begin("a", b"k", BLOCK, 30)
+    for quarter in (3, 1, 0, 2):  # out of order, overlapping the next by a byte
+        write(store, g, quarter * BLOCK // 4, min(BLOCK // 4 + 1, BLOCK - quarter * BLOCK // 4))
+    assert store.commit("a", b"k", g.block.gen, 1) and store.get("a", [b"k"], 1)[0] is not None
+
+
+def test_coverage_remembers_a_bounded_number_of_ranges_and_never_more_than_was_written(clock) -> None:
+    store = make_store(clock)
+    g = store.put_begin("a", b"k", BLOCK, 30)
+    for i in range(1, BLOCK // 2):  # every other byte past the first: thousands of islands
+        write(store, g, 2 * i, 1)
+    assert len(g.block.islands) <= 32
+    write(store, g, 0, BLOCK - 1)
+    assert not store.commit("a", b"k", g.block.gen, 1), "the last byte was never written"
+
+
+# ---- leases are bounded (issue 9, item 6) ----------------------------------------------------
+
+def test_leases_are_bounded_per_connection_and_per_tenant_and_a_refusal_leases_nothing(clock) -> None:
+    store = BlockStore(2 * REGION, REGION, {"a": 2 * REGION, "b": 2 * REGION}, clock,
+                       max_leases_per_owner=3, max_leases_per_tenant=5)
+    for i in range(4):
+        put(store, b"k%d" % i)
+    put(store, b"b", tenant="b")
+    assert all(store.get("a", [b"k0", b"k1", b"k2"], 30, owner="c1"))
+    with pytest.raises(AccessError) as info:
+        store.get("a", [b"k3"], 30, owner="c1")
+    assert info.value.code is ErrorCode.LIMIT and store.stats("a")["tenant"]["active_leases"] == 3
+    assert all(store.get("a", [b"k3", b"k3"], 30, owner="c2"))  # another connection: the tenant's bound
+    with pytest.raises(AccessError):
+        store.get("a", [b"k0"], 30, owner="c3")
+    assert store.put_begin("a", b"new", BLOCK, 30, owner="c3").status is GrantStatus.LIMIT
+    assert all(store.get("b", [b"b"] * 3, 30, owner="c4")), "another tenant is unaffected"
+    assert store.counters["rejected_limit"] == 3
+
+
+def test_a_closed_connection_leaves_no_lease_and_no_abandoned_put_behind(clock) -> None:
+    store = make_store(clock)
+    put(store, b"k")
+    store.get("a", [b"k"] * 100, 30, owner="c1")
+    g = store.put_begin("a", b"half", BLOCK, 30, owner="c1")
+    write(store, g, 0, BLOCK // 2)
+    store.get("a", [b"k"], 30, owner="c2")
+    store.disconnect("c1")
+    assert store.stats()["active_leases"] == 1 and store.counters["leases_dropped_on_close"] == 101
+    assert store.put_begin("a", b"half", BLOCK, 30).status is GrantStatus.GRANTED, "the abandoned put is gone"
+
+
+def test_released_leases_give_their_memory_back_before_they_would_have_expired(clock) -> None:
+    store = make_store(clock)
+    put(store, b"k")
+    grants = store.get("a", [b"k"] * 4096, 60, owner="c1") + store.get("a", [b"k"] * 4096, 60, owner="c1")
+    store.release("a", [g.lease for g in grants[:4096]])
+    assert store.stats()["active_leases"] == 4096
+    store.disconnect("c1")
+    facts = store.stats()
+    assert facts["active_leases"] == 0 and facts["lease_heap_entries"] <= 1024 < 8192

@@ -9,6 +9,7 @@ would pin it anyway), so no put pays for first-touch page faults.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from pathlib import Path
 
@@ -20,6 +21,7 @@ class Arena:
     """`capacity_bytes` of zero-filled memory and a `memoryview` over it. One owner: the node.
 
     Attributes:
+        address: where the memory starts (for `zero` and RDMA registration).
         hugepages: True when the mapping is on MAP_HUGETLB pages.
         description: what the memory is, for `kvtier pool stats` and the node's start line.
     """
@@ -47,6 +49,17 @@ class Arena:
                             + (f"; hugepages requested but unavailable: {why}" if why else "")
                             + (", prefaulted" if prefault else ""))
         self.view = memoryview(self._mm)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))  # the export ends with the temporary
+
+    def zero(self, offset: int, length: int) -> None:
+        """Sets `length` bytes at `offset` to zero (memory about to pass to another tenant).
+
+        Raises:
+            ValueError: the range is outside the arena, or the arena is closed.
+        """
+        if self._mm is None or offset < 0 or length < 0 or offset + length > self.capacity_bytes:
+            raise ValueError(f"arena: cannot zero [{offset}, {offset + length}) of {self.capacity_bytes} bytes")
+        ctypes.memset(self.address + offset, 0, length)  # releases the GIL, unlike a slice assignment
 
     def close(self) -> None:
         """Unmaps the memory. Idempotent. Raises BufferError while a slice of `view` is alive."""

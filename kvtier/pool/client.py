@@ -9,8 +9,10 @@ put:  PUT_BEGIN (a slot under a write lease) -> one-sided WRITE of the bytes -> 
       Over TCP one PUT frame carries all three, bytes included: one round trip, as a raw socket
       (a block the node holds already is sent anyway, then dropped and counted in the node's
       `duplicate_put_bytes`; `PoolNode._put` says why that beats asking first).
-get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check; the lease is
-      released with the next GET to that node (or expires), which saves a round trip per get.
+get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check (seeded with the
+      key: `block_checksum`); the lease is released with the next GET to that node (or expires),
+      which saves a round trip per get. A node that answers LIMIT (this client holds as many
+      leases as it may) leased nothing: its keys are misses.
       Over TCP the GET asks for the hits' bytes inline instead: one round trip, as a raw socket.
 
 Faults are misses, never errors and never wrong bytes: a node that is down, slow or dies mid-call
@@ -37,9 +39,10 @@ import xxhash
 
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
-from kvtier.pool.connection import AuthFailed, NodeLink, NodeUnavailable, RemoteError, Request
+from kvtier.pool.buffers import block_checksum, byte_view
+from kvtier.pool.connection import AuthFailed, NodeConnection, NodeLink, NodeUnavailable, RemoteError, Request
 from kvtier.pool.detect import TransportKind, choose_transport
-from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, GrantStatus, MsgType
+from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, ErrorCode, GrantStatus, MsgType
 from kvtier.pool.transport_tcp import TCPTransport
 from kvtier.pool.units import parse_address
 
@@ -222,7 +225,7 @@ class PoolClient:
 
     @property
     def counters(self) -> dict[str, int]:
-        """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors..."""
+        """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors, lease_limit..."""
         with self._lock:
             return dict(self._counters)
 
@@ -279,10 +282,15 @@ class PoolClient:
     def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         if self._data_plane(node).inline:
             return self._put_inline(node, keys, views)
-        link, sums = self.links[node], []
-        grants = link.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
+        with self.links[node].connection() as conn:  # the write leases are this connection's: see _get_on
+            return self._put_leased(node, conn, keys, views)
+
+    def _put_leased(self, node: int, conn: NodeConnection, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """PUT_BEGIN, one-sided writes and PUT_COMMIT (or PUT_ABORT) on `conn`, which holds the leases."""
+        sums: list[int] = []
+        grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
                                                           "lease_s": self.put_lease_s}),
-                              overlap=lambda: sums.extend(xxhash.xxh3_64_intdigest(v) for v in views))["grants"]
+                              overlap=lambda: sums.extend(map(block_checksum, keys, views)))["grants"]
         out = [g[0] == GrantStatus.EXISTS for g in grants]
         todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
         counts = {"put_exists": sum(out)}
@@ -299,9 +307,9 @@ class PoolClient:
         done = [j for j, ok in zip(todo, written) if ok]
         lost = [j for j, ok in zip(todo, written) if not ok]
         if lost:  # a write or commit that did not go through: free the slot now, not at lease expiry
-            link.call(MsgType.PUT_ABORT, {"keys": [keys[j] for j in lost], "gens": [grants[j][3] for j in lost]})
+            conn.call(MsgType.PUT_ABORT, {"keys": [keys[j] for j in lost], "gens": [grants[j][3] for j in lost]})
         if done and not transport.inline:
-            ok = link.call(MsgType.PUT_COMMIT, {"keys": [keys[j] for j in done], "gens": [grants[j][3] for j in done],
+            ok = conn.call(MsgType.PUT_COMMIT, {"keys": [keys[j] for j in done], "gens": [grants[j][3] for j in done],
                                                 "checksums": [sums[j] for j in done]})["ok"]
             done = [j for j, committed in zip(done, ok) if committed]
         for j in done:
@@ -316,7 +324,7 @@ class PoolClient:
         with self.links[node].connection() as conn:
             sent = [j for j, v in enumerate(views) if len(v) <= conn.max_payload]
             replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
-                                                            "checksum": xxhash.xxh3_64_intdigest(views[j])},
+                                                            "checksum": block_checksum(keys[j], views[j])},
                                               payload=views[j]) for j in sent])
         statuses = [int(GrantStatus.TOO_LARGE)] * len(keys)
         out = [False] * len(keys)
@@ -348,9 +356,39 @@ class PoolClient:
                         wrong_size.append(j)
             return out
 
-        hits = self.links[node].request(Request(
-            MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
-                          "inline": transport.inline}, into=inline_buffers, max_reply_payload=MAX_INLINE_BYTES))["hits"]
+        request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
+                                        "inline": transport.inline}, into=inline_buffers,
+                          max_reply_payload=MAX_INLINE_BYTES)
+        # One loan for the GET and the reads of its leased hits: the node ends a connection's
+        # leases when it closes, and a connection handed back may be closed at once (pool full).
+        with self.links[node].connection() as conn:
+            try:
+                hits = conn.request(request)["hits"]
+            except RemoteError as e:
+                if e.code is not ErrorCode.LIMIT:
+                    raise
+                self._count_all({"misses": len(keys), "lease_limit": 1})  # the node leased nothing
+                return [False] * len(keys)
+            found, read = self._read_leased(node, keys, views, hits, wrong_size)
+        out = [False] * len(keys)
+        stale = corrupt = 0
+        for j in found:
+            moved = read.get(j, True)  # an inline hit came with the reply
+            out[j] = moved and block_checksum(keys[j], views[j]) == hits[j][5]
+            stale += not moved
+            corrupt += moved and not out[j]
+        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
+        return out
+
+    def _read_leased(self, node: int, keys: list[bytes], views: list[memoryview], hits: list,
+                     wrong_size: list[int]) -> tuple[list[int], dict[int, bool]]:
+        """Checks a GET's answer, queues its leases for release and reads the leased hits; returns
+        the positions found and, per leased one, whether its bytes moved.
+
+        Raises:
+            NodeUnavailable: an answer of the wrong length.
+            ValueError: a buffer that is not the stored block's size.
+        """
         if len(hits) != len(keys):
             raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to {len(keys)} keys")
         found = [j for j, h in enumerate(hits) if h[0]]
@@ -361,17 +399,10 @@ class PoolClient:
                 self._counters["misses"] += len(keys) - len(found)
         for j in wrong_size + [j for j in leased if hits[j][3] != len(views[j])]:
             raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, buffer holds {len(views[j])}")
-        read = dict(zip(leased, transport.read_many([RemoteIO(Location(*hits[j][1:5]), views[j])
-                                                     for j in leased]))) if leased else {}
-        out = [False] * len(keys)
-        stale = corrupt = 0
-        for j in found:
-            moved = read.get(j, True)  # an inline hit came with the reply
-            out[j] = moved and xxhash.xxh3_64_intdigest(views[j]) == hits[j][5]
-            stale += not moved
-            corrupt += moved and not out[j]
-        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
-        return out
+        if not leased:
+            return found, {}
+        moved = self.transports[node].read_many([RemoteIO(Location(*hits[j][1:5]), views[j]) for j in leased])
+        return found, dict(zip(leased, moved))
 
     def _data_plane(self, node: int) -> Transport:
         """The node's transport; under `auto`, chosen on first use from what the node serves.
@@ -423,21 +454,3 @@ def _rdma_transport(link: NodeLink) -> Transport:
     from kvtier.pool.transport_rdma import RDMATransport  # verbs only where RDMA is used
 
     return RDMATransport(link)
-
-
-def byte_view(buf: Any, *, writable: bool, what: str) -> memoryview:
-    """A flat byte `memoryview` of bytes, bytearray, memoryview, a numpy array or a CPU torch tensor.
-
-    Raises:
-        ValueError: the buffer is not contiguous, or is read-only where it must be written.
-    """
-    if hasattr(buf, "numpy") and hasattr(buf, "is_contiguous"):  # a torch tensor, without importing torch
-        if buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError(f"{what}: expected a contiguous CPU tensor")
-        buf = buf.view(-1).numpy() if buf.dim() else buf.numpy()
-    view = memoryview(buf)
-    if not view.contiguous:
-        raise ValueError(f"{what}: expected a contiguous buffer")
-    if writable and view.readonly:
-        raise ValueError(f"{what}: expected a writable buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

@@ -37,7 +37,7 @@ class AuthFailed(NodeUnavailable):
 
 
 class RemoteError(Exception):
-    """A non-fatal error reply to one request (STALE, BOUNDS, FORBIDDEN); the socket stays usable."""
+    """A non-fatal error reply to one request (STALE, BOUNDS, FORBIDDEN, LIMIT); the socket stays usable."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
@@ -116,7 +116,11 @@ class NodeConnection:
             RemoteError: a non-fatal error reply.
             NodeUnavailable: as the class says; the socket is closed.
         """
-        reply = self.call_many([Request(msg, header, payload, into)])[0]
+        return self.request(Request(msg, header, payload, into))
+
+    def request(self, request: Request, overlap: Callable[[], None] | None = None) -> dict[str, Any]:
+        """`call` of a built `Request`; `overlap` runs while it travels. Raises as `call`."""
+        reply = self.call_many([request], overlap)[0]
         if isinstance(reply, RemoteError):
             raise reply
         return reply
@@ -238,7 +242,7 @@ class NodeLink:
         `connection()` and `NodeConnection.call`."""
         with self.connection() as conn:
             reply = conn.call_many([request], overlap)[0]
-        if isinstance(reply, RemoteError):
+        if isinstance(reply, RemoteError):  # raised out here: the connection goes back to the pool
             raise reply
         return reply
 

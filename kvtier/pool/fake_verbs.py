@@ -13,7 +13,8 @@ What it emulates, because the transport depends on it:
   region's owner writes `mr-<rkey>` into the fabric directory, the initiator checks bounds and access
   flags there and moves the bytes with process_vm_readv/writev, so the target's CPU does nothing;
 - memory registration fails with ENOMEM past `KVTIER_FAKE_MEMLOCK` bytes per process, as past
-  `ulimit -l` on a real host;
+  `ulimit -l` on a real host; an access through a deregistered MR's rkey completes with
+  REM_ACCESS_ERR, as on hardware;
 - completions: only signalled work requests complete, except errors, which always do; after an
   error the QP enters ERR and the rest of the chain completes with WR_FLUSH_ERR.
 """
@@ -71,7 +72,10 @@ def _fabric() -> Path:
 
 
 def _next_id() -> int:
-    return (os.getpid() & 0xFFF) << 12 | next(_ids) & 0xFFF  # unique across the fabric's processes
+    # Unique across the fabric's processes, and not reused soon within one: a node registers a
+    # region anew on each hand-over to another tenant, and the old rkey must stay dead (hardware
+    # varies an rkey's key byte for the same reason).
+    return (os.getpid() & 0xFFFF) << 16 | next(_ids) & 0xFFFF
 
 
 def get_device_list() -> list[SimpleNamespace]:

@@ -69,6 +69,7 @@ class ErrorCode(enum.IntEnum):
     STALE = 8  # the slot no longer holds that block (evicted, deleted, reused): a miss
     SHUTTING_DOWN = 9  # fatal
     INTERNAL = 10  # fatal
+    LIMIT = 11  # the connection or tenant holds as many leases as it may: this request leased nothing
 
 
 FATAL = frozenset({ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.VERSION, ErrorCode.AUTH,
@@ -84,6 +85,7 @@ class GrantStatus(enum.IntEnum):
     FULL = 3  # no slot could be freed (everything is leased)
     QUOTA = 4  # the tenant's quota is reached and nothing of its own can be evicted
     TOO_LARGE = 5  # longer than a region
+    LIMIT = 6  # the tenant or this connection holds as many leases as it may (a slot being written is leased)
 
 
 class ProtocolError(Exception):

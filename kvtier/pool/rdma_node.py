@@ -2,17 +2,20 @@
 RC queue pair per client connection that asked for one (RDMA_CONNECT).
 
 Each store region is registered on its own so that a tenant is told the `(addr, rkey)` of its own
-regions only. Known limit: a region handed to another tenant keeps its rkey, so a client that
-learned it earlier could still reach it; re-registering on hand-over (or memory windows) closes that.
+regions only. A region handed to another tenant is registered anew (`rekey`): the old registration
+is removed first, so an rkey a client learned earlier dies (its accesses complete with
+REM_ACCESS_ERR, which the client turns into misses and a reconnect) before the region is zeroed
+and the new tenant's bytes land. Within its own regions a tenant's rkey reaches every byte, free
+slots included: only bytes of that tenant, or zeros.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from typing import Any
 
 from kvtier.pool.arena import Arena
+from kvtier.pool.blocks import Region
 from kvtier.pool.store import BlockStore
 from kvtier.pool.verbs import Device, PeerInfo, QueuePair, load_verbs
 
@@ -26,9 +29,8 @@ class RdmaNode:
 
     def __init__(self, arena: Arena, store: BlockStore) -> None:
         self.device = Device(load_verbs())
-        self._store = store
-        base = ctypes.addressof(ctypes.c_char.from_buffer(arena.view))
-        self._mrs = [self.device.register(r.size, base + r.base) for r in store.regions]
+        self._store, self._arena = store, arena
+        self._mrs = [self.device.register(r.size, arena.address + r.base) for r in store.regions]
         self._qps: dict[Any, QueuePair] = {}
         self._lock = threading.Lock()
 
@@ -50,6 +52,20 @@ class RdmaNode:
         if old is not None:
             old.close()
         return {**qp.local_info().to_wire(), "regions": self.regions(tenant)}
+
+    def rekey(self, region: Region) -> int:
+        """Replaces `region`'s registration as it passes to another tenant (the store's lock held):
+        deregister, zero the whole region, register. Whole, not the store's dirty extent: one-sided
+        writes reach the free slots too, unseen by the store. Returns the bytes zeroed.
+
+        Raises:
+            the verbs' error when the new registration fails; the region's rkey is dead meanwhile
+            (its tenant's accesses are misses), and the next hand-over tries again.
+        """
+        self._mrs[region.id].close()
+        self._arena.zero(region.base, region.size)
+        self._mrs[region.id] = self.device.register(region.size, self._arena.address + region.base)
+        return region.size
 
     def regions(self, tenant: str) -> list[list[int]]:
         """`[id, addr, rkey, length]` of each region the tenant holds now (the store's lock held)."""

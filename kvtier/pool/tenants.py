@@ -7,6 +7,15 @@ configuration stays in `kvtier.config`):
       - name: team-a
         secret_file: /etc/kvtier/team-a.key   # or `secret: ...` inline
         quota: 64GiB                          # optional; default: the node's whole capacity
+      - name: ops
+        secret_file: /etc/kvtier/ops.key
+        operator: true                        # optional; default false
+
+A tenant's STATS shows the node's static facts (transport, memory, region size, capacity) and its
+own use, quota, blocks, leases and counters, never another tenant's activity. An **operator**
+credential (`operator: true`) sees the node-wide figures instead: all tenants' use and counters,
+connections, handshakes, authentication failures. Without a tenants file the one tenant,
+`default`, is the operator (there is nobody else to hide from).
 
 Authentication: the client sends its tenant name and a random nonce (HELLO); the node answers
 with its own nonce; the client proves knowledge of the secret with
@@ -38,9 +47,10 @@ class Tenant:
     name: str
     secret: bytes
     quota_bytes: int
+    operator: bool = False  # sees node-wide STATS
 
     def __repr__(self) -> str:  # never print a secret
-        return f"Tenant({self.name!r}, quota_bytes={self.quota_bytes})"
+        return f"Tenant({self.name!r}, quota_bytes={self.quota_bytes}, operator={self.operator})"
 
 
 def proof(secret: bytes, role: bytes, tenant: str, client_nonce: bytes, node_nonce: bytes) -> bytes:
@@ -50,8 +60,8 @@ def proof(secret: bytes, role: bytes, tenant: str, client_nonce: bytes, node_non
 
 
 def open_tenants(capacity_bytes: int) -> dict[str, Tenant]:
-    """Without a tenants file: one tenant, `default`, with an empty secret and the whole node."""
-    return {DEFAULT_TENANT: Tenant(DEFAULT_TENANT, b"", capacity_bytes)}
+    """Without a tenants file: one tenant, `default`, with an empty secret, the whole node, operator."""
+    return {DEFAULT_TENANT: Tenant(DEFAULT_TENANT, b"", capacity_bytes, operator=True)}
 
 
 def load_tenants(path: str | Path, capacity_bytes: int) -> dict[str, Tenant]:
@@ -82,9 +92,9 @@ def load_tenants(path: str | Path, capacity_bytes: int) -> dict[str, Tenant]:
 def _tenant(entry: Any, where: str, base: Path, capacity_bytes: int) -> Tenant:
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a mapping, got {entry!r}")
-    unknown = sorted(map(str, set(entry) - {"name", "secret", "secret_file", "quota"}))
+    unknown = sorted(map(str, set(entry) - {"name", "secret", "secret_file", "quota", "operator"}))
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown field; expected name, secret, secret_file, quota")
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field; expected name, secret, secret_file, quota, operator")
     name = entry.get("name")
     if not isinstance(name, str) or not name or len(name) > MAX_NAME_BYTES or not name.isprintable():
         raise ConfigError(f"{where}.name: expected a printable name of 1-{MAX_NAME_BYTES} characters, got {name!r}")
@@ -92,7 +102,10 @@ def _tenant(entry: Any, where: str, base: Path, capacity_bytes: int) -> Tenant:
     if not secret:
         raise ConfigError(f"{where}: tenant {name!r} needs a non-empty secret or secret_file")
     quota = parse_size(entry.get("quota", capacity_bytes), f"{where}.quota")
-    return Tenant(name, secret, quota)
+    operator = entry.get("operator", False)
+    if not isinstance(operator, bool):
+        raise ConfigError(f"{where}.operator: expected true or false, got {operator!r}")
+    return Tenant(name, secret, quota, operator)
 
 
 def read_secret(secret: Any, secret_file: Any, where: str, base: Path | None = None) -> bytes:
