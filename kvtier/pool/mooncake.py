@@ -32,7 +32,7 @@ import xxhash
 
 from kvtier.pool.mooncake_master import free_port
 from kvtier.errors import ConfigError, TierIOError, TransferError
-from kvtier.pool.client import byte_view
+from kvtier.pool.buffers import block_checksum, byte_view
 from kvtier.pool.units import parse_address
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
@@ -206,7 +206,7 @@ class MooncakeClient:
                 n = len(views[j])
                 self._staging[at: at + n] = views[j]
                 self._staging[at + n: at + n + TRAILER_BYTES] = _np().frombuffer(
-                    xxhash.xxh3_64_digest(views[j]), dtype=_np().uint8)
+                    _trailer(keys[j], views[j]), dtype=_np().uint8)
             codes = self._store.batch_upsert_from([self.key(keys[j]) for j in chunk],
                                                   [self._base + at for at in offsets], sizes)
             ok = [c == 0 for c in codes]
@@ -224,10 +224,11 @@ class MooncakeClient:
             self._check_open()
             codes = self._store.batch_get_into(names, [self._base + at for at in offsets],
                                                [len(views[j]) + TRAILER_BYTES for j in chunk])
-            out = [self._land(names[i], views[j], at, c) for i, (j, at, c) in enumerate(zip(chunk, offsets, codes))]
+            out = [self._land(names[i], keys[j], views[j], at, c)
+                   for i, (j, at, c) in enumerate(zip(chunk, offsets, codes))]
         return out
 
-    def _land(self, name: str, view: memoryview, at: int, code: int) -> Outcome:
+    def _land(self, name: str, key: bytes, view: memoryview, at: int, code: int) -> Outcome:
         """The outcome of one get, its bytes copied out of staging on a verified hit (lock held)."""
         n = len(view)
         if code == OBJECT_NOT_FOUND:
@@ -242,7 +243,7 @@ class MooncakeClient:
             log.debug("mooncake: get of %s failed (%d)", name, code)
             return Outcome.FAILED
         data = self._staging[at: at + n]
-        if xxhash.xxh3_64_digest(data) != self._staging[at + n: at + n + TRAILER_BYTES].tobytes():
+        if _trailer(key, data) != self._staging[at + n: at + n + TRAILER_BYTES].tobytes():
             self._counters["checksum_errors"] += 1
             self._counters["misses"] += 1
             return Outcome.MISS
@@ -409,3 +410,9 @@ def build_mooncake_tier(cfg, slot_bytes: int) -> MooncakeTier:
                             staging_bytes=max(16 << 20, 4 * _slot_bytes(slot_bytes)), tenant=cfg.tenant,
                             setup_timeout_s=cfg.timeout_s)
     return MooncakeTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
+
+
+def _trailer(key: bytes, data) -> bytes:
+    """The 8 bytes stored after a block: its key-seeded checksum (`buffers.block_checksum`), so bytes
+    under another key fail the check."""
+    return block_checksum(key, data).to_bytes(TRAILER_BYTES, "big")
