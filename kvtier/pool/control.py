@@ -32,8 +32,9 @@ def alloc(store: BlockStore, s: Session, h: dict) -> dict:
     return {"grants": [_grant(store.alloc(s.tenant, k, n)) for k, n in zip(h["keys"], h["lengths"])]}
 
 
-def commit(store: BlockStore, s: Session, h: dict) -> dict:
-    return {"ok": [store.commit(s.tenant, k, g, c) for k, g, c in zip(h["keys"], h["gens"], h["checksums"])]}
+def commit(store: BlockStore, s: Session, h: dict, holds: Callable | None = None) -> dict:
+    """PUT_COMMIT; `holds` checks blocks written one-sided (see `BlockStore.commit`)."""
+    return {"ok": [store.commit(s.tenant, k, g, c, holds) for k, g, c in zip(h["keys"], h["gens"], h["checksums"])]}
 
 
 def abort(store: BlockStore, s: Session, h: dict) -> dict:

@@ -25,7 +25,8 @@ from kvtier.pool import wire
 from kvtier.pool.admission import Admission, AuthThrottle, Limits
 from kvtier.pool.arena import Arena
 from kvtier.pool.blocks import Access, Region
-from kvtier.pool.control import CONTROL, Session
+from kvtier.pool.buffers import block_checksum
+from kvtier.pool.control import CONTROL, Session, commit
 from kvtier.pool.node_config import NodeConfig
 from kvtier.pool.protocol import (
     MAX_INLINE_BYTES,
@@ -71,6 +72,14 @@ class PoolNode:
                       MsgType.READ: self._read, MsgType.GET: self._get}  # requests that move block bytes
         self._control = {**{msg: functools.partial(handler, self.store) for msg, handler in CONTROL.items()},
                          MsgType.RDMA_REGIONS: lambda s, h: {"regions": self.rdma.regions(s.tenant)}}
+        if self.rdma is not None:  # one-sided writes: a commit is checked against the bytes that landed
+            self._control[MsgType.PUT_COMMIT] = lambda s, h: commit(self.store, s, h, self._holds)
+
+    def _holds(self, block, checksum: int) -> bool:
+        """Whether a block written one-sided holds the bytes its writer's `checksum` names (lock held:
+        one hash of the block, the price of a commit the node cannot otherwise check)."""
+        at = block.region.base + block.offset
+        return block_checksum(block.key, self.arena.view[at: at + block.length]) == checksum
 
     @property
     def address(self) -> tuple[str, int]:

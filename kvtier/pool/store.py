@@ -110,17 +110,24 @@ class BlockStore:
             return Grant(GrantStatus.EXISTS)
         return self._slabs.allocate(tenant, key, length, BlockState.READY, mutable=True)
 
-    def commit(self, tenant: str, key: bytes, gen: int, checksum: int) -> bool:
+    def commit(self, tenant: str, key: bytes, gen: int, checksum: int,
+               holds: Callable[[Block, int], bool] | None = None) -> bool:
         """Makes a WRITING block READY. False (and the block is dropped) unless writes covered every
         byte of it (`blocks.cover`); False also when the write lease expired or the block is not
-        that generation."""
+        that generation.
+
+        Args:
+            holds: for writes this store never saw (one-sided RDMA WRITEs): whether the block's
+                bytes match `checksum` (the node hashes them); a match stands for full coverage,
+                since the client's checksum is of the whole block it meant to write.
+        """
         self._expire()
         t = self._tenants[tenant]
         block = t.index.get(key)
         if block is None or block.gen != gen or block.state is not BlockState.WRITING:
             return False
         self._drop_lease(block.write_lease)
-        if block.written < block.length:
+        if block.written < block.length and not (holds is not None and holds(block, checksum)):
             if not block.busy:
                 self._slabs.remove(block)
             t.counters["aborted"] += 1
