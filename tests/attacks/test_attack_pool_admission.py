@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,15 @@ def node_threads(node: NodeProcess) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
 
 
-def wait_until(condition, what: str, tries: int = 5000) -> None:
-    """Polls `condition` (each try is a real call or read, never a sleep) until it holds."""
-    for _ in range(tries):
+def wait_until(condition, what: str, timeout_s: float = WAIT_S) -> None:
+    """Polls `condition` (each try is a real call or read, never a sleep) until it holds; the
+    deadline is a safety net for a loaded machine, never a measurement."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         if condition():
             return
-    raise AssertionError(f"never: {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
 
 
 def connect(address: str, source: str | None = None) -> socket.socket:
