@@ -68,7 +68,7 @@ class TierConfig:
 class TransferConfig:
     io_workers: int = 4
     chunk_bytes: int = 1 << 20  # consecutive layers are copied together up to this size (0: per layer)
-    inline_bytes: int = 256 << 10  # small host-memory batches run in the caller's thread (0: never)
+    inline_bytes: int = 1 << 20  # small host-memory batches run in the caller's thread (0: never)
     # A tier that fails as a whole leaves the cascade and is probed after this long, the wait
     # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.health).
     tier_retry_s: float = 0.5
@@ -287,7 +287,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         transfer=TransferConfig(
             io_workers=_number(transfer_raw.get("io_workers", 4), "transfer.io_workers", int, 1, 256),
             chunk_bytes=parse_size(transfer_raw.get("chunk_bytes", "1MiB"), "transfer.chunk_bytes"),
-            inline_bytes=parse_size(transfer_raw.get("inline_bytes", "256KiB"), "transfer.inline_bytes"),
+            inline_bytes=parse_size(transfer_raw.get("inline_bytes", "1MiB"), "transfer.inline_bytes"),
             tier_retry_s=_number(transfer_raw.get("tier_retry_s", 0.5), "transfer.tier_retry_s", float, 1e-3),
             tier_retry_max_s=_number(transfer_raw.get("tier_retry_max_s", 30.0), "transfer.tier_retry_max_s",
                                      float, 1e-3),

@@ -72,6 +72,13 @@ class Tier(ABC):
         """A zero-copy uint8 tensor over a slot range, or None where the medium has no such view."""
         return None
 
+    def host_rows(self) -> np.ndarray | None:
+        """The slots as a `[num_slots, slot_bytes]` uint8 NumPy array over the tier's own host
+        memory, for copies of whole blocks without building a tensor view per copy (a view costs
+        several µs, more than a small block's memcpy); None (the default) where the slots are
+        not host memory. Valid until `close()`."""
+        return None
+
     def host_memory(self) -> torch.Tensor | None:
         """The host memory every `view` of this tier lies in (a DRAM tier's slab), for tiers that
         can move bytes straight out of and into it; None (the default) where there is none."""

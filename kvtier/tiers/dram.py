@@ -44,6 +44,7 @@ class DRAMTier(Tier):
         total_bytes = self.num_slots * slot_bytes
         flat = _pinned_aligned(total_bytes) if self._pinned else _mmap_aligned(total_bytes)
         self._slab: torch.Tensor | None = flat.view(self.num_slots, slot_bytes)
+        self._rows = self._slab.numpy()
 
     @property
     def pinned(self) -> bool:
@@ -83,6 +84,10 @@ class DRAMTier(Tier):
         view = self.view(slot, offset, dst.numel())
         dst.copy_(view) if dst.is_cuda else copy_bytes(dst, view)
 
+    def host_rows(self):
+        """The slab as a NumPy array (see `Tier.host_rows`); None once closed."""
+        return None if self._slab is None else self._rows
+
     def host_memory(self) -> torch.Tensor | None:
         """The whole slab (None once closed): every `view` lies in it."""
         return None if self._slab is None else self._slab.view(-1)
@@ -114,8 +119,6 @@ def _mmap_aligned(num_bytes: int) -> torch.Tensor:
     unmapped when the last tensor over it is freed.
     """
     region = mmap.mmap(-1, _round_up(num_bytes, PAGE_BYTES))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(region, dtype=torch.uint8, count=num_bytes)
     flat.zero_()  # a write per page: the kernel backs each one now (zero pages would fault again)
     return flat
