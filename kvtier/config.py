@@ -77,6 +77,10 @@ class TransferConfig:
     # (`store_backlog_full`), never queued: the engine must not wait for kvtier.
     max_store_backlog_bytes: int = 256 << 20
     background_nice: int = 10  # added to the nice value of the threads that move blocks between tiers
+    # A hit whose measured load time would exceed the engine's measured recompute time for its
+    # tokens is reported as a miss (`KVTier.loadable`, kvtier.cost); needs the engine's
+    # `note_compute` reports, which the vLLM connector sends.
+    skip_slow_loads: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.tier_retry_s <= self.tier_retry_max_s:
@@ -273,7 +277,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
     _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s",
-                               "max_store_backlog", "background_nice"}, "transfer")
+                               "max_store_backlog", "background_nice", "skip_slow_loads"}, "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
@@ -294,6 +298,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             max_store_backlog_bytes=parse_size(transfer_raw.get("max_store_backlog", "256MiB"),
                                                "transfer.max_store_backlog"),
             background_nice=_number(transfer_raw.get("background_nice", 10), "transfer.background_nice", int, 0, 19),
+            skip_slow_loads=_bool(transfer_raw.get("skip_slow_loads", True), "transfer.skip_slow_loads"),
         ),
         prefetch=PrefetchConfig(
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),

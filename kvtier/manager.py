@@ -157,6 +157,18 @@ class TierManager:
             n += 1
         return n
 
+    def serving_tiers(self, keys: Iterable[Hashable]) -> list[TierKind]:
+        """The tier that would serve each block of the longest READY prefix of `keys` (as `lookup`)."""
+        tiers = []
+        get = self.index.get
+        for key in keys:
+            entry = get(key)
+            tier = self._serving(entry) if entry is not None and entry.ready_tier is not None else None
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
     def _serving(self, entry: BlockEntry) -> TierKind | None:
         """The fastest READY copy of `entry` in a tier in service (`ready_tier` when none is down)."""
         down = self._down

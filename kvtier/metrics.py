@@ -33,6 +33,8 @@ class RuntimeCollector:
         yield from self._tiers(snap, info)
         yield from self._events(snap)
         yield from self._transfers(snap)
+        if "cost" in snap:
+            yield from self._cost(snap["cost"])
 
     def _tiers(self, snap: dict, info: dict) -> Iterator[Any]:
         cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Bytes a tier can hold", labels=["tier"])
@@ -82,6 +84,24 @@ class RuntimeCollector:
                 buckets.append((bound, cumulative))
             hist.add_metric(route.split("->"), buckets, total_s)
         yield hist
+
+
+    def _cost(self, cost: dict) -> Iterator[Any]:
+        """The online estimates behind `KVTier.loadable` and what they turned away."""
+        load = GaugeMetricFamily("kvtier_load_estimate_seconds", "Estimated load time from a tier: the fixed "
+                                 "part of a load and the part per block", labels=["tier", "part"])
+        for tier, v in cost["load_fixed_s"].items():
+            load.add_metric([tier, "fixed"], v)
+        for tier, v in cost["load_per_block_s"].items():
+            load.add_metric([tier, "per_block"], v)
+        yield load
+        recompute = GaugeMetricFamily("kvtier_recompute_estimate_seconds_per_token",
+                                      "The engine's estimated compute time per token (NaN until measured)")
+        per_token = cost["recompute_per_token_s"]
+        recompute.add_metric([], float("nan") if per_token is None else per_token)
+        yield recompute
+        yield _by_label("kvtier_load_skipped_blocks", "Held blocks reported as misses because loading them was "
+                        "estimated slower than recomputing", "tier", cost["skipped_blocks"])
 
 
 class NodeCollector:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
+from kvtier.cost import LoadCost
 from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
@@ -90,6 +92,7 @@ class KVTier:
                                      background_nice=config.transfer.background_nice)
         self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
+        self.cost = LoadCost(self.layout.block_tokens)
         self._lock = threading.RLock()
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
@@ -108,8 +111,26 @@ class KVTier:
         with self._lock:
             return self.manager.lookup(keys)
 
+    def loadable(self, keys: Sequence[Hashable]) -> int:
+        """Number of leading `keys` worth loading: stored and ready (as `lookup`), and, with
+        `transfer.skip_slow_loads`, no slower to load from where they are than to recompute per
+        the online estimates (`kvtier.cost`; the engine reports its compute with `note_compute`).
+        Blocks held but not worth loading are counted (`snapshot()["cost"]["skipped_blocks"]`)."""
+        with self._lock:
+            tiers = self.manager.serving_tiers(keys)
+        if not self.config.transfer.skip_slow_loads:
+            return len(tiers)
+        return self.cost.worth_loading(tiers)
+
+    def note_compute(self, num_tokens: int, seconds: float) -> None:
+        """The engine computed `num_tokens` tokens in `seconds` of one forward pass (kvtier's own
+        waits excluded): the recompute side of `loadable`. Steps of fewer tokens than a block
+        (decode) are left out: their time is mostly the step's fixed cost, not per token."""
+        if num_tokens >= self.layout.block_tokens:
+            self.cost.note_compute(num_tokens, seconds)
+
     def store(self, keys: Sequence[Hashable], blocks: torch.Tensor | Sequence[torch.Tensor],
-              target: TierKind | None = None) -> TransferHandle:
+              target: TierKind | None = None, *, background: bool = False) -> TransferHandle:
         """Saves blocks asynchronously; blocks already stored are skipped.
 
         Args:
@@ -117,6 +138,9 @@ class KVTier:
             blocks: `[len(keys), block_bytes]` uint8 (any device), or one 1-D tensor per block.
                 The caller keeps them unchanged until the handle is done.
             target: the tier to write into (default the fastest); a full tier spills downward.
+            background: nobody waits on this store (an engine saving what it computed): it never
+                runs in the calling thread, and its copies run at the background workers' lower
+                priority, so the caller's own work (the next forward pass) comes first.
         Returns:
             A handle; blocks that could not be stored anywhere are in `handle.failed`.
         """
@@ -134,7 +158,8 @@ class KVTier:
                 handle.fail(key, Stage.WRITE, 0, "the store backlog is full: dropped rather than waited for")
             backlog = len(ops) * self.layout.block_bytes
             self._backlog_bytes += backlog
-            return self.engine.submit(ops, lambda h: self._store_done(plan, h, buffers, backlog), handle=handle)
+            return self.engine.submit(ops, lambda h: self._store_done(plan, h, buffers, backlog), handle=handle,
+                                      background=background, inline=not background)
 
     def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor]) -> TransferHandle:
         """Copies stored blocks into the caller's buffers, layer by layer.
@@ -153,7 +178,8 @@ class KVTier:
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
                 handle.fail(key, Stage.READ, 0, "not stored")
-            return self.engine.submit(ops, lambda h: self._on_loaded(plan, h), handle=handle)
+            started = time.perf_counter()
+            return self.engine.submit(ops, lambda h: self._on_loaded(plan, h, started), handle=handle)
 
     def prefetch(self, keys: Sequence[Hashable], target: TierKind | None = None,
                  budget_bytes: int | None = None) -> Prefetch:
@@ -219,7 +245,7 @@ class KVTier:
         """Usage, every counter, and the tiers out of service now (`unavailable`, with why)."""
         with self._lock:
             return {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
-                    "store_backlog_bytes": self._backlog_bytes}
+                    "store_backlog_bytes": self._backlog_bytes, "cost": self.cost.facts().as_dict()}
 
     def describe(self) -> dict[str, object]:
         return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
@@ -384,13 +410,26 @@ class KVTier:
                     caller.checksums[p.key] = retry.checksums[p.key]
         self._on_stored(plan, retry, caller, buffers)
 
-    def _on_loaded(self, plan: LoadPlan, h: TransferHandle) -> None:
+    def _on_loaded(self, plan: LoadPlan, h: TransferHandle, started: float) -> None:
+        self._note_load_time(plan, h, time.perf_counter() - started)
         with self._lock:
             for s in plan.sources:
                 if s.key in h.failed:
                     self._service.note(s.tier, h.failed[s.key])
             failed = {k: _failure_reason(f, f.stage) for k, f in h.failed.items()}
             self._submit_moves(self.manager.complete_load(plan, failed))
+
+    def _note_load_time(self, plan: LoadPlan, h: TransferHandle, seconds: float) -> None:
+        """Feeds a load that came whole from one tier to the load-time estimate of that tier (a
+        block promoted before it was read counts for the tier it was promoted from)."""
+        if not plan.sources or h.failed:
+            return
+        came_from = {m.id: m.src for m in plan.moves}
+        if any(s.after_move is not None and s.after_move not in came_from for s in plan.sources):
+            return  # it waited on another's move (a prefetch): its time is not this tier's
+        origins = {came_from[s.after_move] if s.after_move is not None else s.tier for s in plan.sources}
+        if len(origins) == 1:
+            self.cost.note_load(origins.pop(), len(plan.sources), seconds)
 
     def _on_moved(self, moves: Sequence[Move], h: TransferHandle) -> None:
         with self._lock:

@@ -140,7 +140,7 @@ class TransferEngine:
 
     def submit(self, ops: Sequence[CopyOp], on_done: Callable[[TransferHandle], None] | None = None,
                layers: Sequence[int] | None = None, handle: TransferHandle | None = None,
-               background: bool = False) -> TransferHandle:
+               background: bool = False, inline: bool = True) -> TransferHandle:
         """Starts copying `ops`; returns at once.
 
         Jobs start in submission order, and a copy only waits (`after`) on transfers submitted
@@ -152,7 +152,10 @@ class TransferEngine:
             layers: copy only these layers (default: all, in order).
             handle: report on this handle (it may carry more keys than `ops`, e.g. misses
                 already marked failed); default a new one for the ops' keys.
-            background: a move between tiers, nobody waiting on it: the background workers.
+            background: nobody is waiting on it (a move between tiers, an engine's store): the
+                background workers, at a lower priority.
+            inline: a small host batch may run in this thread (`inline_bytes`); False keeps this
+                thread's time for its own work (an engine's forward pass).
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
@@ -160,7 +163,7 @@ class TransferEngine:
         if self._cuda is not None:  # the caller's pending GPU work on its buffers comes first
             handle.cuda_ready = self._cuda.mark_caller()
         lane = self._lanes[background]
-        if self._runs_inline(ops):  # done when this returns; `on_done` has run in this thread
+        if inline and self._runs_inline(ops):  # done when this returns; `on_done` has run in this thread
             self._run_whole(ops, handle, on_done, layers, time.perf_counter())
         else:
             lane.jobs.submit(self._run, lane, list(ops), handle, on_done, layers, time.perf_counter())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,3 +83,19 @@ def test_pool_node_metrics_follow_the_work():
     finally:
         node.terminate()
         node.wait(WAIT_S)
+
+
+def test_the_load_or_recompute_estimates_are_exported(tmp_path):
+    from kvtier.tiers.base import TierKind
+
+    with runtime(tmp_path) as kv:
+        port = kv.serve_metrics(0)
+        assert math.isnan(scrape(port)[("kvtier_recompute_estimate_seconds_per_token", ())])  # not measured
+        kv.cost.note_load(TierKind.SSD, 1, 0.5)
+        kv.cost.note_load(TierKind.SSD, 3, 1.5)
+        kv.note_compute(4096, 4096e-6)
+        assert kv.cost.worth_loading([TierKind.SSD]) == 0
+        after = scrape(port)
+        assert after[("kvtier_recompute_estimate_seconds_per_token", ())] == 1e-6
+        assert abs(after[("kvtier_load_estimate_seconds", (("part", "per_block"), ("tier", "ssd")))] - 0.5) < 1e-9
+        assert after[("kvtier_load_skipped_blocks_total", (("tier", "ssd"),))] == 1
