@@ -79,7 +79,11 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _yaml(path: Path, model: Path, tiers: dict, **top) -> Path:
+    """A kvtier config. The tests count hits exactly, so the load-or-recompute veto (which follows
+    this machine's measured speed) is off unless a test turns it on."""
     import yaml
+
+    top.setdefault("transfer", {"skip_slow_loads": False})
     path.write_text(yaml.safe_dump({"model": str(model), "kv_dtype": "fp32", "block_tokens": BLOCK,
                                     "tiers": tiers, **top}))
     return path
@@ -344,6 +348,8 @@ def test_a_broken_backend_is_a_miss(dram_yaml):
         def lookup(self, keys):
             raise ConnectionError("pool node down")
 
+        loadable = lookup
+
         def close(self):
             pass
 
@@ -453,7 +459,7 @@ def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):
     class Down:
         layout = settings.layout
 
-        def load(self, keys, into):
+        def load(self, keys, into, **kw):
             raise ConnectionError("pool node down")
 
         store = load
@@ -565,6 +571,23 @@ def test_engine_hits_load_layer_by_layer_and_generate_the_same(tmp_path, tiny_mo
     assert stats["num_blocks_failed"] == 0
     assert stats["num_blocks_loaded"] == 2 + 4 + 4 + 4
     assert stats["num_layer_waits"] == 4 * NUM_LAYERS  # 4 steps loaded, each waited layer by layer
+
+
+def test_engine_reports_its_compute_time_and_loads_measure_theirs(tmp_path, tiny_model, reference):
+    """With the load-or-recompute veto on, the engine's forward passes feed the recompute
+    estimate and its loads the DRAM tier's load estimate; whichever way the veto goes on this
+    machine, every output is the reference's and every held block is loaded or counted skipped."""
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "16MiB"}},
+                   transfer={"skip_slow_loads": True})
+    phases = run_engine(tmp_path, "cost", _spec(tiny_model, kvtier, BASIC_PHASES))["phases"]
+    for phase in phases:
+        assert_same_as_reference(phase, reference)
+    cost = phases[-1]["cost"]
+    assert cost["recompute_per_token_s"] is not None and cost["recompute_per_token_s"] > 0
+    loaded, skipped = phases[-1]["stats"]["num_blocks_loaded"], sum(cost["skipped_blocks"].values())
+    assert loaded > 0 or skipped > 0
+    if loaded:
+        assert "dram" in cost["load_per_block_s"]
 
 
 def test_engine_spills_few_engine_blocks_to_kvtier_and_back(tmp_path, tiny_model, reference):

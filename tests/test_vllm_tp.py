@@ -263,6 +263,8 @@ def test_a_broken_rank_backend_answers_a_miss_over_its_socket(ranks):
         def lookup(self, keys):
             raise ConnectionError("pool node down")
 
+        loadable = lookup
+
     servers = [LookupServer(settings[0].lookup_socket(0), backends[0], settings[0].sharding),
                LookupServer(settings[1].lookup_socket(1), Broken(), settings[1].sharding)]
     directory = KeyDirectory(settings[0], 100)

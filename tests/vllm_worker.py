@@ -148,6 +148,8 @@ def _facts() -> dict:
     for backend in SHARED.backends():
         if hasattr(backend, "usage"):
             facts["usage"] = backend.usage()
+        if hasattr(backend, "snapshot"):
+            facts["cost"] = backend.snapshot()["cost"]
     return facts
 
 

@@ -72,6 +72,7 @@ vLLM's CPU tier) remains a reasonable addition for GPU users already on that rou
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the step computes (vLLM's total_num_scheduled_tokens)
 
 
 @dataclass
@@ -168,6 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.stats = WorkerStats()
         self._failed_block_ids: set[int] = set()
         self._lookup_server: LookupServer | None = None
+        self._step_started: float | None = None  # when vLLM bound this step's metadata (before its forward)
         self._owns_backend = role == KVConnectorRole.WORKER
         if self._owns_backend:
             self._backend = SHARED.acquire(self.settings.backend_id(), lambda: open_backend(self.settings))
@@ -233,6 +236,10 @@ class KVTierConnector(KVConnectorBase_V1):
                               f"{kv.stride()} is not vLLM's {page.layout} layout of {layer_bytes} bytes per "
                               f"block: {e}") from None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started = time.perf_counter()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None and meta.loads:
@@ -251,7 +258,21 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._meta()
         if self._worker is not None:
+            self._note_compute(meta)
             self._failed_block_ids |= self._worker.end_step(meta.stores if meta is not None else ())
+
+    def _note_compute(self, meta: KVTierConnectorMetadata | None) -> None:
+        """Tells the backend how long this step's forward took for its tokens, kvtier's own time
+        left out: the recompute side of its load-or-recompute estimate (`kvtier.cost`). vLLM binds
+        the metadata just before the forward and calls `wait_for_save` just after it."""
+        kvtier_s = self._worker.take_step_seconds()
+        started, self._step_started = self._step_started, None
+        if meta is None or started is None or meta.num_tokens <= 0:
+            return
+        try:
+            self._backend.note_compute(meta.num_tokens, max(time.perf_counter() - started - kvtier_s, 0.0))
+        except Exception as e:  # an estimate is never worth failing a step for
+            log.warning("kvtier could not note the step's compute time: %r", e)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()
@@ -300,7 +321,7 @@ class KVTierConnector(KVConnectorBase_V1):
         scheduled = [ScheduledRequest(req_id, n, len(spec_tokens.get(req_id, ())))
                      for req_id, n in scheduler_output.num_scheduled_tokens.items()]
         plan = self._scheduler.plan_step(scheduled, self._block_ids_of)
-        return KVTierConnectorMetadata(plan.loads, plan.stores)
+        return KVTierConnectorMetadata(plan.loads, plan.stores, scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

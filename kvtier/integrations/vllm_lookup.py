@@ -115,7 +115,7 @@ class LookupServer:
 
     def _lookup(self, keys: list[BlockKey]) -> int:
         try:
-            return self.backend.lookup(self.sharding.keys(keys))
+            return self.backend.loadable(self.sharding.keys(keys))
         except Exception as e:  # a broken backend holds nothing
             log.warning("kvtier lookup on rank %d failed, answering a miss: %r", self.sharding.rank, e)
             return 0

@@ -61,6 +61,22 @@ class PoolBackend:
         found = self.client.contains([bytes(k) for k in keys[n:]])
         return n + next((i for i, hit in enumerate(found) if not hit), len(found))
 
+    def loadable(self, keys: Sequence[BlockKey]) -> int:
+        """As `lookup`, the local tiers' blocks slower to load than to recompute left out (the
+        pool's own load time is not estimated here: its blocks count as worth loading)."""
+        if self.local is None:
+            return self.lookup(keys)
+        held = self.local.lookup(keys)
+        worth = self.local.loadable(keys)
+        if worth < held or held == len(keys):
+            return worth
+        found = self.client.contains([bytes(k) for k in keys[held:]])
+        return held + next((i for i, hit in enumerate(found) if not hit), len(found))
+
+    def note_compute(self, num_tokens: int, seconds: float) -> None:
+        if self.local is not None:
+            self.local.note_compute(num_tokens, seconds)
+
     def load(self, keys: Sequence[BlockKey], into: torch.Tensor) -> TransferHandle:
         """Loads each block from the fastest place holding it; see the module docstring."""
         rows = [into[i] for i in range(len(keys))]
@@ -72,9 +88,10 @@ class PoolBackend:
         self._io.submit(self._finish_load, handle, local, [keys[i] for i in remote], [rows[i] for i in remote])
         return handle
 
-    def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> TransferHandle:
-        """Stores the blocks locally and on the pool; a block is failed only if both failed."""
-        local = self.local.store(keys, blocks) if self.local is not None else None
+    def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor, *, background: bool = False) -> TransferHandle:
+        """Stores the blocks locally and on the pool; a block is failed only if both failed. The
+        pool's part always runs on this backend's I/O threads."""
+        local = self.local.store(keys, blocks, background=background) if self.local is not None else None
         if not self.write_pool:  # another rank writes this slice to the pool
             if local is not None:
                 return local

@@ -148,7 +148,7 @@ class KeyDirectory:
         backend = self.backend(rank)
         if backend is not None:
             try:
-                return backend.lookup(self._settings.sharding.for_rank(rank).keys(keys))
+                return backend.loadable(self._settings.sharding.for_rank(rank).keys(keys))
             except Exception as e:  # a broken or unreachable backend is a miss; vLLM computes instead
                 log.warning("kvtier lookup failed, treating %d blocks as misses: %r", len(keys), e)
                 return 0

@@ -55,10 +55,14 @@ class Backend(Protocol):
 
     Contract:
         lookup(keys) -> the number of leading keys stored and ready; never raises on a miss.
+        loadable(keys) -> as lookup, less the blocks slower to load than to recompute (what the
+            scheduler reports to vLLM; `KVTier.loadable`).
         load(keys, into) -> a handle; `wait_layer(l)` returns once layer l of every block is in
             `into` (a `[len(keys), block_bytes]` uint8 tensor) or failed; failed blocks are in
             `handle.failed` and their bytes are garbage.
-        store(keys, blocks) -> a handle; the caller keeps `blocks` unchanged until it is done.
+        store(keys, blocks, background=True) -> a handle; the caller keeps `blocks` unchanged until
+            it is done. `background`: off the caller's thread, at low priority (the connector's stores).
+        note_compute(num_tokens, seconds) -> the engine's measured compute time of one forward pass.
         close() -> waits for transfers in flight and releases everything.
     Any of them may raise when the backend is broken or unreachable: the connector turns that into
     misses (lookup), failed loads (load) or dropped stores (store).
@@ -68,9 +72,13 @@ class Backend(Protocol):
 
     def lookup(self, keys: Sequence[BlockKey]) -> int: ...
 
+    def loadable(self, keys: Sequence[BlockKey]) -> int: ...
+
     def load(self, keys: Sequence[BlockKey], into: torch.Tensor) -> TransferHandle: ...
 
-    def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> TransferHandle: ...
+    def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor, *, background: bool = False) -> TransferHandle: ...
+
+    def note_compute(self, num_tokens: int, seconds: float) -> None: ...
 
     def close(self) -> None: ...
 

@@ -26,6 +26,7 @@ then reports the same engine blocks and drops the same stores. Nothing here impo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -151,12 +152,14 @@ class WorkerSide:
         self._in_flight: list[_InFlight] = []
         self._stored: list[BlockKey] = []
         self._missing: list[BlockKey] = []
+        self._step_kvtier_s = 0.0  # this step's time in start_loads, wait_layer and save_layer
 
     # ---- one step ------------------------------------------------------------------------
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Starts every load; returns at once, unless a block to load is still being stored here:
         that store is waited for first (the scheduler counts blocks being stored as hits)."""
+        started = time.perf_counter()
         for spec in specs:
             self._wait_stores_of(spec.keys)
             staging = self._staging(len(spec.keys))
@@ -168,19 +171,24 @@ class WorkerSide:
                 handle = None
             self._loads.append(_Load(spec, keys, staging, handle))
             self.stats.num_loads += 1
+        self._step_kvtier_s += time.perf_counter() - started
 
     def wait_layer(self, layer: int) -> None:
         """Returns once layer `layer` of every block loading in this step is in the engine's pages."""
+        if not self._loads:
+            return
+        started = time.perf_counter()
         for load in self._loads:
             while load.num_layers_placed <= layer:
                 self._place_next_layer(load)
-        if self._loads:
-            self.stats.num_layer_waits += 1
+        self.stats.num_layer_waits += 1
+        self._step_kvtier_s += time.perf_counter() - started
 
     def save_layer(self, layer: int, specs: Sequence[StoreSpec]) -> None:
         """Copies layer `layer` of the blocks to store out of the engine's pages."""
         if not specs:
             return
+        started = time.perf_counter()
         if self._stores is None:
             block_ids = [b for s in specs for b in s.block_ids]
             self._stores = _Stores(list(specs), self._staging(len(block_ids)), block_ids)
@@ -188,6 +196,14 @@ class WorkerSide:
             gather_blocks([self.layers[layer]], self._stores.block_ids, self._stores.staging, self.layout,
                           None, layers=[layer])
             self._stores.layers_gathered.add(layer)
+        self._step_kvtier_s += time.perf_counter() - started
+
+    def take_step_seconds(self) -> float:
+        """The seconds this step spent in kvtier so far (loads started, layers waited for, layers
+        gathered for stores), and a fresh count for the next step: what the engine's measured
+        step time must leave out to be its compute time."""
+        seconds, self._step_kvtier_s = self._step_kvtier_s, 0.0
+        return seconds
 
     def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
         """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
@@ -319,7 +335,7 @@ class WorkerSide:
                 continue
             keys = self.sharding.keys(spec.keys)
             try:
-                handle = self.backend.store(keys, rows)
+                handle = self.backend.store(keys, rows, background=True)
             except Exception as e:  # a broken backend: the blocks are simply not cached
                 log.warning("kvtier store of %d blocks failed: %r", len(spec.keys), e)
                 handle = None
