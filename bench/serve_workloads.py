@@ -1,0 +1,177 @@
+"""The workloads and the arithmetic of bench_serve.py, with nothing about processes.
+
+Requests go to vLLM's OpenAI-compatible `/v1/completions` as token ids (so a prompt is exactly the
+tokens meant, with no re-tokenization at a turn boundary), streamed, greedy, `ignore_eos`; the
+time to first token is from sending the request to the first streamed chunk that carries a token.
+
+  * chat: conversations, each a long random context then turns of (random user tokens, the model's
+    answer); turn t of every conversation runs before turn t+1 of any, so the other conversations'
+    prefill pushes a conversation's prefix out of vLLM's own cache before its next turn.
+  * miss probes: one at a time, prompts nobody has sent (fresh random tokens): what a miss costs.
+  * `bench_result`: what the bench keeps of a `vllm bench serve --save-result --save-detailed` file.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+FIRST_TOKEN_ID = 3  # 0-2 are the tokenizer's special tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    ttft_s: float
+    latency_s: float
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSpec:
+    num_conversations: int
+    num_turns: int
+    context_tokens: int
+    user_tokens: int
+    output_tokens: int
+    concurrency: int
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation, as numpy's default; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """value / reference; None when either is missing or the reference is not positive."""
+    if value is None or reference is None or reference <= 0:
+        return None
+    return value / reference
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def complete(host: str, port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300) -> Completion:
+    """One streamed greedy completion of exactly `max_tokens` tokens. Raises OSError/RuntimeError."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "return_token_ids": True})
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+        ttft, tokens = None, []
+        for line in response:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                new = choice.get("token_ids") or []
+                if new and ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens.extend(new)
+        latency = time.perf_counter() - start
+    finally:
+        conn.close()
+    if ttft is None:
+        raise RuntimeError("the stream carried no token")
+    return Completion(ttft, latency, tuple(tokens))
+
+
+def run_miss_probes(host: str, port: int, model: str, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+    """Sends each prompt alone, one after the other."""
+    return [complete(host, port, model, p, max_tokens) for p in prompts]
+
+
+def miss_prompts(seed: int, num: int, prompt_tokens: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(f"miss-{seed}")
+    return [random_tokens(rng, prompt_tokens, vocab_size) for _ in range(num)]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatResult:
+    completions: dict[str, Completion]  # by "c<conversation>t<turn>"
+    duration_s: float
+
+    def ttfts_ms(self, first_turn: bool | None = None) -> list[float]:
+        """TTFTs in ms; first_turn True/False keeps turn 0 only / the later turns only."""
+        return [c.ttft_s * 1e3 for key, c in self.completions.items()
+                if first_turn is None or key.endswith("t0") == first_turn]
+
+
+def run_chat(host: str, port: int, model: str, spec: ChatSpec, seed: int, vocab_size: int,
+             on_turn: Callable[[int], None] = lambda turn: None) -> ChatResult:
+    """Runs every conversation turn by turn, `spec.concurrency` requests at a time."""
+    rng = random.Random(f"chat-{seed}")
+    histories = [random_tokens(rng, spec.context_tokens, vocab_size) for _ in range(spec.num_conversations)]
+    done: dict[str, Completion] = {}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(spec.concurrency) as pool:
+        for turn in range(spec.num_turns):
+            for history in histories:
+                history.extend(random_tokens(rng, spec.user_tokens, vocab_size))
+            prompts = [list(h) for h in histories]
+            results = pool.map(lambda p: complete(host, port, model, p, spec.output_tokens), prompts)
+            for c, (history, result) in enumerate(zip(histories, results)):
+                done[f"c{c}t{turn}"] = result
+                history.extend(result.token_ids)
+            on_turn(turn)
+    return ChatResult(done, time.perf_counter() - start)
+
+
+def bench_result(doc: dict) -> dict:
+    """What the bench keeps of a `vllm bench serve` result (TTFTs in ms, texts in request order).
+
+    Raises:
+        ValueError: the file lacks the per-request detail (`--save-detailed`) or a field.
+    """
+    missing = [k for k in ("completed", "failed", "duration", "request_throughput", "ttfts", "generated_texts")
+               if k not in doc]
+    if missing:
+        raise ValueError(f"vllm bench serve result lacks {', '.join(missing)} (run with --save-result --save-detailed)")
+    ttfts = [t * 1e3 for t, err in zip(doc["ttfts"], doc.get("errors", [""] * len(doc["ttfts"]))) if not err]
+    return {"completed": doc["completed"], "failed": doc["failed"], "duration_s": doc["duration"],
+            "req_per_s": doc["request_throughput"], "ttfts_ms": ttfts,
+            "ttft_p50_ms": doc.get("p50_ttft_ms", percentile(ttfts, 50)),
+            "ttft_p99_ms": doc.get("p99_ttft_ms", percentile(ttfts, 99)),
+            "texts": list(doc["generated_texts"]), "input_lens": list(doc.get("input_lens", []))}
+
+
+def compare_outputs(reference: dict[str, object], candidate: dict[str, object]) -> dict:
+    """Compares two {request: output} maps on the requests both have.
+
+    Returns {"identical": bool | None, "num_compared", "num_different", "different": first few keys};
+    identical is None when nothing could be compared, False when a request of the reference is
+    missing from the candidate.
+    """
+    common = [k for k in reference if k in candidate]
+    different = [k for k in common if reference[k] != candidate[k]]
+    missing = [k for k in reference if k not in candidate]
+    identical = None if not common else not different and not missing
+    return {"identical": identical, "num_compared": len(common), "num_different": len(different),
+            "num_missing": len(missing), "different": different[:5]}
+
+
+def outputs_of(run: dict) -> dict[str, object]:
+    """Every output of one server run, keyed so that two runs of the same round line up."""
+    out: dict[str, object] = {}
+    for i, text in enumerate(run.get("prefix", {}).get("texts", [])):
+        out[f"prefix{i}"] = text
+    for key, tokens in run.get("chat_tokens", {}).items():
+        out[f"chat-{key}"] = tokens
+    for i, tokens in enumerate(run.get("miss_tokens", [])):
+        out[f"miss{i}"] = tokens
+    return out
