@@ -4,7 +4,7 @@ Use it with vLLM's own loader, no plugin needed:
 
     KVTransferConfig(kv_connector="KVTierConnector",
                      kv_connector_module_path="kvtier.integrations.vllm_connector",
-                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_role="kv_both",
                      kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml"})
 
 `kv_connector_extra_config` takes `kvtier_config` (required: a kvtier YAML whose `block_tokens`
@@ -52,7 +52,7 @@ How the two halves divide the work (the scheduler and worker may live in differe
   * worker (`vllm_transfers.WorkerSide`): owns the kvtier backend, starts the loads before the
     forward, waits for layer l only before layer l's attention, gathers each layer after it, and
     reports blocks that failed to load through `get_block_ids_with_load_errors` so that vLLM
-    recomputes them (hence `kv_load_failure_policy="recompute"`).
+    recomputes them (the scheduler-side connector sets `kv_load_failure_policy="recompute"`).
 Across processes: blocks on a `persist: true` SSD tier outlive the process (the backend is closed
 at shutdown, or at interpreter exit, so stores in flight land and the journal is flushed); with a
 `pool` tier in the kvtier config, blocks are kept on the pool nodes under their block keys
@@ -98,11 +98,10 @@ from kvtier.integrations.vllm_scheduler import (
     SchedulerSide,
     StoreSpec,
 )
+from kvtier.integrations.vllm_backends import SHARED, open_backend
 from kvtier.integrations.vllm_settings import (
-    SHARED,
     Settings,
     engine_facts,
-    open_backend,
     read_settings,
 )
 from kvtier.integrations.vllm_transfers import (
@@ -160,6 +159,8 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ConfigError("kv_connector: KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(self._kv_transfer_config)
         facts = engine_facts(vllm_config, kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config, facts)
         self._num_engine_blocks = kv_cache_config.num_blocks
@@ -318,6 +319,20 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._kv_cache_manager is None:
             return []
         return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def _recompute_failed_loads(transfer: Any) -> None:
+    """Sets vLLM's `kv_load_failure_policy` to `recompute`, on the scheduler's own config.
+
+    kvtier is a cache: a block it cannot deliver (evicted meanwhile, a disk or pool node that
+    failed) must be recomputed, never fail the request, which vLLM's default policy (`fail`)
+    would do. vLLM's scheduler reads the policy from this same object just after it builds its
+    connector (`Scheduler.__init__`), and nothing else reads it, so the change takes effect.
+    """
+    if transfer.kv_load_failure_policy != "recompute":
+        log.info("kvtier: kv_load_failure_policy %r -> 'recompute' (kvtier is a cache: a block it cannot "
+                 "load is recomputed)", transfer.kv_load_failure_policy)
+        transfer.kv_load_failure_policy = "recompute"
 
 
 def _max_keys(settings: Settings) -> int:

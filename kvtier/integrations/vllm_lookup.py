@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.integrations.vllm_settings import Backend
+from kvtier.integrations.vllm_backends import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import KEY_BYTES, BlockKey
 

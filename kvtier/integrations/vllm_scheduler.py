@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.integrations.vllm_lookup import RankLookup
-from kvtier.integrations.vllm_settings import SHARED, Backend, Settings
+from kvtier.integrations.vllm_backends import SHARED, Backend
+from kvtier.integrations.vllm_settings import Settings
 from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ import torch
 from kvtier.errors import GeometryError, KVTierError
 from kvtier.handle import TransferHandle
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import Backend
+from kvtier.integrations.vllm_backends import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
