@@ -170,7 +170,8 @@ def test_block_size_and_kv_dtype_follow_the_engine(dram_yaml, engine, pages, cap
     assert settings.namespace.digest != others.namespace.digest  # keys name the block size and format
 
 
-def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, policy: str = "recompute"):
+def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, policy: str = "recompute",
+               engine_id: str | None = None):
     """A connector built the way vLLM builds it, from a real `VllmConfig`."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -185,7 +186,7 @@ def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, 
 
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy=policy,
                                 kv_connector_module_path="kvtier.integrations.vllm_connector",
-                                kv_connector_extra_config=extra)
+                                kv_connector_extra_config=extra, engine_id=engine_id)
     config = EngineArgs(model=str(model), block_size=block_size, dtype="float32", enforce_eager=True,
                         max_model_len=512, kv_transfer_config=transfer).create_engine_config()
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
@@ -232,6 +233,74 @@ def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram
     finally:
         worker.shutdown()
     assert SHARED.backends() == []
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_scheduler_serves_every_ranks_metrics(tiny_model, dram_yaml):
+    extra = {"kvtier_config": str(dram_yaml)}
+    worker = _connector(tiny_model, "WORKER", extra, engine_id="metrics-test")
+    scheduler = _connector(tiny_model, "SCHEDULER", {**extra, "metrics_port": 0}, engine_id="metrics-test")
+    try:
+        port = scheduler._metrics_server.server_port
+        backend = worker._backend
+        keys = block_keys(worker.settings.namespace, P1)
+        _store(backend, keys)
+        assert backend.load(keys[:3], torch.zeros(3, backend.layout.block_bytes, dtype=torch.uint8)).wait(10)
+        request = FakeRequest("a", list(P1))
+        scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler._scheduler.after_alloc(request, [1, 2, 3, 4, 5], 4 * BLOCK)
+        got = _scrape(port)
+        assert got[("kvtier_vllm_rank_up", (("rank", "0"),))] == 1
+        assert got[("kvtier_hits_total", (("rank", "0"), ("tier", "dram")))] == 3
+        assert got[("kvtier_stores_total", (("rank", "0"), ("tier", "dram")))] == len(keys)
+        assert got[("kvtier_tier_capacity_bytes", (("rank", "0"), ("tier", "dram")))] == 4 << 20
+        assert ("kvtier_store_backlog_bytes", (("rank", "0"),)) in got
+        assert ("kvtier_vllm_layer_wait_seconds_total", (("rank", "0"),)) in got
+        assert got[("kvtier_vllm_prompt_blocks_total", (("source", "kvtier"),))] == 4
+        worker.shutdown()  # the rank is gone: said, not guessed
+        got = _scrape(port)
+        assert got[("kvtier_vllm_rank_up", (("rank", "0"),))] == 0
+        assert not any(name == "kvtier_hits_total" for name, _ in got)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_metrics_of_several_ranks_are_labelled_by_rank(dram_yaml):
+    from kvtier.integrations.vllm_metrics import EngineCollector, rank_report
+    from kvtier.integrations.vllm_scheduler import PromptBlocks
+    from kvtier.integrations.vllm_transfers import WorkerStats
+
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    with KVTier(settings.config, layout=settings.layout) as one, KVTier(settings.config, layout=settings.layout) as two:
+        _store(two, block_keys(settings.namespace, P1)[:2])
+        reports = {0: rank_report(0, one, WorkerStats(), 0), 1: rank_report(1, two, WorkerStats(num_loads=5), 1),
+                   2: None}
+        families = {f.name: f for f in EngineCollector(3, reports.get, PromptBlocks()).collect()}
+    stores = {s.labels["rank"]: s.value for s in families["kvtier_stores"].samples if s.labels.get("tier") == "dram"}
+    assert stores == {"1": 2}
+    assert {s.labels["rank"]: s.value for s in families["kvtier_vllm_loads"].samples} == {"0": 0, "1": 5}
+    assert {s.labels["rank"]: s.value for s in families["kvtier_vllm_rank_up"].samples} == {"0": 1, "1": 1, "2": 0}
+
+
+def test_a_metrics_port_in_use_is_a_clear_error(tiny_model, dram_yaml):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"metrics_port: cannot serve kvtier metrics on 127.0.0.1:{port}"):
+            _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml), "metrics_port": port})
 
 
 # ---- the scheduler half --------------------------------------------------------------------------

@@ -69,7 +69,16 @@ def open_backend(settings: Settings) -> Backend:
     Raises:
         KVTierError: a tier cannot be built (e.g. an SSD directory that cannot be created).
         ConfigError: the pool tier's secret cannot be read.
+    Logs one INFO line of what it opened (`vllm_log.backend_summary`).
     """
+    from kvtier.integrations.vllm_log import backend_summary
+
+    backend = _open(settings)
+    log.info("%s", backend_summary(settings.sharding.rank, backend))
+    return backend
+
+
+def _open(settings: Settings) -> Backend:
     from kvtier.runtime import KVTier
 
     config = settings.config

@@ -39,7 +39,10 @@ _KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
          "model_id": "what names the model in block keys (default: the engine's model and revision)",
          "weights_id": "names the weights in block keys (default: a fingerprint of the files the engine loads)",
          "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
-         "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)"}
+         "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)",
+         "metrics_port": "serve kvtier's Prometheus metrics, every worker rank's, from the scheduler's process on "
+                         "this port (0: any free port, logged; engine i of a data-parallel group: port + i)",
+         "metrics_addr": "the address the metrics are served on (default 127.0.0.1)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class EngineFacts:
             the scheduler's process has no weights, and both roles must compute the same keys.
         load_settings: how the engine turns those files into the model it runs (dtype,
             quantization): the same files loaded another way compute other KV, so they key it too.
+        data_parallel_rank: this engine's index in a data-parallel group (offsets its metrics port).
     """
 
     model_id: str
@@ -76,6 +80,7 @@ class EngineFacts:
     kv_cache_layout: str | None = None
     weights: WeightsSource | None = None
     load_settings: str = ""
+    data_parallel_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,8 @@ class Settings:
     lookup_timeout_s: float = 1.0
     engine_tag: str = "engine"
     page_format: PageFormat = PageFormat("vllm-cpu:h(kv)nd", "LBHNC", True, CPU_BACKENDS)
+    metrics_port: int | None = None  # None: no metrics endpoint
+    metrics_addr: str = "127.0.0.1"
 
     @property
     def block_tokens(self) -> int:
@@ -151,7 +158,18 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
                     can_store=facts.kv_role in ("kv_both", "kv_producer"),
                     sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
-                    page_format=page)
+                    page_format=page, **_metrics(extra, facts.data_parallel_rank))
+
+
+def _metrics(extra: Mapping[str, Any], data_parallel_rank: int) -> dict[str, Any]:
+    port, addr = extra.get("metrics_port"), extra.get("metrics_addr", "127.0.0.1")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"{EXTRA}.metrics_port: expected a port number 0-65535 (0: any free port), got {port!r}")
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"{EXTRA}.metrics_addr: expected an address to listen on, e.g. 127.0.0.1, got {addr!r}")
+    if port is None:
+        return {"metrics_addr": addr}
+    return {"metrics_port": port + data_parallel_rank if port else 0, "metrics_addr": addr}
 
 
 def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
@@ -235,7 +253,8 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        or vllm_config.cache_config.kv_cache_layout,
                        weights=WeightsSource(getattr(model, "model_weights", "") or str(model.model), model.revision,
                                              vllm_config.load_config.download_dir),
-                       load_settings=f"dtype={model.dtype};quantization={model.quantization}")
+                       load_settings=f"dtype={model.dtype};quantization={model.quantization}",
+                       data_parallel_rank=int(parallel.data_parallel_rank or 0))
 
 
 def _sharding(vllm_config: Any) -> Sharding:
