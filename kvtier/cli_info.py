@@ -14,7 +14,8 @@ from kvtier.hardware import format_bytes
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("info", help="show tiers, capacities, media, block geometry and active devices",
-                              description="Build the configured tiers and describe them.")
+                              description="Describe the configured tiers without building them: nothing is created "
+                                          "(no slab file, no memory, no connection).")
     p.add_argument("--config", metavar="FILE", help="YAML configuration (default: the embedded default.yaml)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     p.set_defaults(func=run)
@@ -36,20 +37,22 @@ def environment() -> dict[str, Any]:
 
 
 def collect(config_path: str | None) -> dict[str, Any]:
+    """What `kvtier info` prints, from the config alone (`planned_facts`: nothing is built)."""
     from kvtier.catalog import resolve_model
     from kvtier.config import load_config
-    from kvtier.runtime import KVTier
+    from kvtier.tiers.build import planned_facts
 
     cfg = load_config(config_path)
     geometry = resolve_model(cfg.model, kv_dtype=cfg.kv_dtype)
-    with KVTier(cfg, layout=geometry.block_layout(cfg.block_tokens)) as kv:
-        described = kv.describe()
+    layout = geometry.block_layout(cfg.block_tokens)
     return {
         "config": config_path or "embedded default.yaml",
         "model": geometry.name,
         "kv_dtype": geometry.kv_dtype.value,
         "kv_bytes_per_token": geometry.kv_bytes_per_token(),
-        **described,
+        "block_bytes": layout.block_bytes, "block_tokens": layout.block_tokens, "num_layers": layout.num_layers,
+        "mode": cfg.mode.value,
+        "tiers": [planned_facts(t, layout.block_bytes) for t in cfg.tiers],
         "environment": environment(),
     }
 

@@ -62,6 +62,10 @@ class RuntimeCollector:
         yield _by_label("kvtier_tier_failures", "Times a tier was taken out of service", "tier", snap["tier_failures"])
         yield _by_label("kvtier_tier_recoveries", "Times a tier came back after a probe", "tier",
                         snap["tier_recoveries"])
+        backlog = GaugeMetricFamily("kvtier_store_backlog_bytes", "Bytes of stores submitted and not yet landed "
+                                    "(past transfer.max_store_backlog a store is dropped, never waited for)")
+        backlog.add_metric([], snap.get("store_backlog_bytes", 0))
+        yield backlog
         for name, help_text in (("misses", "Blocks asked for and not stored"),
                                 ("checksum_errors", "Blocks whose bytes failed their checksum"),
                                 ("io_errors", "Failed reads and writes"),
@@ -138,8 +142,9 @@ def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> 
     return family
 
 
-def serve_metrics(collector: RuntimeCollector | NodeCollector, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
-    """Serves `collector` over HTTP on `addr:port` (0: any free port) from a daemon thread.
+def serve_metrics(collector: Any, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
+    """Serves `collector` (a `RuntimeCollector`, `NodeCollector` or anything with their `collect()`)
+    over HTTP on `addr:port` (0: any free port) from a daemon thread.
 
     Returns:
         (server, port actually bound); call `server.shutdown()` to stop.

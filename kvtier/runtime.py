@@ -78,6 +78,7 @@ class KVTier:
         except BaseException:
             self._close_tiers()
             raise
+        self._num_restored_blocks = 0  # adopted from a persistent SSD tier's journal
         try:  # nothing built so far may leak (SSD files, pool connections) if the rest fails
             self.manager = TierManager(
                 [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
@@ -250,6 +251,7 @@ class KVTier:
     def describe(self) -> dict[str, object]:
         return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
                 "num_layers": self.layout.num_layers, "mode": self.config.mode.value,
+                "num_restored_blocks": self._num_restored_blocks,
                 "tiers": [self.tiers[k].describe() for k in self.manager.order]}
 
     def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> int:
@@ -464,7 +466,8 @@ class KVTier:
         journal = SlotJournal(tier.directory, tier.num_slots, tier.slot_bytes, self.layout.num_layers, fingerprint)
         if journal.reused:
             adopted = self.manager.adopt(TierKind.SSD, ((key, slot, sums) for slot, key, sums in journal.entries()))
-            log.info("SSD tier %s: %d blocks from an earlier run", tier.directory, adopted)
+            self._num_restored_blocks = adopted
+            log.info("kvtier SSD tier %s: %d blocks restored from an earlier run", tier.directory, adopted)
         return journal
 
     def _journal_landed(self, landed) -> None:

@@ -3,7 +3,9 @@
 The config holds kvtier-tiny (8 KiB blocks): HBM 4 blocks, DRAM 8, SSD 64 in real files under
 tmp_path, so 40 blocks spill through every tier and none is dropped. Bad configs must exit 2 with
 one line on stderr.
-Cost: about 5 s on an idle machine (15 s on a busy 2-core one): the five commands run at once, and
+`kvtier info` and `kvtier doctor` describe only: on a config of 1 GiB persistent SSD slabs they must
+leave the directory as they found it.
+Cost: about 8 s on an idle machine (20 s on a busy 2-core one): the nine commands run at once, and
 each spends 1-2 s of CPU importing torch.
 """
 
@@ -57,6 +59,9 @@ BAD = {  # case -> (command, top-level overrides, what the error line must name)
 }
 
 
+DESCRIBE_ONLY = {"describe-existing-ssd": True, "describe-missing-ssd": False}  # name -> SSD directory exists
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One directory per command below, each holding its config, SSD directory and results."""
@@ -72,6 +77,14 @@ def results(workdir: Path) -> dict[str, subprocess.CompletedProcess]:
         "run": ["run", "--config", tiny_config(workdir / "run"), "--blocks", NUM_BLOCKS,
                 "--json", workdir / "run" / "out" / "r.json"],
     }
+    for name, make_ssd in DESCRIBE_ONLY.items():  # persistent SSD slabs: what a build would leave behind
+        directory = workdir / name
+        config = tiny_config(directory, tiers={"dram": {"capacity": "1GiB"}, "ssd": {
+            "capacity": "1GiB", "path": str(directory / "ssd"), "persist": True}})
+        if make_ssd:
+            (directory / "ssd").mkdir()
+        commands[f"{name}-info"] = ["info", "--config", config, "--json"]
+        commands[f"{name}-doctor"] = ["doctor", "--config", config, "--json"]
     for case, (command, overrides, _) in BAD.items():
         config = tiny_config(workdir / case, **overrides)
         more = ["--json"] if command == "info" else ["--blocks", 4, "--json", workdir / case / "r.json"]
@@ -131,6 +144,20 @@ def test_info_json_describes_the_environment(info: dict[str, Any]) -> None:
     assert hbm["stand_in"] is not env["cuda"]
     if not env["cuda"]:
         assert env["device"].startswith("cpu") and hbm["device"] == "cpu"
+
+
+@pytest.mark.parametrize("name", list(DESCRIBE_ONLY))
+def test_info_and_doctor_create_nothing_on_disk(results: dict[str, subprocess.CompletedProcess], workdir: Path,
+                                                name: str) -> None:
+    # Building these tiers would create 1 GiB of persistent slab files (and the SSD directory).
+    for command in ("info", "doctor"):
+        out = results[f"{name}-{command}"]
+        assert out.returncode in (0, 1) and out.stdout.strip().startswith(("{", "[")), out.stderr
+    tree = sorted(str(p.relative_to(workdir / name)) for p in (workdir / name).rglob("*"))
+    assert tree == (["kvtier.yaml", "ssd"] if DESCRIBE_ONLY[name] else ["kvtier.yaml"])
+    ssd = {t["tier"]: t for t in json.loads(results[f"{name}-info"].stdout)["tiers"]}["ssd"]
+    assert (ssd["num_slots"], ssd["persist"], ssd["exists"]) == ((1 << 30) // BLOCK_BYTES, True, DESCRIBE_ONLY[name])
+    assert isinstance(ssd["o_direct"], bool) and ssd["reason"]
 
 
 def test_info_table(results: dict[str, subprocess.CompletedProcess]) -> None:

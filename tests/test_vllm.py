@@ -35,10 +35,9 @@ from kvtier.integrations.vllm_scheduler import (
     SchedulerSide,
     StoreSpec,
 )
+from kvtier.integrations.vllm_backends import SHARED, open_backend
 from kvtier.integrations.vllm_settings import (
-    SHARED,
     EngineFacts,
-    open_backend,
     read_settings,
 )
 from kvtier.integrations.vllm_transfers import WorkerSide
@@ -91,8 +90,7 @@ def _yaml(path: Path, model: Path, tiers: dict, **top) -> Path:
 
 def _facts(**changes) -> EngineFacts:
     facts = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="float32", layer_names=LAYER_NAMES,
-                        page_bytes=PAGE_BYTES, device_type="cpu", load_failure_policy="recompute",
-                        kv_role="kv_both")
+                        page_bytes=PAGE_BYTES, device_type="cpu", kv_role="kv_both")
     return replace(facts, **changes)
 
 
@@ -144,11 +142,9 @@ def test_settings_name_the_weights_in_the_keys(dram_yaml, tiny_model):
     ({"lookup_timeout_s": "1s"}, {}, "lookup_timeout_s: expected a positive number of seconds"),
     ({"model_id": ""}, {}, "model_id"),
     ({"weights_id": ""}, {}, "weights_id: expected a non-empty string"),
-    ({}, {"block_size": 16}, "block_tokens=32 but the engine's block_size is 16"),
-    ({}, {"kv_dtype": "bfloat16"}, "set kv_dtype: bf16"),
     ({}, {"layer_names": LAYER_NAMES[:3]}, "describes 4 KV layers"),
     ({}, {"page_bytes": PAGE_BYTES // 2}, "is not the served model's geometry"),
-    ({}, {"load_failure_policy": "fail"}, "kv_load_failure_policy='recompute'"),
+    ({}, {"kv_dtype": "int3"}, "the engine's KV cache dtype"),
     ({}, {"device_type": "tpu"}, "'tpu' is not supported yet"),
     ({}, {"kv_cache_layout": "LBNHC"}, "CPU attention backend takes the LBHNC KV cache layout"),
     ({}, {"device_type": "cuda", "kv_cache_layout": "HND"}, "KV cache layout 'HND' is unknown to kvtier"),
@@ -159,7 +155,27 @@ def test_bad_settings_are_clear_errors(dram_yaml, extra, facts, message):
         read_settings(extra, _facts(**facts))
 
 
-def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, policy: str = "recompute"):
+@pytest.mark.parametrize("engine, pages", [({"block_size": 64}, 2), ({"block_size": 16}, 0.5),
+                                           ({"kv_dtype": "bfloat16"}, 0.5), ({"kv_dtype": "float16", "block_size": 64}, 1)])
+def test_block_size_and_kv_dtype_follow_the_engine(dram_yaml, engine, pages, caplog):
+    facts = _facts(page_bytes=int(PAGE_BYTES * pages), **engine)  # the YAML says 32 tokens, fp32
+    with caplog.at_level("INFO", logger="kvtier"):
+        settings = read_settings({"kvtier_config": str(dram_yaml)}, facts)
+    assert settings.block_tokens == settings.namespace.block_tokens == settings.config.block_tokens == facts.block_size
+    assert settings.layout.layer_bytes == (facts.page_bytes,) * NUM_LAYERS
+    assert settings.namespace.kv_dtype.startswith(facts.kv_dtype + ";")
+    assert settings.config.kv_dtype == {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[facts.kv_dtype]
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("kvtier")]
+    if "block_size" in engine:
+        assert any(f"blocks of {facts.block_size} tokens, the engine's block size" in m for m in said), said
+    if "kv_dtype" in engine:
+        assert any("the engine's KV cache dtype (kv_dtype: fp32" in m for m in said), said
+    others = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    assert settings.namespace.digest != others.namespace.digest  # keys name the block size and format
+
+
+def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, policy: str = "recompute",
+               engine_id: str | None = None):
     """A connector built the way vLLM builds it, from a real `VllmConfig`."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -174,7 +190,7 @@ def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, 
 
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy=policy,
                                 kv_connector_module_path="kvtier.integrations.vllm_connector",
-                                kv_connector_extra_config=extra)
+                                kv_connector_extra_config=extra, engine_id=engine_id)
     config = EngineArgs(model=str(model), block_size=block_size, dtype="float32", enforce_eager=True,
                         max_model_len=512, kv_transfer_config=transfer).create_engine_config()
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
@@ -191,17 +207,24 @@ def test_connector_reads_the_engine_from_vllms_config(tiny_model, dram_yaml):
     assert list(connector.settings.layer_index) == list(LAYER_NAMES)  # model order, whatever vLLM's order
 
 
-@pytest.mark.parametrize("extra, kwargs, message", [
-    ({}, {}, "kvtier_config: missing"),
-    ({"kvtier_config": "<yaml>"}, {"block_size": 64}, "block_size is 64"),
-    ({"kvtier_config": "<yaml>"}, {"policy": "fail"}, "kv_load_failure_policy"),
+@pytest.mark.parametrize("extra, message", [
+    ({}, "kvtier_config: missing"),
+    ({"kvtier_config": "<yaml>", "metrics_port": "9090"}, "metrics_port: expected a port number"),
 ])
-def test_connector_refuses_bad_settings_at_start_up(tiny_model, dram_yaml, extra, kwargs, message):
+def test_connector_refuses_bad_settings_at_start_up(tiny_model, dram_yaml, extra, message):
     extra = {k: str(dram_yaml) if v == "<yaml>" else v for k, v in extra.items()}
     for role in ("SCHEDULER", "WORKER"):
         with pytest.raises(ConfigError, match=message):
-            _connector(tiny_model, role, extra, **kwargs)
+            _connector(tiny_model, role, extra)
     assert SHARED.backends() == []  # a worker that failed to start holds nothing
+
+
+def test_connector_follows_the_engines_block_size_and_recomputes_failed_loads(tiny_model, dram_yaml):
+    # The YAML says 32 tokens; vLLM's default failure policy would fail a request on a failed load.
+    scheduler = _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml)}, block_size=64, policy="fail")
+    assert scheduler.settings.block_tokens == scheduler.settings.namespace.block_tokens == 64
+    assert scheduler._kv_transfer_config.kv_load_failure_policy == "recompute"  # what vLLM's Scheduler reads next
+    scheduler.shutdown()
 
 
 def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram_yaml):
@@ -214,6 +237,74 @@ def test_worker_connector_owns_the_backend_and_checks_the_pages(tiny_model, dram
     finally:
         worker.shutdown()
     assert SHARED.backends() == []
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_scheduler_serves_every_ranks_metrics(tiny_model, dram_yaml):
+    extra = {"kvtier_config": str(dram_yaml)}
+    worker = _connector(tiny_model, "WORKER", extra, engine_id="metrics-test")
+    scheduler = _connector(tiny_model, "SCHEDULER", {**extra, "metrics_port": 0}, engine_id="metrics-test")
+    try:
+        port = scheduler._metrics_server.server_port
+        backend = worker._backend
+        keys = block_keys(worker.settings.namespace, P1)
+        _store(backend, keys)
+        assert backend.load(keys[:3], torch.zeros(3, backend.layout.block_bytes, dtype=torch.uint8)).wait(10)
+        request = FakeRequest("a", list(P1))
+        scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler._scheduler.after_alloc(request, [1, 2, 3, 4, 5], 4 * BLOCK)
+        got = _scrape(port)
+        assert got[("kvtier_vllm_rank_up", (("rank", "0"),))] == 1
+        assert got[("kvtier_hits_total", (("rank", "0"), ("tier", "dram")))] == 3
+        assert got[("kvtier_stores_total", (("rank", "0"), ("tier", "dram")))] == len(keys)
+        assert got[("kvtier_tier_capacity_bytes", (("rank", "0"), ("tier", "dram")))] == 4 << 20
+        assert ("kvtier_store_backlog_bytes", (("rank", "0"),)) in got
+        assert ("kvtier_vllm_layer_wait_seconds_total", (("rank", "0"),)) in got
+        assert got[("kvtier_vllm_prompt_blocks_total", (("source", "kvtier"),))] == 4
+        worker.shutdown()  # the rank is gone: said, not guessed
+        got = _scrape(port)
+        assert got[("kvtier_vllm_rank_up", (("rank", "0"),))] == 0
+        assert not any(name == "kvtier_hits_total" for name, _ in got)
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_metrics_of_several_ranks_are_labelled_by_rank(dram_yaml):
+    from kvtier.integrations.vllm_metrics import EngineCollector, rank_report
+    from kvtier.integrations.vllm_scheduler import PromptBlocks
+    from kvtier.integrations.vllm_transfers import WorkerStats
+
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    with KVTier(settings.config, layout=settings.layout) as one, KVTier(settings.config, layout=settings.layout) as two:
+        _store(two, block_keys(settings.namespace, P1)[:2])
+        reports = {0: rank_report(0, one, WorkerStats(), 0), 1: rank_report(1, two, WorkerStats(num_loads=5), 1),
+                   2: None}
+        families = {f.name: f for f in EngineCollector(3, reports.get, PromptBlocks()).collect()}
+    stores = {s.labels["rank"]: s.value for s in families["kvtier_stores"].samples if s.labels.get("tier") == "dram"}
+    assert stores == {"1": 2}
+    assert {s.labels["rank"]: s.value for s in families["kvtier_vllm_loads"].samples} == {"0": 0, "1": 5}
+    assert {s.labels["rank"]: s.value for s in families["kvtier_vllm_rank_up"].samples} == {"0": 1, "1": 1, "2": 0}
+
+
+def test_a_metrics_port_in_use_is_a_clear_error(tiny_model, dram_yaml):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"metrics_port: cannot serve kvtier metrics on 127.0.0.1:{port}"):
+            _connector(tiny_model, "SCHEDULER", {"kvtier_config": str(dram_yaml), "metrics_port": port})
 
 
 # ---- the scheduler half --------------------------------------------------------------------------
@@ -660,7 +751,15 @@ def test_engine_with_scheduler_and_worker_in_separate_processes(tmp_path, tiny_m
         assert_same_as_reference(phase, reference)
 
 
-def test_engine_start_up_fails_clearly_on_a_block_size_mismatch(tmp_path, tiny_model):
-    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"dram": {"capacity": "16MiB"}}, block_tokens=64)
-    result = run_engine(tmp_path, "mismatch", _spec(tiny_model, kvtier, [{"prompts": [P1]}]))
-    assert "block_tokens=64 but the engine's block_size is 32" in result["startup_error"]
+def test_engine_follows_its_block_size_and_recomputes_under_vllms_default_policy(tmp_path, tiny_model, reference):
+    # The YAML says 64-token blocks; the engine's are 32. vLLM's default kv_load_failure_policy
+    # ('fail', not passed here) would fail the request whose blocks fail their checksum.
+    kvtier = _yaml(tmp_path / "kvtier.yaml", tiny_model, {"ssd": {"capacity": "8MiB", "path": str(tmp_path / "ssd")}},
+                   block_tokens=64)
+    spec = _spec(tiny_model, kvtier, [{"prompts": [P1]}, {"prompts": [P1]}, {"prompts": [P1], "corrupt_ssd": True}])
+    spec["failure_policy"] = None
+    stored, hit, corrupted = run_engine(tmp_path, "follows", spec)["phases"]
+    assert hit["outputs"][0]["num_cached_tokens"] == 4 * BLOCK  # four 32-token blocks of P1's 150 tokens
+    assert corrupted["stats"]["num_blocks_failed"] == 4
+    for phase in (stored, hit, corrupted):
+        assert_same_as_reference(phase, reference)  # finish_reason "length": recomputed, not failed

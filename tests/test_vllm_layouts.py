@@ -115,7 +115,7 @@ def cuda_settings(tmp_path: Path, model_dir: Path, layout: str, dtype=torch.bflo
                                                       "o_direct": False}}}))
     page_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
     facts = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype=engine_dtype, layer_names=LAYER_NAMES,
-                        page_bytes=page_bytes, device_type="cuda", load_failure_policy="recompute",
+                        page_bytes=page_bytes, device_type="cuda",
                         kv_role="kv_both", kv_cache_layout=layout)
     return read_settings({"kvtier_config": str(path)}, facts)
 
@@ -264,7 +264,7 @@ def test_cpu_and_cuda_formats_never_share_keys(tmp_path, model_dir):
     cpu = read_settings({"kvtier_config": str(tmp_path / "kvtier.yaml")},
                         EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="bfloat16", layer_names=LAYER_NAMES,
                                     page_bytes=cuda.layout.layer_bytes[0], device_type="cpu",
-                                    load_failure_policy="recompute", kv_role="kv_both"))
+                                    kv_role="kv_both"))
     assert cpu.namespace != cuda.namespace
     token_major = cuda_settings(tmp_path, model_dir, "LBNHC")
     assert len({cpu.namespace, cuda.namespace, token_major.namespace}) == 3
@@ -382,7 +382,7 @@ def attention_layers(backend_name: str) -> dict:
 @pytest.mark.parametrize("layout, ratio", [("LHBNC", 1), ("LBNHC", 2)])
 def test_a_cuda_worker_connector_checks_backends_and_pages_at_start_up(tmp_path, tiny_model, monkeypatch,
                                                                        layout, ratio):
-    from kvtier.integrations.vllm_settings import SHARED
+    from kvtier.integrations.vllm_backends import SHARED
 
     connector = cuda_worker_connector(tmp_path, tiny_model, layout, monkeypatch)
     context = connector._vllm_config.compilation_config.static_forward_context

@@ -32,10 +32,9 @@ from kvtier.integrations.vllm_scheduler import (
     SchedulerSide,
     StoreSpec,
 )
+from kvtier.integrations.vllm_backends import SHARED, open_backend
 from kvtier.integrations.vllm_settings import (
-    SHARED,
     EngineFacts,
-    open_backend,
     read_settings,
 )
 from kvtier.integrations.vllm_shards import Sharding
@@ -73,7 +72,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def _facts(rank: int, num_shards: int = 2, tag: str = "engine") -> EngineFacts:
     page = PAGE_BYTES // num_shards
     return EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="float32", layer_names=LAYER_NAMES,
-                       page_bytes=page, device_type="cpu", load_failure_policy="recompute", kv_role="kv_both",
+                       page_bytes=page, device_type="cpu", kv_role="kv_both",
                        sharding=Sharding(rank, 2, num_shards), engine_tag=tag)
 
 

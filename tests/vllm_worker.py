@@ -9,6 +9,7 @@ group) that a second engine in one process would trip over. SPEC is a JSON objec
     kvtier       path of the kvtier YAML, or null to run without the connector
     engine       extra `LLM(...)` keyword arguments (num_gpu_blocks_override, enable_prefix_caching, ...)
     env          environment variables to set before vLLM is imported
+    failure_policy  kv_load_failure_policy (default 'recompute'; null: vLLM's own default)
     rank_stats   true: also collect every worker rank's connector counters (`collective_rpc`; for
                  engines whose workers run in other processes, e.g. tensor-parallel ones)
     phases       a list of phases, run in order, each {"prompts": [[token ids], ...], "max_tokens": n} and:
@@ -48,9 +49,10 @@ def _build(spec: dict):
     kwargs = {"model": spec["model"], "enforce_eager": True, "block_size": 32, "max_model_len": 512,
               "max_num_seqs": 4, "dtype": "float32", "seed": 0, **spec.get("engine", {})}
     if spec.get("kvtier"):
+        policy = spec.get("failure_policy", "recompute")
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm_connector",
-            kv_role="kv_both", kv_load_failure_policy=spec.get("failure_policy", "recompute"),
+            kv_role="kv_both", **({"kv_load_failure_policy": policy} if policy else {}),
             kv_connector_extra_config={"kvtier_config": spec["kvtier"], **spec.get("extra", {})})
     return LLM(**kwargs)
 
@@ -66,7 +68,7 @@ def _connector():
 
 def _corrupt_ssd() -> int:
     """Overwrites every SSD slab file of this process's kvtier backends; returns the files hit."""
-    from kvtier.integrations.vllm_settings import SHARED
+    from kvtier.integrations.vllm_backends import SHARED
     from kvtier.tiers.base import TierKind
 
     count = 0
@@ -139,7 +141,7 @@ def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
 
 
 def _facts() -> dict:
-    from kvtier.integrations.vllm_settings import SHARED
+    from kvtier.integrations.vllm_backends import SHARED
 
     connector = _connector()
     facts: dict = {}

@@ -1,18 +1,21 @@
 """kvtier as a vLLM KV connector (`KVConnectorBase_V1`).
 
-Use it with vLLM's own loader, no plugin needed:
+Use it with vLLM's own loader, no plugin needed (`vllm serve MODEL --kv-transfer-config '{...}'`):
 
     KVTransferConfig(kv_connector="KVTierConnector",
                      kv_connector_module_path="kvtier.integrations.vllm_connector",
-                     kv_role="kv_both", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml"})
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml", "metrics_port": 9464})
 
-`kv_connector_extra_config` takes `kvtier_config` (required: a kvtier YAML whose `block_tokens`
-equals the engine's block size and whose `model`/`kv_dtype` match the served model),
-`model_id`, `weights_id`, `load_timeout_s` and `lookup_timeout_s`; anything else is an error at
-start-up, as is a mismatch. Block keys name the weights by a fingerprint of the files vLLM loaded
-(`kvtier.weights`: sampled tensor bytes, not just the path), so weights rebuilt under the same path
-never hit the old KV; `weights_id` names them instead where the files cannot be read.
+`kv_connector_extra_config` takes the keys of `vllm_settings._KEYS` (`kvtier_config`, required;
+`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`);
+anything else is an error at start-up. The block size and KV dtype are the engine's, whatever the
+kvtier YAML says; its `model` must be the served model's geometry (checked). vLLM's default
+`kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. Block
+keys name the weights by a fingerprint of the files vLLM loaded (`kvtier.weights`), so weights
+rebuilt under the same path never hit the old KV; `weights_id` names them instead. kvtier's log
+lines go through vLLM's handlers (`vllm_log`); `metrics_port` serves every rank's metrics from
+the scheduler's process (`vllm_metrics`).
 
 Platforms, KV cache layouts and attention backends (checked at start-up; anything else is refused
 there, naming what and why, never copied the wrong way):
@@ -52,7 +55,7 @@ How the two halves divide the work (the scheduler and worker may live in differe
   * worker (`vllm_transfers.WorkerSide`): owns the kvtier backend, starts the loads before the
     forward, waits for layer l only before layer l's attention, gathers each layer after it, and
     reports blocks that failed to load through `get_block_ids_with_load_errors` so that vLLM
-    recomputes them (hence `kv_load_failure_policy="recompute"`).
+    recomputes them (the scheduler-side connector sets `kv_load_failure_policy="recompute"`).
 Across processes: blocks on a `persist: true` SSD tier outlive the process (the backend is closed
 at shutdown, or at interpreter exit, so stores in flight land and the journal is flushed); with a
 `pool` tier in the kvtier config, blocks are kept on the pool nodes under their block keys
@@ -90,7 +93,9 @@ except ImportError as e:  # this module is vLLM's to load; say what is missing
         from e
 
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.integrations.vllm_lookup import LookupServer
+from kvtier.integrations.vllm_log import log_through_vllm, settings_summary
+from kvtier.integrations.vllm_lookup import LookupServer, fetch_report
+from kvtier.integrations.vllm_metrics import EngineCollector, rank_report, start_metrics
 from kvtier.integrations.vllm_pages import CPU_BACKENDS
 from kvtier.integrations.vllm_scheduler import (
     KeyDirectory,
@@ -99,11 +104,10 @@ from kvtier.integrations.vllm_scheduler import (
     SchedulerSide,
     StoreSpec,
 )
+from kvtier.integrations.vllm_backends import SHARED, open_backend
 from kvtier.integrations.vllm_settings import (
-    SHARED,
     Settings,
     engine_facts,
-    open_backend,
     read_settings,
 )
 from kvtier.integrations.vllm_transfers import (
@@ -160,8 +164,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through_vllm()
         if kv_cache_config is None:
             raise ConfigError("kv_connector: KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(self._kv_transfer_config)
         facts = engine_facts(vllm_config, kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config, facts)
         self._num_engine_blocks = kv_cache_config.num_blocks
@@ -171,13 +178,19 @@ class KVTierConnector(KVConnectorBase_V1):
         self._failed_block_ids: set[int] = set()
         self._lookup_server: LookupServer | None = None
         self._step_started: float | None = None  # when vLLM bound this step's metadata (before its forward)
+        self._metrics_server: Any = None
         self._owns_backend = role == KVConnectorRole.WORKER
         if self._owns_backend:
             self._backend = SHARED.acquire(self.settings.backend_id(), lambda: open_backend(self.settings))
-            self._lookup_server = _serve_lookups(self.settings, self._backend)
+            self._lookup_server = _serve_lookups(self.settings, self._backend, self._report)
         else:
             directory = KeyDirectory(self.settings, _max_keys(self.settings))
             self._scheduler = SchedulerSide(self.settings, directory)
+            log.info("%s", settings_summary(self.settings))
+            if self.settings.metrics_port is not None:
+                collector = EngineCollector(self.settings.sharding.num_ranks, self._fetch_report,
+                                            self._scheduler.prompt_blocks)
+                self._metrics_server = start_metrics(self.settings, collector)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -289,6 +302,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierWorkerMetadata({rank: stored} if stored else {}, {rank: missing} if missing else {})
 
     def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         if self._lookup_server is not None:
             self._lookup_server.close()
             self._lookup_server = None
@@ -300,6 +317,14 @@ class KVTierConnector(KVConnectorBase_V1):
             SHARED.release(self.settings.backend_id())
         if self._scheduler is not None:
             self._scheduler.directory.close()
+
+    def _report(self) -> dict[str, Any]:
+        """This worker rank's metrics report (asked for over its lookup socket)."""
+        in_flight = self._worker.num_stores_in_flight if self._worker is not None else 0
+        return rank_report(self.settings.sharding.rank, self._backend, self.stats, in_flight)
+
+    def _fetch_report(self, rank: int) -> dict[str, Any] | None:
+        return fetch_report(self.settings.lookup_socket(rank), self.settings.lookup_timeout_s)
 
     def _meta(self) -> KVTierConnectorMetadata | None:
         meta = self._connector_metadata
@@ -341,19 +366,34 @@ class KVTierConnector(KVConnectorBase_V1):
         return list(self._kv_cache_manager.get_block_ids(req_id)[0])
 
 
+def _recompute_failed_loads(transfer: Any) -> None:
+    """Sets vLLM's `kv_load_failure_policy` to `recompute`, on the scheduler's own config.
+
+    kvtier is a cache: a block it cannot deliver (evicted meanwhile, a disk or pool node that
+    failed) must be recomputed, never fail the request, which vLLM's default policy (`fail`)
+    would do. vLLM's scheduler reads the policy from this same object just after it builds its
+    connector (`Scheduler.__init__`), and nothing else reads it, so the change takes effect.
+    """
+    if transfer.kv_load_failure_policy != "recompute":
+        log.info("kvtier: kv_load_failure_policy %r -> 'recompute' (kvtier is a cache: a block it cannot "
+                 "load is recomputed)", transfer.kv_load_failure_policy)
+        transfer.kv_load_failure_policy = "recompute"
+
+
 def _max_keys(settings: Settings) -> int:
     """How many keys the scheduler's fallback directory remembers: every slot of every tier of a rank."""
     return sum(t.capacity_bytes for t in settings.config.tiers) // settings.layout.block_bytes
 
 
-def _serve_lookups(settings: Settings, backend: Any) -> LookupServer | None:
-    """This rank's lookup server; without one (no Unix sockets here) the scheduler goes by reports."""
+def _serve_lookups(settings: Settings, backend: Any, report: Any) -> LookupServer | None:
+    """This rank's lookup server; without one (no Unix sockets here) the scheduler goes by reports
+    (and the metrics endpoint has none of this rank's)."""
     path = settings.lookup_socket(settings.sharding.rank)
     try:
-        return LookupServer(path, backend, settings.sharding)
+        return LookupServer(path, backend, settings.sharding, report)
     except OSError as e:
         log.warning("kvtier: cannot serve lookups on %s (%r); the scheduler will count only the blocks this "
-                    "worker reports stored", path, e)
+                    "worker reports stored, and its metrics leave this rank out", path, e)
         return None
 
 

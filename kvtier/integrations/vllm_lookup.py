@@ -1,22 +1,25 @@
-"""Lookups across processes for the vLLM connector under tensor parallelism.
+"""Lookups and reports across processes for the vLLM connector.
 
-Each worker rank holds its own slice of every block in its own process, so the scheduler asks each
-rank how many leading blocks it holds: `LookupServer` is the worker's end, on a Unix socket in a
-directory private to the user; `RankLookup` the scheduler's.
+Each worker rank holds its own slice of every block in its own process (under `vllm serve`, even
+with one rank, the worker is another process than the scheduler), so the scheduler asks each rank
+how many leading blocks it holds: `LookupServer` is the worker's end, on a Unix socket in a
+directory private to the user; `RankLookup` the scheduler's. The same socket gives the rank's
+metrics report (`fetch_report`), read when the scheduler's metrics endpoint is scraped.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvtier.integrations.vllm_settings import Backend
+from kvtier.integrations.vllm_backends import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import KEY_BYTES, BlockKey
 
@@ -26,10 +29,13 @@ log = logging.getLogger(__name__)
 # ---- lookups across processes ------------------------------------------------------------------
 #
 # One request: a u32 count n, then n engine-level keys of 16 bytes. One reply: a u32, how many
-# leading keys the rank's backend holds (its own slices of those blocks). No pickle on the wire.
+# leading keys the rank's backend holds (its own slices of those blocks). A count of _REPORT asks
+# for the rank's report instead: a u32 length, then that many bytes of JSON. No pickle on the wire.
 
 _COUNT = struct.Struct("<I")
 _MAX_KEYS = 1 << 20
+_REPORT = 0xFFFFFFFF
+_MAX_REPORT_BYTES = 16 << 20
 _RETRY_S = 1.0  # a rank that did not answer is not asked again for this long
 
 
@@ -50,14 +56,17 @@ class LookupServer:
         path: the socket (`Settings.lookup_socket(rank)`); its directory must be private (0700,
             this user's), a stale socket left by a dead process is replaced.
 
-    Raises:
-        OSError: the socket cannot be made (the connector then runs without it).
         backend: the rank's backend.
         sharding: the rank's slice, which turns engine-level keys into the backend's.
+        report: returns the rank's metrics report (JSON-ready); None: the rank reports nothing.
+
+    Raises:
+        OSError: the socket cannot be made (the connector then runs without it).
     """
 
-    def __init__(self, path: Path, backend: Backend, sharding: Sharding) -> None:
-        self.path, self.backend, self.sharding = path, backend, sharding
+    def __init__(self, path: Path, backend: Backend, sharding: Sharding,
+                 report: Callable[[], dict] | None = None) -> None:
+        self.path, self.backend, self.sharding, self.report = path, backend, sharding, report
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         owner = path.parent.stat()
         if owner.st_uid != os.getuid() or owner.st_mode & 0o077:
@@ -103,6 +112,10 @@ class LookupServer:
         try:
             while True:
                 (n,) = _COUNT.unpack(_recv_exact(conn, _COUNT.size))
+                if n == _REPORT:
+                    data = self._report()
+                    conn.sendall(_COUNT.pack(len(data)) + data)
+                    continue
                 if n > _MAX_KEYS:
                     return
                 data = _recv_exact(conn, n * KEY_BYTES)
@@ -112,6 +125,14 @@ class LookupServer:
             return  # the scheduler went away or the server closed
         finally:
             conn.close()
+
+    def _report(self) -> bytes:
+        try:
+            report = self.report() if self.report is not None else {}
+        except Exception as e:  # a report that cannot be made is an empty one, said once per scrape
+            log.warning("kvtier report of rank %d failed: %r", self.sharding.rank, e)
+            report = {}
+        return json.dumps(report, default=str).encode()
 
     def _lookup(self, keys: list[BlockKey]) -> int:
         try:
@@ -172,3 +193,23 @@ class RankLookup:
     def _drop(self) -> None:
         self.close()
         self._retry_at = time.monotonic() + _RETRY_S
+
+
+def fetch_report(path: Path, timeout_s: float) -> dict | None:
+    """Rank `path`'s report (see `LookupServer`) over a connection of its own; None when the rank
+    cannot be reached or does not answer within `timeout_s`."""
+    if not path.exists():
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+        sock.sendall(_COUNT.pack(_REPORT))
+        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
+        if n > _MAX_REPORT_BYTES:
+            return None
+        return json.loads(_recv_exact(sock, n))
+    except (OSError, ConnectionError, ValueError):
+        return None
+    finally:
+        sock.close()

@@ -21,6 +21,7 @@ block's bytes are checked against their checksum on every get.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.pool.client import PoolClient
 from kvtier.runtime import KVTier
+from kvtier.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class PoolBackend:
         self.client, self.layout, self.local, self.write_pool = client, layout, local, write_pool
         self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-vllm-pool")
         self._closed = False
+        self._lock = threading.Lock()
+        self._counts = {"hits": 0, "misses": 0, "stores": 0}  # blocks the pool served, missed, took
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """Leading keys held locally or on the pool; a node that is down holds nothing."""
@@ -102,6 +106,29 @@ class PoolBackend:
         self._io.submit(self._finish_store, handle, local, list(keys), [blocks[i] for i in range(len(keys))])
         return handle
 
+    def snapshot(self) -> dict[str, object]:
+        """The local tiers' `KVTier.snapshot()`, with the pool's blocks (`hits`, `misses` and
+        `stores` under tier "pool") and the pool client's own counters (`pool_client`)."""
+        snap = self.local.snapshot() if self.local is not None else {
+            "usage": {}, **Stats().snapshot(), "unavailable": {}, "store_backlog_bytes": 0}
+        with self._lock:
+            counts = dict(self._counts)
+        snap["hits"] = {**snap["hits"], "pool": counts["hits"]}
+        snap["stores"] = {**snap["stores"], "pool": counts["stores"]}
+        snap["misses"] += counts["misses"]
+        snap["pool_client"] = self.client.counters
+        return snap
+
+    def describe(self) -> dict[str, object]:
+        """The local tiers' `KVTier.describe()`, with the pool nodes and the data plane to each."""
+        info = self.local.describe() if self.local is not None else {
+            "block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
+            "num_layers": self.layout.num_layers, "tiers": []}
+        planes = self.client.transport_facts()
+        return {**info, "pool": {"nodes": [link.name for link in self.client.links], "tenant": self.client.tenant,
+                                 "transport": ", ".join(sorted({name for name, _ in planes})),
+                                 "transport_reason": "; ".join(sorted({why for _, why in planes}))}}
+
     def close(self) -> None:
         """Waits for the pool calls in flight, then closes the local tiers and the client. Idempotent."""
         if self._closed:
@@ -120,6 +147,7 @@ class PoolBackend:
                      keys: list[BlockKey], rows: list[torch.Tensor]) -> None:
         try:
             found = self.client.batch_get([bytes(k) for k in keys], rows) if keys else []
+            self._count(hits=sum(map(bool, found)), misses=len(found) - sum(map(bool, found)))
             for key, hit in zip(keys, found):
                 if not hit:
                     handle.fail(key, Stage.READ, 0, "not on the pool (or its node is down)")
@@ -141,6 +169,7 @@ class PoolBackend:
                       keys: list[BlockKey], blocks: list[torch.Tensor]) -> None:
         try:
             stored = self.client.batch_put([bytes(k) for k in keys], blocks)
+            self._count(stores=sum(map(bool, stored)))
             local_failed = set(keys)
             if local is not None:
                 local.wait()
@@ -153,3 +182,8 @@ class PoolBackend:
             for key in keys:
                 handle.fail(key, Stage.WRITE, 0, repr(e))
         handle.finish()
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counts[name] += n

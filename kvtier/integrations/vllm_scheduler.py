@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.integrations.vllm_lookup import RankLookup
-from kvtier.integrations.vllm_settings import SHARED, Backend, Settings
+from kvtier.integrations.vllm_backends import SHARED, Backend
+from kvtier.integrations.vllm_settings import Settings
 from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 
 log = logging.getLogger(__name__)
@@ -179,12 +180,22 @@ class RequestTracker:
         return self.keys[:num_blocks]
 
 
+@dataclass
+class PromptBlocks:
+    """Where the full blocks of each scheduled prompt came from (counted when vLLM allocates them)."""
+
+    engine: int = 0  # vLLM's own prefix cache
+    kvtier: int = 0  # loaded from kvtier
+    computed: int = 0  # in neither: prefilled
+
+
 class SchedulerSide:
     """The scheduler-side state of one engine's connector."""
 
     def __init__(self, settings: Settings, directory: KeyDirectory) -> None:
         self.settings = settings
         self.directory = directory
+        self.prompt_blocks = PromptBlocks()
         self._trackers: dict[str, RequestTracker] = {}
         self._loads: dict[str, LoadSpec] = {}
 
@@ -212,12 +223,19 @@ class SchedulerSide:
         """Records the load of `num_external_tokens` after vLLM's own hit into the request's `block_ids`."""
         tracker = self.track(request)
         tracker.num_stored_blocks = tracker.num_hit_blocks
+        size, local = self.settings.block_tokens, tracker.num_local_tokens
+        self._count_prompt_blocks(request, local // size, max(num_external_tokens, 0) // size)
         if num_external_tokens <= 0:
             return
-        size, local = self.settings.block_tokens, tracker.num_local_tokens
         first, end = local // size, (local + num_external_tokens) // size
         keys = tracker.keys_for(end)[first:end]
         self._loads[request.request_id] = LoadSpec(request.request_id, tuple(keys), tuple(block_ids[first:end]))
+
+    def _count_prompt_blocks(self, request: Any, num_engine: int, num_kvtier: int) -> None:
+        num_full = max(request.num_tokens - 1, 0) // self.settings.block_tokens
+        self.prompt_blocks.engine += num_engine
+        self.prompt_blocks.kvtier += num_kvtier
+        self.prompt_blocks.computed += max(num_full - num_engine - num_kvtier, 0)
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest],
                   block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:

@@ -34,8 +34,8 @@ import torch
 
 from kvtier.errors import GeometryError, KVTierError
 from kvtier.handle import TransferHandle
+from kvtier.integrations.vllm_backends import Backend
 from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
@@ -85,14 +85,15 @@ def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, laye
 
 @dataclass
 class WorkerStats:
-    """Counters of one worker, for tests and logs."""
+    """Counters of one worker, for tests, logs and metrics (`vllm_metrics`)."""
 
     num_loads: int = 0
     num_blocks_loaded: int = 0
-    num_blocks_failed: int = 0
+    num_blocks_failed: int = 0  # failed to load: reported to vLLM, which recomputes them
     num_layer_waits: int = 0
+    layer_wait_s: float = 0.0  # time the forward spent in wait_layer: what loading cost the engine
     num_blocks_stored: int = 0
-    num_blocks_not_stored: int = 0
+    num_blocks_not_stored: int = 0  # dropped: a store that failed, or computed on a block that failed to load
 
 
 @dataclass
@@ -182,7 +183,9 @@ class WorkerSide:
             while load.num_layers_placed <= layer:
                 self._place_next_layer(load)
         self.stats.num_layer_waits += 1
-        self._step_kvtier_s += time.perf_counter() - started
+        waited = time.perf_counter() - started
+        self._step_kvtier_s += waited
+        self.stats.layer_wait_s += waited
 
     def save_layer(self, layer: int, specs: Sequence[StoreSpec]) -> None:
         """Copies layer `layer` of the blocks to store out of the engine's pages."""
@@ -237,6 +240,11 @@ class WorkerSide:
             self.stats.num_blocks_stored += len(ok)
             self.stats.num_blocks_not_stored += len(store.keys) - len(ok)
         self._in_flight = still
+
+    @property
+    def num_stores_in_flight(self) -> int:
+        """Stores sent to the backend and not yet reaped (the connector's store backlog)."""
+        return len(self._in_flight)
 
     def take_reports(self) -> tuple[list[BlockKey], list[BlockKey]]:
         """Keys stored and keys found missing since the last call (for the scheduler's directory)."""

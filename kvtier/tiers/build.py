@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError, TierIOError
-from kvtier.tiers.base import Tier, TierKind
+from kvtier.tiers.base import Medium, Tier, TierKind
 
 
 def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
@@ -32,3 +32,69 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
         from kvtier.pool.tier import build_pool_tier
         return build_pool_tier(cfg, slot_bytes)
     raise ConfigError(f"tiers.{cfg.kind.name.lower()}: this tier is not available in this build")
+
+
+def planned_facts(cfg: TierConfig, slot_bytes: int) -> dict[str, object]:
+    """What `build_tier(cfg, slot_bytes).describe()` would say, without building the tier.
+
+    Describing creates nothing: no slab in memory, no file or directory, no connection (so
+    `kvtier info` can run on a production config). Facts only a running tier knows are said as
+    plans: the O_DIRECT decision is probed in a temporary file of the SSD directory, or of its
+    nearest existing parent when the directory does not exist yet (removed at once); a pool
+    tier's data plane is the configured one, decided per node when it connects.
+
+    Raises:
+        CapacityError: capacity is below one slot.
+        ConfigError: as `build_tier` (an HBM device without CUDA, a tier without a local build).
+    """
+    from kvtier.tiers.base import slots_needed
+
+    name = cfg.kind.name.lower()
+    num_slots = slots_needed(cfg.capacity_bytes, slot_bytes, name)
+    facts: dict[str, object] = {"tier": name, "medium": _MEDIA[cfg.kind], "slot_bytes": slot_bytes,
+                                "num_slots": num_slots, "capacity_bytes": num_slots * slot_bytes}
+    if cfg.kind is TierKind.HBM:
+        from kvtier.tiers.hbm import _pick_device
+        device, reason = _pick_device(cfg.device)
+        facts.update(device=str(device), stand_in=device.type != "cuda", **({"reason": reason} if reason else {}))
+    elif cfg.kind is TierKind.DRAM:
+        import torch
+        facts["pinned"] = torch.cuda.is_available()
+    elif cfg.kind is TierKind.SSD:
+        facts.update(_planned_ssd(cfg, slot_bytes, num_slots))
+    elif cfg.kind is TierKind.POOL:
+        facts.update(nodes=list(cfg.nodes), transport=cfg.transport.value, tenant=cfg.tenant,
+                     transport_reason="configured; decided per node when it connects", backend=cfg.backend.value)
+    return facts
+
+
+_MEDIA = {TierKind.HBM: Medium.DEVICE.value, TierKind.DRAM: Medium.HOST.value, TierKind.SSD: Medium.DISK.value,
+          TierKind.POOL: Medium.REMOTE.value}
+
+
+def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, object]:
+    import tempfile
+
+    from kvtier.tiers.ssd import ALIGN_BYTES, _probe_direct
+
+    stride = -(-slot_bytes // ALIGN_BYTES) * ALIGN_BYTES
+    facts: dict[str, object] = {"directory": str(cfg.path), "exists": cfg.path.is_dir(),
+                                "num_files": min(cfg.num_files, num_slots), "slot_stride_bytes": stride,
+                                "disk_bytes": num_slots * stride, "persist": cfg.persist}
+    if cfg.o_direct is False:
+        return {**facts, "o_direct": False, "reason": "o_direct: false in the config"}
+    probe_dir = next((p for p in (cfg.path, *cfg.path.parents) if p.is_dir()), None)
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".kvtier-info-") as f:
+            f.truncate(ALIGN_BYTES)
+            f.flush()
+            refusal = _probe_direct(f.name)
+    except (OSError, TierIOError) as e:
+        return {**facts, "o_direct": False, "reason": f"cannot probe O_DIRECT in {probe_dir}: {e}"}
+    where = "" if probe_dir == cfg.path else f" (probed in {probe_dir}: the directory is created at start-up)"
+    if refusal is None:
+        return {**facts, "o_direct": True, "reason": "an aligned O_DIRECT write and read succeeded" + where}
+    if cfg.o_direct:
+        return {**facts, "o_direct": False, "reason": f"o_direct: true in the config, but {refusal}: the tier would "
+                                                       "fail to start" + where}
+    return {**facts, "o_direct": False, "reason": refusal + "; buffered I/O" + where}
