@@ -151,7 +151,7 @@ def _facts() -> dict:
         if hasattr(backend, "usage"):
             facts["usage"] = backend.usage()
         if hasattr(backend, "snapshot"):
-            facts["cost"] = backend.snapshot()["cost"]
+            facts["cost"] = backend.snapshot().get("cost")
     return facts
 
 
