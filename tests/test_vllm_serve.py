@@ -1,0 +1,227 @@
+"""The README's `vllm serve` line, run as written: a real OpenAI-compatible server with kvtier.
+
+The command is read from README.md ("Serving with vLLM"); the test changes only what must be
+local (the model path becomes a tiny random Llama, the kvtier YAML and metrics port point into
+tmp_path) and adds the flags of vLLM's CPU build and of a small test (`--enforce-eager`, a host
+and port, a small `--max-model-len` and `--num-gpu-blocks-override`, vLLM's own prefix cache off
+so that a repeated prompt can only hit kvtier). Neither the block size nor the dtype nor
+`kv_load_failure_policy` is given: kvtier follows vLLM's defaults (128-token blocks and bf16 on
+CPU). Then: a completion over HTTP, the same long prompt again, kvtier's metrics endpoint scraped
+(per-tier hits from the worker process, served by the engine-core process), kvtier's start-up
+lines found in the server's log, a clean stop (SIGTERM), and a second server on the same
+persistent SSD tier that says how many blocks it restored and hits them.
+
+Cost: 1-3 minutes on 2 cores: two server starts (~25-60 s each, mostly vLLM's start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.tiny_model import build_tiny_llama
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+START_DEADLINE_S = 300  # a safety net on a loaded machine, not a measurement
+PROMPT = [random.Random(7).randrange(3, 512) for _ in range(600)]  # 4 full blocks of 128 tokens
+
+
+def readme_command() -> list[str]:
+    """The `vllm serve` line of README.md's "Serving with vLLM" section, split as a shell would."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Serving with vLLM"):]
+    return shlex.split(next(line for line in section.splitlines() if line.startswith("vllm serve ")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout_s: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+class Server:
+    """One `vllm serve` process (its own process group), its ports and its log file."""
+
+    def __init__(self, argv: list[str], api_port: int, metrics_port: int, log_path: Path, cwd: Path) -> None:
+        self.api_port, self.metrics_port, self.log_path = api_port, metrics_port, log_path
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_COLOR": "0",
+               "NO_COLOR": "1"}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                         start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> None:
+        """Polls /health until it answers 200, to a deadline; fails with the log if the server dies."""
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {self.proc.returncode} before it was healthy:\n{self.log()[-6000:]}")
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.api_port}/health", timeout=2).status == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            try:
+                self.proc.wait(timeout=0.5)  # the poll interval: returns early if the server dies
+            except subprocess.TimeoutExpired:
+                pass
+        pytest.fail(f"vllm serve not healthy within {START_DEADLINE_S} s:\n{self.log()[-6000:]}")
+
+    def complete(self, prompt: list[int], model: str) -> dict:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.api_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = _get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> int | None:
+        """SIGTERM, as an operator stops it; returns the exit status, None if it had to be killed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            return self.proc.returncode
+        os.killpg(self.proc.pid, signal.SIGKILL)  # its workers too: the group is the server's own
+        self.proc.wait()
+        return None
+
+
+def _summed(metrics: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in metrics.items() if n == name and labels.items() <= dict(ls).items())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("serve")
+    model = build_tiny_llama(work / "model", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=4)
+    import yaml
+
+    # block_tokens as the embedded default (16): vLLM's 128 must win. Inclusive: every block is
+    # written through to the persistent SSD tier, which the second server restores.
+    config = work / "kvtier.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model), "block_tokens": 16, "mode": "inclusive", "tiers": {
+        "dram": {"capacity": "8MiB"}, "ssd": {"capacity": "16MiB", "path": str(work / "ssd"), "persist": True}}}))
+    return {"work": work, "model": str(model), "config": str(config)}
+
+
+def _start(setup: dict, name: str) -> Server:
+    argv = readme_command()
+    assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv
+    argv[0], argv[2] = str(Path(sys.executable).with_name("vllm")), setup["model"]
+    i = argv.index("--kv-transfer-config") + 1
+    transfer = json.loads(argv[i])
+    assert "kv_load_failure_policy" not in transfer  # vLLM's default ('fail') must work
+    extra = transfer["kv_connector_extra_config"]
+    assert set(extra) == {"kvtier_config", "metrics_port"}
+    api_port, metrics_port = _free_port(), _free_port()
+    extra.update(kvtier_config=setup["config"], metrics_port=metrics_port)
+    argv[i] = json.dumps(transfer)
+    argv += ["--host", "127.0.0.1", "--port", str(api_port), "--enforce-eager", "--max-model-len", "1024",
+             "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching"]
+    server = Server(argv, api_port, metrics_port, setup["work"] / f"{name}.log", setup["work"])
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def first(setup) -> dict:
+    """The README's server: the same prompt twice, a scrape, then SIGTERM."""
+    server = _start(setup, "first")
+    try:
+        outputs = [server.complete(PROMPT, setup["model"]) for _ in range(2)]
+        metrics = server.metrics()
+    finally:
+        status = server.stop()
+    return {"outputs": outputs, "metrics": metrics, "log": server.log(), "status": status}
+
+
+@pytest.fixture(scope="module")
+def second(setup, first) -> dict:
+    """A fresh server on the first one's persistent SSD tier: the prompt once, a scrape, SIGTERM."""
+    server = _start(setup, "second")
+    try:
+        output = server.complete(PROMPT, setup["model"])
+        metrics = server.metrics()
+    finally:
+        status = server.stop()
+    return {"output": output, "metrics": metrics, "log": server.log(), "status": status}
+
+
+def test_the_readme_line_serves_completions(first):
+    texts = [out["choices"][0]["text"] for out in first["outputs"]]
+    assert all(out["usage"]["prompt_tokens"] == len(PROMPT) for out in first["outputs"])
+    assert texts[0] and texts[0] == texts[1]  # greedy: the KV loaded from kvtier is the KV computed
+
+
+def test_a_repeated_prompt_hits_kvtier_on_the_metrics_endpoint(first):
+    metrics = first["metrics"]
+    assert metrics[("kvtier_vllm_rank_up", (("rank", "0"),))] == 1  # the worker process answered the scrape
+    assert _summed(metrics, "kvtier_hits_total", rank="0", tier="dram") > 0
+    assert _summed(metrics, "kvtier_vllm_blocks_loaded_total") == _summed(metrics, "kvtier_hits_total") > 0
+    assert _summed(metrics, "kvtier_vllm_prompt_blocks_total", source="kvtier") > 0
+    assert _summed(metrics, "kvtier_vllm_blocks_failed_total") == 0
+    assert ("kvtier_store_backlog_bytes", (("rank", "0"),)) in metrics
+
+
+def test_kvtier_start_up_lines_are_in_vllms_log(first):
+    lines = [line for line in first["log"].splitlines() if "kvtier" in line and " INFO " in line]
+    rank = [line for line in lines if "kvtier rank 0: " in line]
+    assert len(rank) == 1, lines  # once, from the worker process
+    assert "tiers dram 8 MiB" in rank[0] and "ssd 16 MiB" in rank[0] and "blocks restored from disk" in rank[0]
+    assert any("blocks of 128 tokens, the engine's block size (block_tokens: 16" in line for line in lines), lines
+    assert any("kv_load_failure_policy 'fail' -> 'recompute'" in line for line in lines), lines
+    assert any("/metrics" in line and "kvtier: metrics of 1 worker rank" in line for line in lines), lines
+
+
+def test_the_server_stops_cleanly_on_sigterm(first, second):
+    assert first["status"] == 0 and second["status"] == 0  # None: it had to be killed
+    # vLLM's default shutdown (--shutdown-timeout 0) kills the engine at once, and its API server
+    # may log the engine's death (EngineDeadError), with or without kvtier; nothing of kvtier's may fail.
+    for log in (first["log"], second["log"]):
+        failed = [line for line in log.splitlines() if ("kvtier" in line and " ERROR " in line)
+                  or ('File "' in line and "/kvtier/" in line)]
+        assert not failed, failed
+
+
+def test_a_restarted_server_restores_the_ssd_tier_and_hits_it(first, second):
+    restored = [line for line in second["log"].splitlines() if "blocks restored from disk" in line]
+    assert restored and " 0 blocks restored" not in restored[0], restored
+    assert second["output"]["choices"][0]["text"] == first["outputs"][0]["choices"][0]["text"]
+    assert _summed(second["metrics"], "kvtier_hits_total", tier="ssd") > 0
