@@ -463,7 +463,8 @@ def test_connections_beyond_the_limit_are_refused_with_busy():
             raw.call(MsgType.AUTH, {"mac": proof(b"", b"client", "default", nonce, header["nonce"])})
             held.append(raw)
         assert 1 <= len(held) <= 2
-        for raw in held:
+        for raw in held:  # each one told it is authenticated holds its slot: none was evicted for the next
+            assert raw.call(MsgType.CONTAINS, {"keys": [b"k"]}) is not None
             raw.close()
         with PoolClient([n.address], timeout_s=WAIT_S, reconnect_s=0) as c:
             for _ in range(1000):  # until the node has seen the closes: real calls, no timer

@@ -103,8 +103,7 @@ class Limits:
 
 class Admission:
     """Accepts connections on `listener` and hands each admitted one to `on_accept(sock, peer,
-    deadline)` (which starts its thread); that thread runs `handshake`, then `authenticated`, and
-    `closed` when it ends. `run` is the accept loop's body; `stop` ends it.
+    deadline)` (which starts its thread); that thread runs `handshake`, and `closed` when it ends. `run` is the accept loop's body; `stop` ends it.
 
     Args:
         tenants: name -> credentials.
@@ -118,7 +117,7 @@ class Admission:
         self.throttle, self._on_accept = throttle, on_accept
         self._lock = threading.Lock()  # pending, authenticated, counters and the throttle
         self._pending: OrderedDict[socket.socket, None] = OrderedDict()  # oldest first
-        self._num_authenticated = 0
+        self._authenticated: set[socket.socket] = set()
         self._lingering: OrderedDict[socket.socket, float] = OrderedDict()  # refused: closing deadline
         self._wake_r, self._wake_w = os.pipe()
         self.counters = dict.fromkeys(("connections", "refused_busy", "handshakes_evicted", "handshake_timeouts",
@@ -181,12 +180,12 @@ class Admission:
             if wait_s:
                 self.counters["auth_throttled"] += 1
                 refusal = (ErrorCode.BUSY, f"too many failed authentications from {peer[0]}; retry in {wait_s:.0f} s")
-            elif self._num_authenticated >= self.limits.max_connections:
+            elif len(self._authenticated) >= self.limits.max_connections:
                 self.counters["refused_busy"] += 1
                 refusal = (ErrorCode.BUSY, "node at its connection limit")
             else:
                 refusal = None
-                full = self._num_authenticated + len(self._pending) >= self.limits.max_connections
+                full = len(self._authenticated) + len(self._pending) >= self.limits.max_connections
                 if full or len(self._pending) >= self.limits.max_handshakes:
                     self._evict_oldest()
                 self._pending[sock] = None
@@ -197,7 +196,7 @@ class Admission:
             self._on_accept(sock, peer, time.monotonic() + self.limits.handshake_timeout_s)
         except RuntimeError as e:  # no thread to be had: this connection goes, the loop goes on
             log.warning("pool node: cannot serve a connection: %s", e)
-            self.closed(sock, authenticated=False)
+            self.closed(sock)
             sock.close()
 
     def _evict_oldest(self) -> None:
@@ -255,8 +254,12 @@ class Admission:
 
     # ---- each connection's thread -----------------------------------------------------------
 
-    def handshake(self, frames: wire.FrameSocket, peer: Any, deadline: float) -> Tenant:
+    def handshake(self, frames: wire.FrameSocket, sock: socket.socket, peer: Any, deadline: float) -> Tenant:
         """HELLO and AUTH, both before `deadline`; returns the authenticated tenant.
+
+        `sock` (under `frames`) moves from pending to authenticated *before* the AUTH reply goes
+        out: a client that has its reply holds a counted slot, so a connection it opens next can
+        neither evict it nor squeeze past the limit beside it.
 
         Raises:
             ProtocolError: AUTH (not HELLO first, an unknown tenant or a wrong proof; counted, and
@@ -265,13 +268,13 @@ class Admission:
             EOFError, OSError: the peer went away, or this handshake was evicted.
         """
         try:
-            return self._challenge(frames, peer, deadline)
+            return self._challenge(frames, sock, peer, deadline)
         except TimeoutError:
             with self._lock:
                 self.counters["handshake_timeouts"] += 1
             raise
 
-    def _challenge(self, frames: wire.FrameSocket, peer: Any, deadline: float) -> Tenant:
+    def _challenge(self, frames: wire.FrameSocket, sock: socket.socket, peer: Any, deadline: float) -> Tenant:
         read = lambda: frames.read_head(0, reply=False, deadline=deadline, max_header=MAX_HANDSHAKE_HEADER_BYTES)
         prefix, msg, hello = read()
         if msg is not MsgType.HELLO:
@@ -288,23 +291,28 @@ class Admission:
                 self.throttle.failed(peer[0])
             raise ProtocolError(ErrorCode.AUTH, "authentication failed (unknown tenant or wrong secret)",
                                 prefix.request_id)
+        if not self._authenticate(sock):
+            raise EOFError("handshake evicted as it finished")  # the socket is shut already
         frames.send(REPLY | MsgType.AUTH, prefix.request_id, {
             "mac": proof(tenant.secret, b"node", name, hello["nonce"], nonce), **self._welcome}, deadline=deadline)
         return tenant
 
-    def authenticated(self, sock: socket.socket) -> bool:
+    def _authenticate(self, sock: socket.socket) -> bool:
         """Moves `sock` from pending to authenticated; False when it was evicted meanwhile."""
         with self._lock:
             if sock not in self._pending:
                 return False
             del self._pending[sock]
-            self._num_authenticated += 1
+            self._authenticated.add(sock)
             return True
 
-    def closed(self, sock: socket.socket, authenticated: bool) -> None:
-        """Forgets a connection that ended (before its socket is closed, so it cannot be evicted after)."""
+    @property
+    def num_authenticated(self) -> int:
+        return len(self._authenticated)
+
+    def closed(self, sock: socket.socket) -> None:
+        """Forgets a connection that ended, pending or authenticated (before its socket is closed,
+        so it cannot be evicted after)."""
         with self._lock:
-            if authenticated:
-                self._num_authenticated -= 1
-            else:
-                self._pending.pop(sock, None)
+            self._authenticated.discard(sock)
+            self._pending.pop(sock, None)

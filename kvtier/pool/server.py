@@ -186,9 +186,7 @@ class PoolNode:
         frames = wire.FrameSocket(sock, self.config.handshake_timeout_s)
         session = None
         try:
-            tenant = self._door.handshake(frames, peer, deadline)
-            if not self._door.authenticated(sock):
-                return  # evicted as it finished: the socket is shut already
+            tenant = self._door.handshake(frames, sock, peer, deadline)
             session = self._session(tenant)
             frames.set_timeout(self.config.idle_timeout_s)  # a stalled peer costs one thread that long
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -207,7 +205,7 @@ class PoolNode:
             log.exception("pool node: connection failed")
             self._reply_error(sock, 0, ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
         finally:
-            self._door.closed(sock, authenticated=session is not None)
+            self._door.closed(sock)
             with self._lock:
                 self._conns.pop(sock, None)
                 if session is not None:
