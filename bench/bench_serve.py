@@ -264,18 +264,23 @@ class Bench:
 def engine_counters(port: int) -> dict[str, float]:
     """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's)."""
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return prefix_counters(r.read().decode())
+
+
+def prefix_counters(text: str) -> dict[str, float]:
+    """The `*_total` prefix-cache and prompt-token counters of a Prometheus text page, summed over
+    every label but `source` (which is kept as `name[source]`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     counters: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        base, _, labels = name.partition("{")
-        if base.endswith("_total") and ("prefix_cache" in base or "prompt_tokens" in base):
-            source = next((lb.split("=")[1].strip('"') for lb in labels.rstrip("}").split(",")
-                           if lb.startswith("source=")), None)
-            key = base.removeprefix("vllm:") + (f"[{source}]" if source else "")
-            counters[key] = counters.get(key, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            base = sample.name.removeprefix("vllm:")
+            if not base.endswith("_total") or not ("prefix_cache" in base or "prompt_tokens" in base):
+                continue
+            source = sample.labels.get("source")
+            key = base + (f"[{source}]" if source else "")
+            counters[key] = counters.get(key, 0.0) + float(sample.value)
     return counters
 
 

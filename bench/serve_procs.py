@@ -226,9 +226,8 @@ def write_kvtier_config(path: Path, model: Path, block_tokens: int, tiers: dict)
 
 
 def kv_transfer_config(kvtier_yaml: Path) -> str:
-    """The --kv-transfer-config JSON. `kv_load_failure_policy` is set because vLLM 0.32's default,
-    `fail`, is refused by the connector at start-up (issue 10, part 1, is about that default)."""
+    """The --kv-transfer-config JSON, as the README's `vllm serve` line has it: vLLM's default
+    `kv_load_failure_policy` (the connector itself asks for `recompute`)."""
     return json.dumps({"kv_connector": "KVTierConnector",
                        "kv_connector_module_path": "kvtier.integrations.vllm_connector",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml)}})
+                       "kv_role": "kv_both", "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml)}})

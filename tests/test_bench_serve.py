@@ -1,0 +1,261 @@
+"""bench/bench_serve.py: its arithmetic, its parsing of what vLLM writes, its reports, its process
+handling, and (slow) one tiny run end to end against real `vllm serve` processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_serve  # noqa: E402
+import serve_procs  # noqa: E402
+import serve_report  # noqa: E402
+import serve_workloads as wl  # noqa: E402
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+
+
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=50), st.floats(0, 100))
+def test_percentile_is_numpys_linear_interpolation(values, q):
+    assert wl.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-6)
+
+
+def test_percentile_and_ratio_of_nothing_are_none():
+    assert wl.percentile([], 50) is None
+    assert wl.ratio(None, 1.0) is None and wl.ratio(1.0, None) is None and wl.ratio(1.0, 0.0) is None
+    assert wl.ratio(3.0, 2.0) == 1.5
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+
+def test_plain_is_always_run_and_configs_keep_their_order():
+    args = bench_serve.parse_args(["--configs", "dram+pool, dram"])
+    assert args.configs == ("plain", "dram", "dram+pool")
+
+
+def test_an_unknown_config_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_serve.parse_args(["--configs", "dram,nvme"])
+    assert e.value.code == 2 and "unknown nvme" in capsys.readouterr().err
+
+
+def test_quick_shrinks_the_run_and_explicit_values_win():
+    quick = bench_serve.params_from(bench_serve.parse_args(["--quick"]))
+    full = bench_serve.params_from(bench_serve.parse_args([]))
+    assert (quick.rounds, quick.num_prompts, quick.num_miss_probes) == (1, 18, 4)
+    assert (full.rounds, full.num_prompts, full.num_miss_probes) == (3, 36, 8)
+    mine = bench_serve.params_from(bench_serve.parse_args(["--quick", "--rounds", "2", "--num-prompts", "5"]))
+    assert (mine.rounds, mine.num_prompts) == (2, 5)
+
+
+# ---- what vLLM writes ---------------------------------------------------------------------------
+
+
+def vllm_result(**over) -> dict:
+    doc = {"completed": 3, "failed": 1, "duration": 6.0, "request_throughput": 0.5,
+           "ttfts": [0.1, 0.2, 0.0, 0.3], "errors": ["", "", "boom", ""],
+           "generated_texts": ["a", "b", "", "c"], "input_lens": [10, 10, 10, 10], "p50_ttft_ms": 200.0}
+    return {**doc, **over}
+
+
+def test_a_vllm_bench_result_keeps_the_ttfts_of_requests_that_succeeded():
+    got = wl.bench_result(vllm_result())
+    assert got["ttfts_ms"] == pytest.approx([100.0, 200.0, 300.0])
+    assert got["req_per_s"] == 0.5 and got["ttft_p50_ms"] == 200.0
+    assert got["ttft_p99_ms"] == pytest.approx(wl.percentile([100.0, 200.0, 300.0], 99))
+    assert got["texts"] == ["a", "b", "", "c"]
+
+
+def test_a_vllm_bench_result_without_detail_is_refused_naming_what_lacks():
+    doc = vllm_result()
+    del doc["ttfts"], doc["generated_texts"]
+    with pytest.raises(ValueError, match="lacks ttfts, generated_texts.*--save-detailed"):
+        wl.bench_result(doc)
+
+
+def test_prefix_counters_sum_over_engines_and_keep_the_source():
+    text = ("# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m, with a comma"} 4.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m, with a comma"} 6.0\n'
+            "# TYPE vllm:prompt_tokens_by_source counter\n"
+            'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 32.0\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0"} 1.0\n')
+    assert bench_serve.prefix_counters(text) == {"prefix_cache_hits_total": 10.0,
+                                                 "prompt_tokens_by_source_total[external_kv_transfer]": 32.0}
+
+
+# ---- outputs and the summary --------------------------------------------------------------------
+
+
+def test_outputs_compare_on_common_requests_and_a_missing_one_is_a_difference():
+    ref = {"a": [1, 2], "b": [3]}
+    assert wl.compare_outputs(ref, {"a": [1, 2], "b": [3]})["identical"] is True
+    changed = wl.compare_outputs(ref, {"a": [1, 9], "b": [3]})
+    assert changed["identical"] is False and changed["different"] == ["a"]
+    missing = wl.compare_outputs(ref, {"a": [1, 2]})
+    assert missing["identical"] is False and missing["num_missing"] == 1
+    assert wl.compare_outputs(ref, {})["identical"] is None
+
+
+def run_record(config: str, round_index: int, req_per_s: float, miss_ms: float, texts=("x", "y")) -> dict:
+    return {"config": config, "round": round_index, "startup_s": 50.0,
+            "prefix": {"completed": 10, "duration_s": 10 / req_per_s, "req_per_s": req_per_s,
+                       "ttfts_ms": [100.0, 200.0], "texts": list(texts)},
+            "chat": {"duration_s": 10.0, "num_requests": 5, "ttfts_ms": [50.0], "later_turn_ttfts_ms": [40.0]},
+            "chat_tokens": {"c0t0": [1, 2]}, "miss_ttfts_ms": [miss_ms, miss_ms], "miss_tokens": [[7], [8]],
+            "engine": {"external_prefix_cache_hits_total": 3.0, "external_prefix_cache_queries_total": 4.0}}
+
+
+def test_summary_ratios_goals_and_output_comparison_per_round():
+    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.5, 1000.0),
+            run_record("dram+ssd", 0, 0.9, 1100.0, texts=("x", "WRONG")),
+            run_record("plain", 1, 1.0, 1000.0, texts=("p", "q")), run_record("dram", 1, 1.5, 1000.0, texts=("p", "q"))]
+    out = serve_report.summarize_all(runs, ("plain", "dram", "dram+ssd"))
+    dram, ssd = out["dram"], out["dram+ssd"]
+    assert dram["req_per_s"] == pytest.approx(1.5) and dram["throughput_ratio"] == pytest.approx(1.5)
+    assert dram["outputs_identical"] is True and dram["outputs_compared"] == 10
+    assert all(dram["goals_met"].values())
+    assert ssd["outputs_identical"] is False and ssd["outputs_first_different"] == ["prefix1"]
+    assert ssd["goals_met"] == {"throughput_ratio>=1.0": False, "miss_ttft_ratio<=1.05": False}
+    assert out["plain"]["throughput_ratio"] == 1.0
+
+
+def test_a_failed_run_counts_as_far_as_it_got_and_reports_why():
+    failed = {"config": "dram", "round": 0, "error": "vllm serve (dram) exited with status 1", "log_tail": "Traceback"}
+    out = serve_report.summarize_all([run_record("plain", 0, 1.0, 1000.0), failed], ("plain", "dram"))
+    assert out["dram"]["num_failed_runs"] == 1 and out["dram"]["req_per_s"] is None
+    assert out["dram"]["errors"][0]["log_tail"] == "Traceback"
+    assert out["dram"]["goals_met"] == {"throughput_ratio>=1.3": None, "miss_ttft_ratio<=1.05": None}
+
+
+def test_the_table_and_the_plot_come_out(tmp_path, capsys):
+    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.4, 900.0)]
+    result = {"configs": serve_report.summarize_all(runs, ("plain", "dram")),
+              "machine": {"vllm": "0.32.0", "kvtier_commit": "abc", "num_cpus": 2}}
+    serve_report.print_table(result, bench_serve.CONFIGS)
+    table = capsys.readouterr().out
+    assert "kvtier DRAM" in table and "1.40" in table and "75%" in table
+    png = tmp_path / "serve.png"
+    serve_report.write_png(result, bench_serve.CONFIGS, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- what the servers are given -----------------------------------------------------------------
+
+
+def test_the_kvtier_config_the_servers_get_is_one_kvtier_accepts(tmp_path):
+    from kvtier.config import load_config
+
+    b = bench_serve.Bench(bench_serve.params_from(bench_serve.parse_args(["--quick"])), tmp_path, tmp_path / "model",
+                          512, None, print)
+    for name in ("dram", "dram+ssd", "dram+pool+ssd"):
+        tiers = b.tiers(name, tmp_path, "127.0.0.1:1" if "pool" in name else None)
+        path = serve_procs.write_kvtier_config(tmp_path / f"{name}.yaml", tmp_path / "model", 32, tiers)
+        config = load_config(path)
+        assert config.block_tokens == 32
+        assert ("ssd" in name) == any(t.kind.name == "SSD" and t.persist for t in config.tiers)
+        assert ("pool" in name) == any(t.nodes == ("127.0.0.1:1",) for t in config.tiers)
+
+
+def test_the_transfer_config_is_the_readme_line_shape(tmp_path):
+    got = json.loads(serve_procs.kv_transfer_config(tmp_path / "k.yaml"))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("vllm serve ") and "--kv-transfer-config" in ln)
+    shown = json.loads(line.split("--kv-transfer-config '", 1)[1].rstrip("'"))
+    assert {k: v for k, v in got.items() if k != "kv_connector_extra_config"} == \
+        {k: v for k, v in shown.items() if k != "kv_connector_extra_config"}
+    assert got["kv_connector_extra_config"] == {"kvtier_config": str(tmp_path / "k.yaml")}
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_stopping_a_proc_stops_its_whole_process_group(tmp_path):
+    with serve_procs.Procs() as procs:
+        parent = procs.start("sh", ["sh", "-c", f"sleep 300 & echo $! > {tmp_path / 'child'}; wait"], tmp_path / "log")
+        for _ in range(500):
+            if (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip():
+                break
+            time.sleep(0.01)
+        child = int((tmp_path / "child").read_text())
+        assert alive(child)
+    for _ in range(500):
+        if not alive(child) and parent.exited():
+            break
+        time.sleep(0.01)
+    assert not alive(child) and parent.exited()
+
+
+def test_a_server_that_dies_before_ready_is_a_start_error_with_its_log(tmp_path):
+    with serve_procs.Procs() as procs:
+        proc = procs.start("doomed", ["sh", "-c", "echo 'ValueError: no such model' >&2; exit 3"], tmp_path / "log")
+        with pytest.raises(serve_procs.StartError, match="exited with status 3") as e:
+            serve_procs.wait_http_ready(proc, f"http://127.0.0.1:{serve_procs.free_port()}/health", 60)
+    assert "no such model" in e.value.log_tail
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+
+
+def cmdlines_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tiny_run_end_to_end(tmp_path):
+    """plain vLLM and kvtier DRAM + pool node + SSD, real servers, few prompts: the JSON has every
+    figure the issue asks for, the outputs are identical, kvtier served prefix hits, nothing is left running."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "serve.json"
+    cmd = [sys.executable, str(BENCH / "bench_serve.py"), "--quick", "--configs", "dram+pool+ssd",
+           "--num-prompts", "6", "--num-prefixes", "2", "--prefix-tokens", "600", "--suffix-tokens", "64",
+           "--output-tokens", "4", "--chat-conversations", "2", "--chat-turns", "2", "--chat-context-tokens", "400",
+           "--miss-probes", "2", "--gpu-blocks", "40", "--json", str(out), "--png", str(tmp_path / "serve.png")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 1/1, 2/2: DRAM + pool + SSD" in done.stderr  # progress
+    assert "DRAM + pool + SSD" in done.stdout  # the table
+    result = json.loads(out.read_text())
+    kv = result["configs"]["dram+pool+ssd"]
+    for key in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "miss_ttft_p50_ms", "throughput_ratio", "miss_ttft_ratio"):
+        assert isinstance(kv[key], float) and kv[key] > 0, key
+    assert kv["outputs_identical"] is True and kv["outputs_compared"] >= 6 + 4 + 2
+    assert kv["engine"]["external_prefix_cache_hits_total"] > 0  # kvtier served some of the prompts
+    assert result["configs"]["plain"]["engine"].get("external_prefix_cache_queries_total", 0) == 0
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(tmp.iterdir()) == []  # the work directory went
+    assert cmdlines_mentioning(str(tmp)) == []  # so did every server, engine and pool node
