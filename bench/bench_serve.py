@@ -130,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     args.configs = tuple(n for n in CONFIGS if n in names or n == "plain")
+    num_prompts = args.num_prompts if args.num_prompts is not None else (18 if args.quick else 36)
+    if num_prompts < args.num_prefixes:
+        p.error(f"--num-prompts {num_prompts} is below --num-prefixes {args.num_prefixes}: "
+                "vllm bench serve's prefix_repetition needs at least one prompt per prefix")
     return args
 
 

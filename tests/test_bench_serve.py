@@ -51,13 +51,27 @@ def test_an_unknown_config_is_refused_by_name(capsys):
     assert e.value.code == 2 and "unknown nvme" in capsys.readouterr().err
 
 
+def test_fewer_prompts_than_prefixes_is_refused_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_serve.parse_args(["--num-prompts", "4", "--num-prefixes", "6"])
+    assert e.value.code == 2 and "--num-prompts 4 is below --num-prefixes 6" in capsys.readouterr().err
+
+
+def test_every_server_gets_the_same_cpu_reservation(monkeypatch):
+    """vLLM reserves more cores when a connector is configured; the bench pins one figure for all."""
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert serve_procs.child_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(max(1, (os.cpu_count() or 2) // 2))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")
+    assert serve_procs.child_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"
+
+
 def test_quick_shrinks_the_run_and_explicit_values_win():
     quick = bench_serve.params_from(bench_serve.parse_args(["--quick"]))
     full = bench_serve.params_from(bench_serve.parse_args([]))
     assert (quick.rounds, quick.num_prompts, quick.num_miss_probes) == (1, 18, 4)
     assert (full.rounds, full.num_prompts, full.num_miss_probes) == (3, 36, 8)
-    mine = bench_serve.params_from(bench_serve.parse_args(["--quick", "--rounds", "2", "--num-prompts", "5"]))
-    assert (mine.rounds, mine.num_prompts) == (2, 5)
+    mine = bench_serve.params_from(bench_serve.parse_args(["--quick", "--rounds", "2", "--num-prompts", "8"]))
+    assert (mine.rounds, mine.num_prompts) == (2, 8)
 
 
 # ---- what vLLM writes ---------------------------------------------------------------------------
