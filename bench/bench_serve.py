@@ -92,6 +92,7 @@ class Params:
     chat: ChatSpec
     num_miss_probes: int
     gpu_blocks: int
+    max_model_len: int
     dram: str
     ssd: str
     pool: str
@@ -120,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-context-tokens", type=int, default=1500)
     p.add_argument("--miss-probes", type=int, help="default 8, --quick 4")
     p.add_argument("--gpu-blocks", type=int, default=160, help="vLLM's own cache, in 32-token blocks")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="vLLM's --max-model-len; vLLM's own cache must hold one such request")
     p.add_argument("--dram", default="128MiB", help="kvtier's DRAM tier")
     p.add_argument("--ssd", default="1GiB", help="kvtier's SSD tier")
     p.add_argument("--pool", default="1GiB", help="the pool node's capacity")
@@ -134,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if num_prompts < args.num_prefixes:
         p.error(f"--num-prompts {num_prompts} is below --num-prefixes {args.num_prefixes}: "
                 "vllm bench serve's prefix_repetition needs at least one prompt per prefix")
+    if args.gpu_blocks * BLOCK_TOKENS < args.max_model_len:
+        p.error(f"--gpu-blocks {args.gpu_blocks} ({args.gpu_blocks * BLOCK_TOKENS} tokens) cannot hold one request of "
+                f"--max-model-len {args.max_model_len}: vLLM refuses to start; lower --max-model-len or raise --gpu-blocks")
     return args
 
 
@@ -148,6 +154,7 @@ def params_from(args: argparse.Namespace) -> Params:
                   suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
                   num_prompts=pick(args.num_prompts, 36, 18), concurrency=args.concurrency, chat=chat,
                   num_miss_probes=pick(args.miss_probes, 8, 4), gpu_blocks=args.gpu_blocks,
+                  max_model_len=args.max_model_len,
                   dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs)
 
 
@@ -183,7 +190,8 @@ class Bench:
     def serve_cmd(self, port: int, kvtier_yaml: Path | None) -> list[str]:
         cmd = [vllm_executable(), "serve", str(self.model), "--host", HOST, "--port", str(port),
                "--dtype", "float32", "--block-size", str(BLOCK_TOKENS), "--enable-prefix-caching",
-               "--num-gpu-blocks-override", str(self.params.gpu_blocks), "--max-model-len", "4096",
+               "--num-gpu-blocks-override", str(self.params.gpu_blocks),
+               "--max-model-len", str(self.params.max_model_len),
                "--seed", "0", "--enforce-eager", "--uvicorn-log-level", "warning"]
         return cmd + (["--kv-transfer-config", kv_transfer_config(kvtier_yaml)] if kvtier_yaml else [])
 

@@ -10,6 +10,7 @@ kvtier YAML configs the servers load.
 from __future__ import annotations
 
 import ctypes
+import re
 import json
 import os
 import shutil
@@ -27,6 +28,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25  # how often a starting server is asked whether it is ready
 _PR_SET_PDEATHSIG = 1
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) )?((?:\w+\.)*[A-Z]\w*(?:Error|Exception): (?!Engine core initialization failed).+)$",
+                             re.MULTILINE)  # a traceback's last line, as vLLM's processes print it
 
 
 class StartError(RuntimeError):
@@ -80,6 +85,16 @@ class Proc:
             os.killpg(self.popen.pid, sig)  # the group id is the leader's pid (start_new_session)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def root_cause(self) -> str | None:
+        """The last exception line (`SomethingError: why`) of the log but vLLM's own "Engine core
+        initialization failed": a failing engine prints its cause above that generic one."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        found = _EXCEPTION_LINE.findall(text)
+        return found[-1].strip() if found else None
 
     def log_tail(self, num_lines: int = 40) -> str:
         try:
@@ -160,8 +175,9 @@ def wait_http_ready(proc: Proc, url: str, timeout_s: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.exited():
-            raise StartError(f"{proc.name} exited with status {proc.popen.returncode} before it was ready",
-                             proc.log_tail())
+            cause = proc.root_cause()
+            raise StartError(f"{proc.name} exited with status {proc.popen.returncode} before it was ready"
+                             + (f": {cause}" if cause else ""), proc.log_tail())
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

@@ -57,6 +57,13 @@ def test_fewer_prompts_than_prefixes_is_refused_before_any_server_starts(capsys)
     assert e.value.code == 2 and "--num-prompts 4 is below --num-prefixes 6" in capsys.readouterr().err
 
 
+def test_a_cache_too_small_for_one_request_is_refused_before_any_server_starts(capsys):
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--gpu-blocks", "40"])
+    assert "--gpu-blocks 40 (1280 tokens) cannot hold one request of --max-model-len 4096" in capsys.readouterr().err
+    assert bench_serve.parse_args(["--gpu-blocks", "40", "--max-model-len", "1024"]).max_model_len == 1024
+
+
 def test_every_server_gets_the_same_cpu_reservation(monkeypatch):
     """vLLM reserves more cores when a connector is configured; the bench pins one figure for all."""
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
@@ -222,12 +229,18 @@ def test_stopping_a_proc_stops_its_whole_process_group(tmp_path):
     assert not alive(child) and parent.exited()
 
 
-def test_a_server_that_dies_before_ready_is_a_start_error_with_its_log(tmp_path):
+def test_a_server_that_dies_before_ready_is_a_start_error_naming_its_cause(tmp_path):
+    """As vLLM dies: a warning that mentions an error, the engine's cause, then the generic line."""
+    script = ("echo 'WARNING ulimit: this can cause fd errors like `OSError: [Errno 24] Too many open files`'; "
+              "echo '(EngineCore pid=7) ERROR EngineCore failed to start.'; "
+              "echo '(EngineCore pid=7) ValueError: 128 blocks are needed' >&2; "
+              "echo 'RuntimeError: Engine core initialization failed. See root cause above.' >&2; exit 3")
     with serve_procs.Procs() as procs:
-        proc = procs.start("doomed", ["sh", "-c", "echo 'ValueError: no such model' >&2; exit 3"], tmp_path / "log")
-        with pytest.raises(serve_procs.StartError, match="exited with status 3") as e:
+        proc = procs.start("doomed", ["sh", "-c", script], tmp_path / "log")
+        with pytest.raises(serve_procs.StartError) as e:
             serve_procs.wait_http_ready(proc, f"http://127.0.0.1:{serve_procs.free_port()}/health", 60)
-    assert "no such model" in e.value.log_tail
+    assert str(e.value) == "doomed exited with status 3 before it was ready: ValueError: 128 blocks are needed"
+    assert "Engine core initialization failed" in e.value.log_tail
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -258,7 +271,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     cmd = [sys.executable, str(BENCH / "bench_serve.py"), "--quick", "--configs", "dram+pool+ssd",
            "--num-prompts", "6", "--num-prefixes", "2", "--prefix-tokens", "600", "--suffix-tokens", "64",
            "--output-tokens", "4", "--chat-conversations", "2", "--chat-turns", "2", "--chat-context-tokens", "400",
-           "--miss-probes", "2", "--gpu-blocks", "40", "--json", str(out), "--png", str(tmp_path / "serve.png")]
+           "--miss-probes", "2", "--gpu-blocks", "40", "--max-model-len", "1024", "--json", str(out), "--png", str(tmp_path / "serve.png")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env={**os.environ, "TMPDIR": str(tmp)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round 1/1, 2/2: DRAM + pool + SSD" in done.stderr  # progress
