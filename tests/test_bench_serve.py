@@ -284,5 +284,5 @@ def test_a_tiny_run_end_to_end(tmp_path):
     assert kv["engine"]["external_prefix_cache_hits_total"] > 0  # kvtier served some of the prompts
     assert result["configs"]["plain"]["engine"].get("external_prefix_cache_queries_total", 0) == 0
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
-    assert list(tmp.iterdir()) == []  # the work directory went
+    assert not list(tmp.glob("kvtier-bench-serve-*"))  # the work directory went (vLLM leaves its own temp files)
     assert cmdlines_mentioning(str(tmp)) == []  # so did every server, engine and pool node
