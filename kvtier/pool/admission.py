@@ -103,7 +103,8 @@ class Limits:
 
 class Admission:
     """Accepts connections on `listener` and hands each admitted one to `on_accept(sock, peer,
-    deadline)` (which starts its thread); that thread runs `handshake`, and `closed` when it ends. `run` is the accept loop's body; `stop` ends it.
+    deadline)` (which starts its thread); that thread runs `handshake`, and `closed` when it
+    ends. `run` is the accept loop's body; `stop` ends it.
 
     Args:
         tenants: name -> credentials.
@@ -305,10 +306,6 @@ class Admission:
             del self._pending[sock]
             self._authenticated.add(sock)
             return True
-
-    @property
-    def num_authenticated(self) -> int:
-        return len(self._authenticated)
 
     def closed(self, sock: socket.socket) -> None:
         """Forgets a connection that ended, pending or authenticated (before its socket is closed,
