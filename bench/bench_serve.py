@@ -133,9 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     args.configs = tuple(n for n in CONFIGS if n in names or n == "plain")
-    num_prompts = args.num_prompts if args.num_prompts is not None else (18 if args.quick else 36)
-    if num_prompts < args.num_prefixes:
-        p.error(f"--num-prompts {num_prompts} is below --num-prefixes {args.num_prefixes}: "
+    if args.num_prompts is None:
+        args.num_prompts = 18 if args.quick else 36
+    if args.num_prompts < args.num_prefixes:
+        p.error(f"--num-prompts {args.num_prompts} is below --num-prefixes {args.num_prefixes}: "
                 "vllm bench serve's prefix_repetition needs at least one prompt per prefix")
     if args.gpu_blocks * BLOCK_TOKENS < args.max_model_len:
         p.error(f"--gpu-blocks {args.gpu_blocks} ({args.gpu_blocks * BLOCK_TOKENS} tokens) cannot hold one request of "
@@ -152,7 +153,7 @@ def params_from(args: argparse.Namespace) -> Params:
                     concurrency=args.concurrency)
     return Params(rounds=pick(args.rounds, 3, 1), num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens,
                   suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
-                  num_prompts=pick(args.num_prompts, 36, 18), concurrency=args.concurrency, chat=chat,
+                  num_prompts=args.num_prompts, concurrency=args.concurrency, chat=chat,
                   num_miss_probes=pick(args.miss_probes, 8, 4), gpu_blocks=args.gpu_blocks,
                   max_model_len=args.max_model_len,
                   dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs)

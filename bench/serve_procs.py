@@ -10,9 +10,9 @@ kvtier YAML configs the servers load.
 from __future__ import annotations
 
 import ctypes
-import re
 import json
 import os
+import re
 import shutil
 import signal
 import socket
