@@ -270,7 +270,7 @@ def test_a_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(BENCH / "bench_serve.py"), "--quick", "--configs", "dram+pool+ssd",
            "--num-prompts", "6", "--num-prefixes", "2", "--prefix-tokens", "600", "--suffix-tokens", "64",
-           "--output-tokens", "4", "--chat-conversations", "2", "--chat-turns", "2", "--chat-context-tokens", "400",
+           "--output-tokens", "4", "--chat-conversations", "3", "--chat-turns", "2", "--chat-context-tokens", "500",
            "--miss-probes", "2", "--gpu-blocks", "40", "--max-model-len", "1024", "--json", str(out), "--png", str(tmp_path / "serve.png")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env={**os.environ, "TMPDIR": str(tmp)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -280,8 +280,11 @@ def test_a_tiny_run_end_to_end(tmp_path):
     kv = result["configs"]["dram+pool+ssd"]
     for key in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "miss_ttft_p50_ms", "throughput_ratio", "miss_ttft_ratio"):
         assert isinstance(kv[key], float) and kv[key] > 0, key
-    assert kv["outputs_identical"] is True and kv["outputs_compared"] >= 6 + 4 + 2
-    assert kv["engine"]["external_prefix_cache_hits_total"] > 0  # kvtier served some of the prompts
+    assert kv["outputs_identical"] is True and kv["outputs_compared"] >= 6 + 6 + 2
+    # Three conversations of ~600 tokens (19 blocks each) cannot all stay in vLLM's 40 blocks: a second
+    # turn finds part of its history evicted there, whatever order the prefix prompts ran in, and kvtier
+    # has it. (With two conversations everything fitted, and hits depended on the prefix prompts' timing.)
+    assert kv["engine"]["external_prefix_cache_hits_total"] > 0
     assert result["configs"]["plain"]["engine"].get("external_prefix_cache_queries_total", 0) == 0
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp.glob("kvtier-bench-serve-*"))  # the work directory went (vLLM leaves its own temp files)
