@@ -22,6 +22,7 @@ from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.pool.detect import TransportKind
 from kvtier.sizes import parse_size
 from kvtier.tiers.kinds import TierKind
+from kvtier.yaml_strict import load_yaml
 
 
 class PoolBackend(enum.Enum):
@@ -340,7 +341,7 @@ def load_config(path: str | Path | None = None) -> KVTierConfig:
             raise ConfigError(f"config file {path}: not UTF-8 text") from None
         source = str(path)
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {source}: not valid YAML: {e}") from None
     return config_from_dict(raw)

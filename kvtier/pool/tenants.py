@@ -37,6 +37,7 @@ import yaml
 from kvtier.errors import ConfigError
 from kvtier.pool.protocol import MAX_NAME_BYTES
 from kvtier.pool.units import parse_size
+from kvtier.yaml_strict import load_yaml
 
 _TAG = b"kvtier-pool-v1"
 DEFAULT_TENANT = "default"
@@ -72,7 +73,7 @@ def load_tenants(path: str | Path, capacity_bytes: int) -> dict[str, Tenant]:
             the file and the field (`tenants[1].quota`).
     """
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = load_yaml(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"tenants file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
