@@ -78,12 +78,18 @@ class TransferConfig:
     # (`store_backlog_full`), never queued: the engine must not wait for kvtier.
     max_store_backlog_bytes: int = 256 << 20
     background_nice: int = 10  # added to the nice value of the threads that move blocks between tiers
+    # The CPUs the transfer threads run on (None: wherever the thread that starts them may run).
+    # The vLLM connector fills it, when unset, with the cores vLLM leaves to the rest of the server.
+    cpus: tuple[int, ...] | None = None
     # A hit whose measured load time would exceed the engine's measured recompute time for its
     # tokens is reported as a miss (`KVTier.loadable`, kvtier.cost); needs the engine's
     # `note_compute` reports, which the vLLM connector sends.
     skip_slow_loads: bool = True
 
     def __post_init__(self) -> None:
+        if self.cpus is not None and (not self.cpus or any(not isinstance(c, int) or isinstance(c, bool) or c < 0
+                                                            for c in self.cpus)):
+            raise ConfigError(f"transfer.cpus: expected a non-empty list of CPU numbers (0, 1, ...), got {self.cpus!r}")
         if not 0 < self.tier_retry_s <= self.tier_retry_max_s:
             raise ConfigError(f"transfer.tier_retry_s: need 0 < tier_retry_s <= tier_retry_max_s, "
                               f"got {self.tier_retry_s} and {self.tier_retry_max_s}")
@@ -278,7 +284,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
     _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s",
-                               "max_store_backlog", "background_nice", "skip_slow_loads"}, "transfer")
+                               "max_store_backlog", "background_nice", "skip_slow_loads", "cpus"}, "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
     return KVTierConfig(
@@ -300,6 +306,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
                                                "transfer.max_store_backlog"),
             background_nice=_number(transfer_raw.get("background_nice", 10), "transfer.background_nice", int, 0, 19),
             skip_slow_loads=_bool(transfer_raw.get("skip_slow_loads", True), "transfer.skip_slow_loads"),
+            cpus=_cpus(transfer_raw.get("cpus")),
         ),
         prefetch=PrefetchConfig(
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),
@@ -321,6 +328,14 @@ def _configured_tier(raw: dict, name: str, tiers: tuple[TierConfig, ...], *, all
     if kind not in kinds:
         raise ConfigError(f"{where}: tier {kind.name.lower()} is not configured under tiers")
     return kind
+
+
+def _cpus(raw: Any) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ConfigError(f"transfer.cpus: expected a list of CPU numbers such as [2, 3], or null, got {raw!r}")
+    return tuple(raw)
 
 
 def load_config(path: str | Path | None = None) -> KVTierConfig:

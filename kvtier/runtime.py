@@ -90,7 +90,8 @@ class KVTier:
         self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
                                      chunk_bytes=config.transfer.chunk_bytes,
                                      inline_bytes=config.transfer.inline_bytes, stats=self.stats,
-                                     background_nice=config.transfer.background_nice)
+                                     background_nice=config.transfer.background_nice,
+                                     cpus=config.transfer.cpus)
         self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
         self.cost = LoadCost(self.layout.block_tokens)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier.cpus import pin_thread
 from kvtier.errors import IntegrityError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.layout import BlockLayout
@@ -119,6 +120,8 @@ class TransferEngine:
             promotions, prefetches; `submit(background=True)`): on a host whose cores the engine's
             own compute threads fill (a CPU engine), moving blocks between tiers then takes only
             the time the engine leaves, instead of slowing its forward passes (0: same priority).
+        cpus: the CPUs every worker thread is bound to (None: those of the submitting thread,
+            which a CPU engine may have bound to its compute cores; see `kvtier.cpus`).
 
     Foreground batches (the engine's stores and loads) and background ones run on separate
     workers, so a load never queues behind a burst of demotions.
@@ -126,13 +129,13 @@ class TransferEngine:
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
                  chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None,
-                 background_nice: int = 0) -> None:
+                 background_nice: int = 0, cpus: Sequence[int] | None = None) -> None:
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.inline_bytes = inline_bytes
         self.stats = stats or Stats()
-        self._lanes = (_Lane("kvtier", job_workers, io_workers, 0),
-                       _Lane("kvtier-bg", job_workers, io_workers, background_nice))
+        self._lanes = (_Lane("kvtier", job_workers, io_workers, 0, cpus),
+                       _Lane("kvtier-bg", job_workers, io_workers, background_nice, cpus))
         self._all_spans = self._layer_spans(range(layout.num_layers))  # the usual case, computed once
         self._local = threading.local()
         self._cuda = _CudaCopier() if torch.cuda.is_available() else None
@@ -378,10 +381,14 @@ class TransferEngine:
 
 class _Lane:
     """Workers for one kind of batch: jobs (one batch each) and I/O threads (its slow copies),
-    their threads `nice`d by `nice` (Linux applies a nice value per thread)."""
+    their threads `nice`d by `nice` and bound to `cpus` (Linux applies both per thread)."""
 
-    def __init__(self, name: str, job_workers: int, io_workers: int, nice: int) -> None:
-        init = (lambda: _lower_priority(nice)) if nice else None
+    def __init__(self, name: str, job_workers: int, io_workers: int, nice: int,
+                 cpus: Sequence[int] | None = None) -> None:
+        def init() -> None:
+            if nice:
+                _lower_priority(nice)
+            pin_thread(cpus)
         self.jobs = ThreadPoolExecutor(job_workers, thread_name_prefix=f"{name}-job", initializer=init)
         self.io = ThreadPoolExecutor(io_workers, thread_name_prefix=f"{name}-io", initializer=init)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
@@ -81,15 +82,39 @@ def open_backend(settings: Settings) -> Backend:
     """
     from kvtier.integrations.vllm_log import backend_summary
 
-    backend = _open(settings)
+    config = with_transfer_cpus(settings.config)
+    backend = _open(settings, config)
     log.info("%s", backend_summary(settings.sharding.rank, backend))
     return backend
 
 
-def _open(settings: Settings) -> Backend:
+def transfer_cpus(config: KVTierConfig) -> tuple[int, ...] | None:
+    """The CPUs kvtier's threads in this worker run on: the config's `transfer.cpus`, else the
+    cores vLLM leaves free (None: no binding to avoid).
+
+    vLLM's CPU worker binds its compute threads, and so every thread started after them, to the
+    cores it computes on; kvtier's copies, checksums and I/O would then take the forward pass's
+    own cores while the cores vLLM reserves for the rest of the server sit idle. A GPU worker
+    binds nothing, and there is nothing to move.
+    """
+    from kvtier.cpus import spare_cpus
+
+    return config.transfer.cpus if config.transfer.cpus is not None else spare_cpus()
+
+
+def with_transfer_cpus(config: KVTierConfig) -> KVTierConfig:
+    """`config` with `transfer.cpus` set to `transfer_cpus(config)`; logs where that moves threads."""
+    cpus = transfer_cpus(config)
+    if cpus is None or cpus == config.transfer.cpus:
+        return config
+    log.info("kvtier: transfer threads on CPUs %s, off the %s vLLM computes on", list(cpus),
+             sorted(os.sched_getaffinity(0)))
+    return replace(config, transfer=replace(config.transfer, cpus=cpus))
+
+
+def _open(settings: Settings, config: KVTierConfig) -> Backend:
     from kvtier.runtime import KVTier
 
-    config = settings.config
     pool = config.tier(TierKind.POOL)
     if pool is None:
         return KVTier(config, layout=settings.layout)
@@ -106,7 +131,8 @@ def _open(settings: Settings) -> Backend:
     except BaseException:
         client.close()
         raise
-    return PoolBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared)
+    return PoolBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared,
+                       cpus=config.transfer.cpus)
 
 
 def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:

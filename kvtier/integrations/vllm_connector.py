@@ -104,7 +104,7 @@ from kvtier.integrations.vllm_scheduler import (
     SchedulerSide,
     StoreSpec,
 )
-from kvtier.integrations.vllm_backends import SHARED, open_backend
+from kvtier.integrations.vllm_backends import SHARED, open_backend, transfer_cpus
 from kvtier.integrations.vllm_settings import (
     Settings,
     engine_facts,
@@ -390,7 +390,8 @@ def _serve_lookups(settings: Settings, backend: Any, report: Any) -> LookupServe
     (and the metrics endpoint has none of this rank's)."""
     path = settings.lookup_socket(settings.sharding.rank)
     try:
-        return LookupServer(path, backend, settings.sharding, report)
+        return LookupServer(path, backend, settings.sharding, report,
+                            cpus=transfer_cpus(settings.config))
     except OSError as e:
         log.warning("kvtier: cannot serve lookups on %s (%r); the scheduler will count only the blocks this "
                     "worker reports stored, and its metrics leave this rank out", path, e)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvtier.cpus import pin_thread
 from kvtier.integrations.vllm_backends import Backend
 from kvtier.integrations.vllm_shards import Sharding
 from kvtier.keys import KEY_BYTES, BlockKey
@@ -59,14 +60,16 @@ class LookupServer:
         backend: the rank's backend.
         sharding: the rank's slice, which turns engine-level keys into the backend's.
         report: returns the rank's metrics report (JSON-ready); None: the rank reports nothing.
+        cpus: the CPUs its threads run on (None: those of the thread that makes it).
 
     Raises:
         OSError: the socket cannot be made (the connector then runs without it).
     """
 
     def __init__(self, path: Path, backend: Backend, sharding: Sharding,
-                 report: Callable[[], dict] | None = None) -> None:
+                 report: Callable[[], dict] | None = None, cpus: Sequence[int] | None = None) -> None:
         self.path, self.backend, self.sharding, self.report = path, backend, sharding, report
+        self._cpus = cpus
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         owner = path.parent.stat()
         if owner.st_uid != os.getuid() or owner.st_mode & 0o077:
@@ -96,6 +99,7 @@ class LookupServer:
         self.path.unlink(missing_ok=True)
 
     def _accept(self) -> None:
+        pin_thread(self._cpus)  # the threads serving connections start from this one, and inherit it
         while True:
             try:
                 conn, _ = self._listener.accept()

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvtier.cpus import pin_thread
 from kvtier.handle import Stage, TransferHandle
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
@@ -47,12 +48,14 @@ class PoolBackend:
         io_workers: threads that run pool calls (one call per load or store).
         write_pool: False on a rank whose slice another rank writes to the pool (see the module
             docstring); its stores go to the local tiers only.
+        cpus: the CPUs its threads run on (None: those of the thread that starts them).
     """
 
     def __init__(self, client: PoolClient, layout: BlockLayout, local: KVTier | None = None,
-                 io_workers: int = 2, write_pool: bool = True) -> None:
+                 io_workers: int = 2, write_pool: bool = True, cpus: Sequence[int] | None = None) -> None:
         self.client, self.layout, self.local, self.write_pool = client, layout, local, write_pool
-        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-vllm-pool")
+        self._io = ThreadPoolExecutor(io_workers, thread_name_prefix="kvtier-vllm-pool",
+                                      initializer=lambda: pin_thread(cpus))
         self._closed = False
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "stores": 0}  # blocks the pool served, missed, took
