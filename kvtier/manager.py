@@ -103,10 +103,13 @@ class TierManager:
         self._below = {k: tuple(t for t in self.order[i + 1:] if t not in down) for i, k in enumerate(self.order)}
         self._promote_now = self.promote_to if self.promote_to not in down else None
         # Tiers that can pass their high watermark; one at 1.0 never does (used <= num_slots), and
-        # `_rebalance` runs after every completion; a tier out of service is left as it is.
+        # `_rebalance` runs after every completion; a tier out of service is left as it is, and so
+        # is the last tier in service: with nowhere to demote to, draining it to its low watermark
+        # would only drop blocks it has room for (it evicts on demand, as the simulator models it).
         # Each with its free list and its high mark in slots, so that the check is a few reads.
         self._watermarked = tuple((k, t, self._slots[k].free, t.high_watermark * t.num_slots)
-                                  for k, t in self._tiers.items() if t.high_watermark < 1 and k not in down)
+                                  for k, t in self._tiers.items()
+                                  if t.high_watermark < 1 and k not in down and self._below[k])
 
     # ---- tiers in and out of service -----------------------------------------------------
 

@@ -377,6 +377,31 @@ def test_watermarks_demote_down_to_low():
     assert m.num_used(H) == 2
 
 
+def test_the_last_tier_in_service_fills_up_instead_of_draining_to_its_low_watermark():
+    # Draining the last tier drops blocks it has room for: a DRAM-only vLLM server held 85-95 % of
+    # its DRAM (watermarks 0.95 / 0.85), and its hit rate fell below DRAM + SSD's.
+    def fill(m, target=None):
+        for key in range(8):
+            _finish(m, _store_ready(m, [key], target)[1])
+
+    only = TierManager([TierSlots(D, 8, make_policy("lru", 8), high_watermark=0.75, low_watermark=0.5)])
+    fill(only)
+    assert only.num_used(D) == 8 and only.stats.num_dropped == 0
+    _finish(only, _store_ready(only, [8])[1])
+    assert only.num_used(D) == 8 and only.where(0) is None and only.stats.num_dropped == 1, "on demand: the LRU block"
+
+    m = make_manager((2, 2, 8), high=0.75, low=0.5)
+    fill(m, S)
+    assert m.num_used(S) == 8 and m.stats.num_dropped == 0, "SSD is the last tier: nothing drained"
+    m.set_available(S, False)  # DRAM is now the last tier in service
+    for key in (20, 21):
+        _finish(m, _store_ready(m, [key], D)[1])
+    assert m.num_used(D) == 2, "a full DRAM with no tier below in service keeps its blocks"
+    _finish(m, list(m.set_available(S, True)))
+    _finish(m, _store_ready(m, [22], D)[1])
+    assert m.num_used(D) <= 1, "SSD back below it: DRAM drains to its low watermark again"
+
+
 def test_admission_keeps_direct_stores_off_ssd():
     m = make_manager((1, 1, 2), admission=AdmissionRule(AdmissionKind.EVICTED))
     _store_ready(m, [1], H)
