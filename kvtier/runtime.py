@@ -132,7 +132,7 @@ class KVTier:
             self.cost.note_compute(num_tokens, seconds)
 
     def store(self, keys: Sequence[Hashable], blocks: torch.Tensor | Sequence[torch.Tensor],
-              target: TierKind | None = None, *, background: bool = False) -> TransferHandle:
+              target: TierKind | None = None, *, background: bool = False, sync: bool = False) -> TransferHandle:
         """Saves blocks asynchronously; blocks already stored are skipped.
 
         Args:
@@ -143,9 +143,16 @@ class KVTier:
             background: nobody waits on this store (an engine saving what it computed): it never
                 runs in the calling thread, and its copies run at the background workers' lower
                 priority, so the caller's own work (the next forward pass) comes first.
+            sync: the caller would wait for the handle at once: the copies run in its thread and
+                the handle is done on return (no hand-off to a worker and back). Demotions the
+                store makes room with still run in the background.
         Returns:
             A handle; blocks that could not be stored anywhere are in `handle.failed`.
+        Raises:
+            ValueError: `background` and `sync` both set, or bad keys or blocks.
         """
+        if background and sync:
+            raise ValueError("store: background and sync exclude each other (nobody waits, or the caller does)")
         buffers = self._check_blocks(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
@@ -160,15 +167,24 @@ class KVTier:
                 handle.fail(key, Stage.WRITE, 0, "the store backlog is full: dropped rather than waited for")
             backlog = len(ops) * self.layout.block_bytes
             self._backlog_bytes += backlog
-            return self.engine.submit(ops, lambda h: self._store_done(plan, h, buffers, backlog), handle=handle,
-                                      background=background, inline=not background)
 
-    def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor]) -> TransferHandle:
+            def on_done(h: TransferHandle) -> None:
+                self._store_done(plan, h, buffers, backlog)
+
+            if not sync:
+                return self.engine.submit(ops, on_done, handle=handle, background=background, inline=not background)
+        # Outside the lock, as a worker would run it: the plan holds the slots until it completes.
+        return self.engine.run_now(ops, handle, on_done)
+
+    def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor], *,
+             sync: bool = False) -> TransferHandle:
         """Copies stored blocks into the caller's buffers, layer by layer.
 
         `handle.wait_layer(l)` returns once layer `l` of every block is in place. A block that is
         not stored, or fails on the way (I/O error, checksum mismatch), is in `handle.failed` and
-        its buffer content is undefined: treat it as a miss.
+        its buffer content is undefined: treat it as a miss. `sync`: the caller would wait for the
+        handle at once: the copies run in its thread (no hand-off to a worker and back), the
+        handle is done on return, and a hung disk or node holds the caller (no wait timeout).
         """
         buffers = self._check_blocks(keys, into, "into")
         with self._lock:
@@ -181,7 +197,13 @@ class KVTier:
             for key in plan.missing:
                 handle.fail(key, Stage.READ, 0, "not stored")
             started = time.perf_counter()
-            return self.engine.submit(ops, lambda h: self._on_loaded(plan, h, started), handle=handle)
+
+            def on_done(h: TransferHandle) -> None:
+                self._on_loaded(plan, h, started)
+
+            if not sync:
+                return self.engine.submit(ops, on_done, handle=handle)
+        return self.engine.run_now(ops, handle, on_done)  # outside the lock: the plan leases the sources
 
     def prefetch(self, keys: Sequence[Hashable], target: TierKind | None = None,
                  budget_bytes: int | None = None) -> Prefetch:

@@ -149,6 +149,55 @@ def test_missing_blocks_are_reported_not_served(tmp_path):
 # ---- layer-wise loading and in-flight sharing ------------------------------------------------
 
 
+class ThreadRecordingTier(GatedTier):
+    """A GatedTier that notes which thread ran each read and write."""
+
+    def __init__(self, inner: Tier) -> None:
+        super().__init__(inner)
+        self.threads: set[str] = set()
+
+    def read(self, slot, dst, offset=0):
+        self.threads.add(threading.current_thread().name)
+        super().read(slot, dst, offset)
+
+    def write(self, slot, src, offset=0):
+        self.threads.add(threading.current_thread().name)
+        super().write(slot, src, offset)
+
+
+def test_sync_store_and_load_run_in_the_callers_thread_and_are_done_on_return(tmp_path):
+    (tmp_path / "ssd-rec").mkdir()
+    disk = ThreadRecordingTier(SSDTier(tmp_path / "ssd-rec", 6 * BLOCK, BLOCK, num_files=2))
+    with runtime(tmp_path, ssd_tier=disk, hbm=0, dram=0, promote_to=None) as kv:
+        keys = [1, 2, 3]
+        stored = kv.store(keys, blocks(keys), sync=True)
+        assert stored.done() and stored.wait(0) and kv.where(keys) == [S] * 3
+        out = torch.zeros(4, BLOCK, dtype=torch.uint8)
+        loaded = kv.load(keys + [9], out, sync=True)
+        assert loaded.done() and set(loaded.failed) == {9} and torch.equal(out[:3], blocks(keys))
+        # every read but the batch's last ran on an I/O worker, in flight together; the last, and
+        # at queue depth 1 each, in this thread: no job hand-off either way
+        assert threading.current_thread().name in disk.threads
+        assert not {t for t in disk.threads if t.startswith("kvtier-job") or t.startswith("kvtier-bg-job")}
+        one = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        disk.threads.clear()
+        assert kv.load([2], one, sync=True).wait(0) and torch.equal(one[0], blocks([2])[0])
+        assert disk.threads == {threading.current_thread().name}
+        with pytest.raises(ValueError, match="background and sync"):
+            kv.store([4], blocks([4]), background=True, sync=True)
+
+
+def test_a_sync_load_still_verifies_every_checksum(tmp_path):
+    with runtime(tmp_path, hbm=0, dram=0, promote_to=None) as kv:
+        store(kv, [5])
+        tier = kv.tiers[S]
+        slot = kv.manager.index.get(5).copies[S].slot
+        tier.write(slot, torch.full((16,), 7, dtype=torch.uint8), offset=0)  # 16 bytes of layer 0 flipped
+        out = torch.zeros(1, BLOCK, dtype=torch.uint8)
+        handle = kv.load([5], out, sync=True)
+        assert handle.done() and handle.failed[5].stage == Stage.VERIFY and kv.where([5]) == [None]
+
+
 @pytest.mark.parametrize("promote_to", [None, D], ids=["direct", "via-promotion"])
 def test_layer_zero_is_usable_before_the_last_layer_lands(tmp_path, ssd, promote_to):
     with runtime(tmp_path, ssd_tier=ssd, promote_to=promote_to) as kv:

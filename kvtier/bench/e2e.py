@@ -5,11 +5,13 @@ demoted at once, and the lower tier under test, which never demotes (watermarks 
 sized to hold the blocks a row cycles over. Loads do not promote, so a fill reads the lower tier
 straight into the caller's device buffer.
 
-One op is one call with `queue_depth` blocks (the engine's `io_workers` is set to the same number):
-  spill: `store(keys, blocks_on_device)` into HBM, its handle waited for, then `quiesce()` until the
-         demotions into the lower tier have landed (checksums computed on the way below DRAM);
-  fill:  `load(keys, device_buffer)` of blocks held by the lower tier, its handle waited for
-         (checksums verified on the way up from below DRAM).
+One op is one call with `queue_depth` blocks (the engine's `io_workers` is set to the same number),
+made as an engine that waits for each call makes it (`sync=True`: the copies run in the caller's
+thread, no hand-off to a worker and back):
+  spill: `store(keys, blocks_on_device, sync=True)` into HBM, then `quiesce()` until the demotions
+         into the lower tier have landed (background moves: checksums computed on the way below DRAM);
+  fill:  `load(keys, device_buffer, sync=True)` of blocks held by the lower tier (checksums
+         verified on the way up from below DRAM).
 Its limit moves the same `queue_depth` blocks with the lower medium's raw op, one thread per block:
 pinned cudaMemcpy / memcpy for DRAM, a raw TCP socket for the pool, raw O_DIRECT for the SSD.
 The engine's device<->host leg has no limit of its own here; the hbm-dram path measures it alone.
@@ -17,6 +19,7 @@ The engine's device<->host leg has no limit of its own here; the hbm-dram path m
 
 from __future__ import annotations
 
+import faulthandler
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +35,9 @@ NUM_LAYERS = 32  # a block is laid out as this many equal layers, as a 7-8B mode
 CHUNK_BYTES = 1 << 20  # the runtime's default: layers copied in runs of at least 1 MiB
 DEMOTE_AT_ONCE = 1e-6  # an HBM watermark any one block passes
 TIMEOUT_S = 120.0  # a safety net against a hung transfer, never a measurement
+# A sync call has no timeout (the pool client's own bounds a remote call, nothing bounds a hung
+# disk): past this, a path's run ends the process with every thread's traceback.
+WATCHDOG_S = 900.0
 
 
 def runtime_config(env: BenchEnv, lower: TierKind, block_bytes: int, depth: int, num_blocks: int):
@@ -67,8 +73,7 @@ class _Calls:
     def spill(self, t: int, call: int) -> None:
         keys = [(self._next_key + j).to_bytes(16, "little") for j in range(self.depth)]
         self._next_key += self.depth
-        handle = self.kv.store(keys, self.src, target=TierKind.HBM)
-        handle.wait(TIMEOUT_S)
+        handle = self.kv.store(keys, self.src, target=TierKind.HBM, sync=True)
         self.kv.quiesce(TIMEOUT_S)
         if handle.failed:
             raise TransferError(f"e2e spill to {self.lower.name}: {len(handle.failed)} blocks failed: "
@@ -76,8 +81,7 @@ class _Calls:
         self.batches[call] = keys
 
     def fill(self, t: int, call: int) -> None:
-        handle = self.kv.load(self.batches[call], self.dst)
-        handle.wait(TIMEOUT_S)
+        handle = self.kv.load(self.batches[call], self.dst, sync=True)
         if handle.failed:
             raise TransferError(f"e2e fill from {self.lower.name}: {len(handle.failed)} blocks failed: "
                                 f"{next(iter(handle.failed.values())).error}")
@@ -148,10 +152,12 @@ def e2e_path(lower: TierKind) -> PathFn:
         except BaseException:
             kv.close()
             raise
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
         try:
             return spill_and_fill(name, block_bytes, depth, num_calls, budget, (calls.spill, calls.fill), limit,
                                   bytes_per_op=depth * block_bytes, concurrency=1, after_warm=calls.check)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             limit.close()
             kv.close()
 

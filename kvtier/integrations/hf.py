@@ -117,8 +117,7 @@ class HFKVTier:
         blocks = self.staging(len(keys))
         if not keys:
             return blocks, 0
-        handle = self.kv.load(keys, blocks)
-        handle.wait()
+        handle = self.kv.load(keys, blocks, sync=True)  # waited for at once: copied in this thread
         return blocks, leading_ok(keys, handle)
 
 
