@@ -184,7 +184,12 @@ class TransferEngine:
             raise RuntimeError("transfer engine is closed")
         if self._cuda is not None:
             handle.cuda_ready = self._cuda.mark_caller()
-        self._run(self._lanes[0], list(ops), handle, on_done, None, time.perf_counter())
+        started = time.perf_counter()
+        if self._cuda is None and all(op.after is None and not op.src.below_dram and not op.dst.below_dram
+                                      for op in ops):  # host memory alone: each block one copy, as inline
+            self._run_whole(ops, handle, on_done, None, started)
+        else:
+            self._run(self._lanes[0], list(ops), handle, on_done, None, started)
         return handle
 
     def _runs_inline(self, ops: Sequence[CopyOp]) -> bool:
