@@ -121,3 +121,22 @@ def test_a_frozen_node_is_skipped_then_rejoins_with_its_blocks(tmp_path, node):
         assert kv.recheck() == [P], "back once it answers a probe"
         assert load_each(kv, sorted(on_node)) == set(), "a hung node's blocks come back with it"
         assert kv.stats.num_dropped == 0, kv.snapshot()["dropped"]
+
+
+def test_sync_calls_on_a_frozen_node_return_within_its_timeout_as_misses(tmp_path, node):
+    # A sync call runs in the caller's thread with no wait timeout: the pool client's own timeout
+    # must bound it, and what the node held is a miss, never a hang or wrong bytes.
+    with runtime(tmp_path, node.address, timeout_s=0.5) as kv:
+        where = fill(kv)
+        on_node = sorted(k for k, t in where.items() if t is P)
+        node.pause()
+        out = torch.zeros(len(on_node), BLOCK, dtype=torch.uint8)
+        handle = kv.load(on_node, out, sync=True)
+        assert handle.done() and set(handle.failed) == set(on_node)
+        stored = kv.store([200, 201], blocks([200, 201]), target=P, sync=True)
+        assert stored.done() and not stored.failed and kv.where([200, 201]) == [S, S], "stored further down"
+        kv.quiesce(WAIT_S)
+        others = sorted(k for k, t in where.items() if t is not P)
+        back = torch.zeros(len(others), BLOCK, dtype=torch.uint8)
+        assert kv.load(others, back, sync=True).wait(0) and torch.equal(back, blocks(others))
+        node.resume()
