@@ -262,9 +262,11 @@ def test_a_tenants_file_that_gives_a_field_twice_is_refused(tmp_path: Path) -> N
         load_tenants(path, 1 << 30)
 
 
-@pytest.mark.parametrize("path", sorted([*Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"),
-                                         *Path(__file__).resolve().parents[1].joinpath("kvtier", "configs").glob("*.yaml")]),
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "kvtier" / "configs").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_config_loads_with_no_key_twice(path: Path) -> None:
     # The embedded default once held two lines twice (a merge); PyYAML kept the last without a word.
     assert isinstance(load_config(path), KVTierConfig)
