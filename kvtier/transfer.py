@@ -185,8 +185,7 @@ class TransferEngine:
         if self._cuda is not None:
             handle.cuda_ready = self._cuda.mark_caller()
         started = time.perf_counter()
-        if self._cuda is None and all(op.after is None and not op.src.below_dram and not op.dst.below_dram
-                                      for op in ops):  # host memory alone: each block one copy, as inline
+        if self._host_only(ops):  # each block one copy, as an inline batch
             self._run_whole(ops, handle, on_done, None, started)
         else:
             self._run(self._lanes[0], list(ops), handle, on_done, None, started)
@@ -194,9 +193,12 @@ class TransferEngine:
 
     def _runs_inline(self, ops: Sequence[CopyOp]) -> bool:
         """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`)."""
-        if self._cuda is not None or len(ops) * self.layout.block_bytes > self.inline_bytes:
-            return False
-        return all(op.after is None and not op.src.below_dram and not op.dst.below_dram for op in ops)
+        return len(ops) * self.layout.block_bytes <= self.inline_bytes and self._host_only(ops)
+
+    def _host_only(self, ops: Sequence[CopyOp]) -> bool:
+        """Copies between host memories alone: no CUDA, no disk or remote end, none waiting on another transfer."""
+        return self._cuda is None and all(op.after is None and not op.src.below_dram and not op.dst.below_dram
+                                          for op in ops)
 
     def close(self) -> None:
         """Waits for running transfers, then stops the workers. Idempotent."""
