@@ -346,6 +346,19 @@ def test_full_disk_during_demotion_drops_with_reason_and_keeps_serving(tmp_path,
         assert kv.lookup([10, 11, 12]) == 3
 
 
+def test_a_sync_store_into_a_full_disk_returns_its_failure_counted(tmp_path, ssd):
+    # A sync store runs in the caller's thread: a full disk must come back as failed blocks in the
+    # returned handle, each counted, never as an exception or a hang, and the runtime serves on.
+    with runtime(tmp_path, ssd_tier=ssd, hbm=0, dram=2, promote_to=None) as kv:
+        ssd.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+        handle = kv.store([1, 2], blocks([1, 2]), target=S, sync=True)
+        assert handle.done() and set(handle.failed) == {1, 2} and handle.failed[1].stage == Stage.WRITE
+        assert kv.stats.io_errors == 2 and kv.where([1, 2]) == [None, None]
+        assert kv.store([3], blocks([3]), target=D, sync=True).wait(0) and kv.where([3]) == [D]
+        ssd.fail_writes = None
+        assert kv.store([4], blocks([4]), target=S, sync=True).wait(0) and kv.where([4]) == [S]
+
+
 def test_store_with_no_room_anywhere_is_counted(tmp_path):
     with runtime(tmp_path, hbm=1, dram=1, ssd=1) as kv:
         assert kv.pin([]) == []
