@@ -53,18 +53,33 @@ def memory_probe(phase: str, kv: Any, device: torch.device, pool_pid: int | None
 
 
 def tier_figures(snapshot: dict[str, Any], block_bytes: int) -> dict[str, dict[str, Any]]:
-    """Per tier: hits, bytes loaded out of it into request buffers, mean ms per block, slots in use."""
+    """Per tier: hits, bytes read out of it for loads, mean ms per block, slots in use.
+
+    A hit below the promotion tier is read on its way up (the block is promoted, and the load
+    reads the promoted copy once it lands), so a tier's bytes loaded are those copied out of it
+    into a request buffer or into a faster tier: counting the buffer routes alone would show a
+    tier that served hits as having given no bytes whenever the faster tier had room.
+    """
     out = {}
-    for tier, usage in snapshot["usage"].items():
-        routes = [r for r in snapshot["transfer_latency"] if r.startswith(f"{tier}->buffer")]
-        num_blocks = sum(sum(snapshot["transfer_latency"][r][0]) for r in routes)
-        seconds = sum(snapshot["transfer_latency"][r][1] for r in routes)
+    order = list(snapshot["usage"])  # fastest first
+    for i, (tier, usage) in enumerate(snapshot["usage"].items()):
+        faster = set(order[:i])
+        routes = [r for r in snapshot["bytes_moved"] if _loaded_out_of(r, tier, faster)]
+        timed = [r for r in routes if r in snapshot["transfer_latency"]]
+        num_blocks = sum(sum(snapshot["transfer_latency"][r][0]) for r in timed)
+        seconds = sum(snapshot["transfer_latency"][r][1] for r in timed)
         out[tier] = {"hits": snapshot["hits"].get(tier, 0),
-                     "bytes_loaded": sum(snapshot["bytes_moved"].get(r, 0) for r in routes),
+                     "bytes_loaded": sum(snapshot["bytes_moved"][r] for r in routes),
                      "mean_load_ms_per_block": 1e3 * seconds / num_blocks if num_blocks else None,
                      "used_blocks": usage["used"], "slots": usage["slots"],
                      "bytes_held": usage["used"] * block_bytes}
     return out
+
+
+def _loaded_out_of(route: str, tier: str, faster: set[str]) -> bool:
+    """Whether `route` ("src->dst", dst a tier or "buffer:<device>") copies out of `tier` toward a load."""
+    src, _, dst = route.partition("->")
+    return src == tier and (dst.partition(":")[0] == "buffer" or dst in faster)
 
 
 def tier_table(figures: dict[str, dict[str, Any]], title: str) -> Table:

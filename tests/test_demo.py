@@ -40,7 +40,8 @@ def test_the_workload_hits_every_tier(demo):
     _, result, _ = demo
     hits = result["workload"]["hits"]
     assert all(hits.get(tier, 0) > 0 for tier in TIERS), hits
-    assert all(result["workload"]["tiers"][tier]["bytes_loaded"] > 0 for tier in TIERS)
+    figures = result["workload"]["tiers"]
+    assert all(figures[tier]["bytes_loaded"] > 0 for tier in TIERS), figures
     later = [t for t in result["workload"]["turns"] if t["cached_tokens"]]
     assert later and all(t["cached_tokens"] < t["prompt_tokens"] for t in later)
 
