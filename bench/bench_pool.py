@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.pool.client import PoolClient
-from kvtier.pool.testing import NodeProcess
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import NodeProcess
 
 KIB, MIB = 1 << 10, 1 << 20
 GOAL = 0.8
@@ -106,7 +106,7 @@ class RedisServer:
     def __init__(self) -> None:
         import redis
 
-        from kvtier.pool.mooncake_master import free_port as _free_port
+        from kvtier.testing.mooncake_master import free_port as _free_port
 
         port = _free_port("127.0.0.1")
         self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.no_others:
             from kvtier.pool.mooncake import MooncakeClient
-            from kvtier.pool.mooncake_master import MasterProcess
+            from kvtier.testing.mooncake_master import MasterProcess
 
             master = MasterProcess()
             closers.append(master.close)

@@ -34,8 +34,8 @@ import statistics
 import sys
 import time
 
-from kvtier.simulate import SimConfig, SimPolicy, VirtualTier, simulate
-from kvtier.simulate_trace import load_trace, resolve_trace_path
+from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, simulate
+from kvtier.simulate.trace import load_trace, resolve_trace_path
 from kvtier.tiers.base import TierKind
 
 GOAL_ACCESSES_PER_S = 200_000

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.cli_bench import add_arguments, execute
+from kvtier.cli.bench import add_arguments, execute
 from kvtier.errors import KVTierError
 
 GOALS = {"hbm-dram": 0.9, "dram-ssd": 0.85}

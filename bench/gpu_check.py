@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
-from kvtier.integrations.vllm_pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
-from kvtier.integrations.vllm_transfers import engine_block_view
+from kvtier.integrations.vllm.pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
+from kvtier.integrations.vllm.transfers import engine_block_view
 from kvtier.layout import BlockLayout
 from kvtier.native import (
     KERNEL_NAMES,

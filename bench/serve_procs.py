@@ -228,7 +228,7 @@ def build_model(path: Path, spec: ModelSpec) -> tuple[Path, int]:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from kvtier.integrations.tiny_model import build_tokenizer
+    from kvtier.integrations.hf.tiny_model import build_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     build_tokenizer(path, vocab_size=512)
@@ -255,5 +255,5 @@ def kv_transfer_config(kvtier_yaml: Path) -> str:
     """The --kv-transfer-config JSON, as the README's `vllm serve` line has it: vLLM's default
     `kv_load_failure_policy` (the connector itself asks for `recompute`)."""
     return json.dumps({"kv_connector": "KVTierConnector",
-                       "kv_connector_module_path": "kvtier.integrations.vllm_connector",
+                       "kv_connector_module_path": "kvtier.integrations.vllm.connector",
                        "kv_role": "kv_both", "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml)}})

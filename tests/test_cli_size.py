@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.catalog import resolve_model
-from kvtier.cli_size import format_bytes, size_report
+from kvtier.sizing.catalog import resolve_model
+from kvtier.cli.size import format_bytes, size_report
 from kvtier.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

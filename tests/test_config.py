@@ -109,7 +109,7 @@ def test_parse_size_refuses_a_bare_prefix_as_ambiguous(value: str, hint: str) ->
 
 
 def test_config_and_planner_read_sizes_alike() -> None:
-    from kvtier.hardware import HardwareError, parse_bytes
+    from kvtier.sizing.hardware import HardwareError, parse_bytes
 
     for text in ("80GiB", "24GB", "1.5TiB", "512", "2 MiB", "1e9", "4Gi"):
         assert parse_bytes("hbm", text) == parse_size(text, "hbm")

@@ -93,7 +93,7 @@ def test_bad_transfer_cpus_are_refused_naming_the_field(value) -> None:
 
 @needs_two
 def test_the_vllm_worker_moves_transfer_threads_off_the_cores_it_is_bound_to() -> None:
-    from kvtier.integrations.vllm_backends import with_transfer_cpus
+    from kvtier.integrations.vllm.backends import with_transfer_cpus
 
     config = config_from_dict({"model": "kvtier-tiny", "tiers": {"dram": {"capacity": "1MiB"}}})
     chosen = config_from_dict({"model": "kvtier-tiny", "tiers": {"dram": {"capacity": "1MiB"}},

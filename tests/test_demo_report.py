@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.demo_report import tier_figures
+from kvtier.demo.report import tier_figures
 
 BLOCK = 1 << 16
 

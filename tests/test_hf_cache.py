@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.integrations.hf import HFKVTier, KVTierStreamingCache, weights_of
-from kvtier.integrations.tiny_model import build_tiny_llama
+from kvtier.integrations.hf.adapter import HFKVTier, KVTierStreamingCache, weights_of
+from kvtier.integrations.hf.tiny_model import build_tiny_llama
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
@@ -109,7 +109,7 @@ def kvtier(model_dir: Path, tmp_path: Path, hbm: int = 2, dram: int = 4, ssd: in
 
 
 def _layout(model_dir: Path, kv_dtype: str) -> BlockLayout:
-    from kvtier.catalog import resolve_model
+    from kvtier.sizing.catalog import resolve_model
 
     return resolve_model(str(model_dir), kv_dtype=kv_dtype).block_layout(BLOCK_TOKENS)
 

@@ -51,7 +51,7 @@ def test_pool_node_metrics_follow_the_work():
     import subprocess
     import sys
 
-    from kvtier.pool.client import PoolClient
+    from kvtier.pool.client.api import PoolClient
 
     cmd = [sys.executable, "-m", "kvtier", "pool", "serve", "--listen", "127.0.0.1:0", "--capacity", "8MiB",
            "--region-size", "1MiB", "--metrics-port", "0"]

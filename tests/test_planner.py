@@ -10,15 +10,15 @@ from fractions import Fraction
 
 import pytest
 
-from kvtier.capacity_plan import PlanInputs, plan
-from kvtier.catalog import (
+from kvtier.sizing.capacity import PlanInputs, plan
+from kvtier.sizing.catalog import (
     catalog_names,
     count_weight_params,
     resolve_config,
     resolve_model,
 )
 from kvtier.errors import ConfigError, GeometryError, KVTierError
-from kvtier.hardware import (
+from kvtier.sizing.hardware import (
     GPU,
     HardwareError,
     parse_bytes,
@@ -27,7 +27,7 @@ from kvtier.hardware import (
     parse_tokens,
     resolve_gpu,
 )
-from kvtier.planner import WeightDtype, Workload, kv_share_per_gpu, workload_report
+from kvtier.sizing.planner import WeightDtype, Workload, kv_share_per_gpu, workload_report
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 LLAMA2_7B_PARAMS = 6_738_415_616

@@ -5,7 +5,7 @@ with real sockets: tests/attacks/test_attack_pool_admission.py.) Cost: well unde
 
 from __future__ import annotations
 
-from kvtier.pool.admission import AuthThrottle
+from kvtier.pool.node.admission import AuthThrottle
 
 
 class Clock:

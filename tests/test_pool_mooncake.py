@@ -21,7 +21,7 @@ pytest.importorskip("mooncake.store")
 
 from kvtier.errors import TierIOError, TransferError  # noqa: E402
 from kvtier.pool.mooncake import MooncakeClient, MooncakeTier, OBJECT_NOT_FOUND, Outcome  # noqa: E402
-from kvtier.pool.mooncake_master import MasterProcess, free_port  # noqa: E402
+from kvtier.testing.mooncake_master import MasterProcess, free_port  # noqa: E402
 
 SIZES = [1, 4096, 64 << 10, 1 << 20, 4 << 20]
 
@@ -153,7 +153,7 @@ def test_silent_metadata_server_fails_within_timeout(master: MasterProcess) -> N
 OTHER_PROCESS = r"""
 import sys
 from kvtier.pool.mooncake import MooncakeClient
-from kvtier.pool.mooncake_master import free_port
+from kvtier.testing.mooncake_master import free_port
 master, meta, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with MooncakeClient(master, meta, local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}") as c:
     into = bytearray(size)
@@ -249,7 +249,7 @@ def test_tier_errors(tier: MooncakeTier) -> None:
 def test_config_backend_builds_the_mooncake_tier(master: MasterProcess) -> None:
     from kvtier.config import PoolBackend, _tier
     from kvtier.errors import ConfigError
-    from kvtier.pool.tier import build_pool_tier
+    from kvtier.pool.client.tier import build_pool_tier
 
     cfg = _tier("pool", {"capacity": "1MiB", "backend": "mooncake", "nodes": [master.address],
                          "metadata_server": master.metadata_server})

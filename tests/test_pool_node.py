@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from kvtier.cli import main
 from kvtier.pool import wire
 from kvtier.pool.base import Location, RemoteIO, Transport
-from kvtier.pool.client import PoolClient
-from kvtier.pool.connection import AuthFailed
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.connection import AuthFailed
 from kvtier.pool.detect import rdma_devices
 from kvtier.pool.protocol import MAX_HEADER_BYTES, PREFIX, VERSION, ErrorCode, MsgType, encode
 from kvtier.pool.tenants import proof
-from kvtier.pool.testing import NodeProcess, running_node, start_nodes
+from kvtier.pool.node.process import NodeProcess, running_node, start_nodes
 
 KIB, MIB = 1024, 1 << 20
 WAIT_S = 30  # timeout of clients whose calls must succeed: a safety net on a loaded machine, never a measurement
@@ -112,7 +112,7 @@ def client(node: NodeProcess, tenant: str = "default", **kw) -> PoolClient:
 
 CLIENT_SCRIPT = """
 import hashlib, sys
-from kvtier.pool.client import PoolClient
+from kvtier.pool.client.api import PoolClient
 address, op, key, n = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), int(sys.argv[4])
 with PoolClient([address], timeout_s=60) as c:
     if op == "put":

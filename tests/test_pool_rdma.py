@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.pool import fake_verbs
+from kvtier.testing import fake_verbs
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.verbs import (
     Device,

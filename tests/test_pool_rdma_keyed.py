@@ -11,10 +11,10 @@ import os
 import pytest
 
 from kvtier.pool.buffers import block_checksum
-from kvtier.pool.client import PoolClient
+from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import GrantStatus, MsgType
-from kvtier.pool.testing import rdma_node
+from kvtier.pool.node.process import rdma_node
 
 BLOCK = 40_000
 

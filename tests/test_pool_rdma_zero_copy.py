@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvtier.pool.base import RemoteIO
-from kvtier.pool.client import PoolClient
-from kvtier.pool.testing import rdma_node
-from kvtier.pool.transport_rdma import STAGING_BYTES, RDMATransport
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import rdma_node
+from kvtier.pool.client.rdma import STAGING_BYTES, RDMATransport
 from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
 BLOCK = 20_000

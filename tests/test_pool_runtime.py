@@ -10,10 +10,10 @@ import torch
 
 from kvtier.config import KVTierConfig, TierConfig, config_from_dict
 from kvtier.errors import ConfigError
-from kvtier.pool.client import PoolClient
+from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
-from kvtier.pool.testing import NodeProcess, running_node
-from kvtier.pool.tier import PoolTier
+from kvtier.pool.node.process import NodeProcess, running_node
+from kvtier.pool.client.tier import PoolTier
 from kvtier.runtime import KVTier
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind

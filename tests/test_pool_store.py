@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.pool.protocol import ErrorCode, GrantStatus
-from kvtier.pool.store import AccessError, BlockStore
+from kvtier.pool.node.store import AccessError, BlockStore
 
 KIB = 1024
 REGION = 64 * KIB

@@ -11,9 +11,9 @@ import torch
 
 from kvtier.config import KVTierConfig, config_from_dict
 from kvtier.errors import ConfigError
-from kvtier.pool.client import PoolClient
-from kvtier.pool.testing import running_node
-from kvtier.pool.transport_rdma import RDMATransport
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import running_node
+from kvtier.pool.client.rdma import RDMATransport
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from test_pool_runtime import store_each

@@ -1,5 +1,5 @@
 """The `Transport` contract, run against every data-plane implementation: TCP, and the verbs
-transport over `kvtier.pool.fake_verbs` (the node runs `--transport rdma` on the fake fabric, the
+transport over `kvtier.testing.fake_verbs` (the node runs `--transport rdma` on the fake fabric, the
 fake moving bytes into the node process's memory one-sidedly; it serves TCP frames too).
 
 Locations come from the control plane (`PoolClient.alloc`), exactly as a client gets them; the node
@@ -17,11 +17,11 @@ import pytest
 
 from kvtier.errors import TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
-from kvtier.pool.client import PoolClient, Slot
-from kvtier.pool.connection import NodeLink
-from kvtier.pool.testing import rdma_node
-from kvtier.pool.transport_rdma import RDMATransport
-from kvtier.pool.transport_tcp import TCPTransport
+from kvtier.pool.client.api import PoolClient, Slot
+from kvtier.pool.client.connection import NodeLink
+from kvtier.pool.node.process import rdma_node
+from kvtier.pool.client.rdma import RDMATransport
+from kvtier.pool.client.tcp import TCPTransport
 from kvtier.pool.units import parse_address
 
 BLOCK = 20_000  # not a multiple of 4 KiB

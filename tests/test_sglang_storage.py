@@ -35,7 +35,7 @@ H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 WHEEL_DIR = Path(__file__).resolve().parents[1] / ".venv" / "wheels"
 SGLANG_FILES = ("sglang/srt/environ.py", "sglang/srt/mem_cache/hicache_storage.py",
                 "sglang/srt/mem_cache/storage/__init__.py", "sglang/srt/mem_cache/storage/backend_factory.py")
-MODULE = "kvtier.integrations.sglang_storage"
+MODULE = "kvtier.integrations.sglang.storage"
 CLASS = "KVTierHiCacheStorage"
 
 
@@ -319,7 +319,7 @@ def test_the_weights_name_the_pages(sgl, rt):
 
 
 def test_inside_sglang_the_served_model_path_is_fingerprinted_not_its_alias(sgl, rt, tmp_path, monkeypatch):
-    from kvtier.integrations.sglang_options import served_weights
+    from kvtier.integrations.sglang.options import served_weights
     from kvtier.weights import WeightsSource
 
     model_dir = tmp_path / "model"

@@ -16,10 +16,10 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import CapacityError, ConfigError, KVTierError
-from kvtier.simulate import SimConfig, SimPolicy, VirtualTier, parse_capacity, simulate
-from kvtier.simulate_belady import BeladyPolicy, FutureAccesses
-from kvtier.simulate_sweep import recommend, sweep
-from kvtier.simulate_trace import DEFAULT_TRACE_DIR, OnError, TraceError, load_trace
+from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, parse_capacity, simulate
+from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
+from kvtier.simulate.sweep import recommend, sweep
+from kvtier.simulate.trace import DEFAULT_TRACE_DIR, OnError, TraceError, load_trace
 from kvtier.tiers.base import TierKind
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

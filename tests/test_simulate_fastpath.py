@@ -21,8 +21,8 @@ from kvtier.errors import KVTierError
 from kvtier.manager import TierManager, TierSlots
 from kvtier.policy import LRUPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
-from kvtier.simulate_belady import BeladyPolicy, FutureAccesses
-from kvtier.simulate_trace import DEFAULT_TRACE_DIR, load_trace
+from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
+from kvtier.simulate.trace import DEFAULT_TRACE_DIR, load_trace
 from kvtier.tiers.base import TierKind
 
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD

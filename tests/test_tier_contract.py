@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError, TierIOError
 from kvtier.layout import BlockLayout
-from kvtier.pool.client import PoolClient
-from kvtier.pool.tier import PoolTier
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.tier import PoolTier
 from kvtier.tiers.base import SlotIO, Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.hbm import HBMTier
@@ -67,7 +67,7 @@ def disk_dir() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def pool_node() -> Iterator[str]:
     """A pool node subprocess shared by the module's pool tiers (each tier keys its slots apart)."""
-    from kvtier.pool.testing import running_node
+    from kvtier.pool.node.process import running_node
 
     with running_node(capacity="16MiB", region_size="1MiB") as node:
         yield node.address
@@ -78,7 +78,7 @@ def mooncake_client() -> Iterator[object]:
     """A `mooncake_master` subprocess and one client of it, shared by the module's Mooncake tiers
     (each tier keys its slots apart; setting a client up costs more than the tests that use it)."""
     from kvtier.pool.mooncake import MooncakeClient
-    from kvtier.pool.mooncake_master import MasterProcess, free_port
+    from kvtier.testing.mooncake_master import MasterProcess, free_port
 
     master = MasterProcess()
     try:

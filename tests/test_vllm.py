@@ -1,4 +1,4 @@
-"""The vLLM connector (`kvtier.integrations.vllm_connector`), with vLLM's CPU build.
+"""The vLLM connector (`kvtier.integrations.vllm.connector`), with vLLM's CPU build.
 
 First the parts without an engine: settings checked against the engine at start-up (including a
 real `VllmConfig` → connector construction), the scheduler half (keys, hits, load and store plans)
@@ -27,20 +27,20 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, TierIOError
-from kvtier.integrations.tiny_model import build_tiny_llama
-from kvtier.integrations.vllm_scheduler import (
+from kvtier.integrations.hf.tiny_model import build_tiny_llama
+from kvtier.integrations.vllm.scheduler import (
     KeyDirectory,
     LoadSpec,
     ScheduledRequest,
     SchedulerSide,
     StoreSpec,
 )
-from kvtier.integrations.vllm_backends import SHARED, open_backend
-from kvtier.integrations.vllm_settings import (
+from kvtier.integrations.vllm.backends import SHARED, open_backend
+from kvtier.integrations.vllm.settings import (
     EngineFacts,
     read_settings,
 )
-from kvtier.integrations.vllm_transfers import WorkerSide
+from kvtier.integrations.vllm.transfers import WorkerSide
 from kvtier.keys import block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
@@ -186,10 +186,10 @@ def _connector(model: Path, role: str, extra: dict, *, block_size: int = BLOCK, 
         KVCacheGroupSpec,
     )
 
-    from kvtier.integrations.vllm_connector import KVTierConnector
+    from kvtier.integrations.vllm.connector import KVTierConnector
 
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy=policy,
-                                kv_connector_module_path="kvtier.integrations.vllm_connector",
+                                kv_connector_module_path="kvtier.integrations.vllm.connector",
                                 kv_connector_extra_config=extra, engine_id=engine_id)
     config = EngineArgs(model=str(model), block_size=block_size, dtype="float32", enforce_eager=True,
                         max_model_len=512, kv_transfer_config=transfer).create_engine_config()
@@ -280,9 +280,9 @@ def test_the_scheduler_serves_every_ranks_metrics(tiny_model, dram_yaml):
 
 
 def test_metrics_of_several_ranks_are_labelled_by_rank(dram_yaml):
-    from kvtier.integrations.vllm_metrics import EngineCollector, rank_report
-    from kvtier.integrations.vllm_scheduler import PromptBlocks
-    from kvtier.integrations.vllm_transfers import WorkerStats
+    from kvtier.integrations.vllm.metrics import EngineCollector, rank_report
+    from kvtier.integrations.vllm.scheduler import PromptBlocks
+    from kvtier.integrations.vllm.transfers import WorkerStats
 
     settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
     with KVTier(settings.config, layout=settings.layout) as one, KVTier(settings.config, layout=settings.layout) as two:
@@ -574,7 +574,7 @@ def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):
 
 @pytest.fixture
 def pool_node():
-    from kvtier.pool.testing import running_node
+    from kvtier.pool.node.process import running_node
 
     with running_node(capacity="32MiB") as node:
         yield node

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.integrations.vllm_pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
-from kvtier.integrations.vllm_scheduler import LoadSpec, StoreSpec
-from kvtier.integrations.vllm_settings import EngineFacts, read_settings
-from kvtier.integrations.vllm_transfers import WorkerSide, engine_block_view
+from kvtier.integrations.vllm.pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
+from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
+from kvtier.integrations.vllm.settings import EngineFacts, read_settings
+from kvtier.integrations.vllm.transfers import WorkerSide, engine_block_view
 from kvtier.keys import block_keys
 from kvtier.native import Backend, gather_blocks, scatter_blocks
 from kvtier.runtime import KVTier
@@ -287,7 +287,7 @@ def test_caches_kvtier_cannot_read_are_refused_at_start_up_naming_why(changes, m
         KVCacheGroupSpec,
     )
 
-    from kvtier.integrations.vllm_settings import engine_facts
+    from kvtier.integrations.vllm.settings import engine_facts
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
                              **changes)
@@ -304,7 +304,7 @@ def test_mla_is_refused_at_start_up():
         MLAAttentionSpec,
     )
 
-    from kvtier.integrations.vllm_settings import engine_facts
+    from kvtier.integrations.vllm.settings import engine_facts
 
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
@@ -322,7 +322,7 @@ def test_mla_is_refused_at_start_up():
 @pytest.mark.parametrize("layout, ratio", CASES)
 def test_on_cuda_tensors_each_backend_round_trips_and_means_each_tokens_kv(tmp_path, model_dir, monkeypatch,
                                                                           layout, ratio, backend):
-    import kvtier.integrations.vllm_transfers as transfers
+    import kvtier.integrations.vllm.transfers as transfers
 
     monkeypatch.setattr(transfers, "gather_blocks", lambda *a, **k: gather_blocks(*a, **k, backend=backend))
     monkeypatch.setattr(transfers, "scatter_blocks", lambda *a, **k: scatter_blocks(*a, **k, backend=backend))
@@ -337,7 +337,7 @@ def test_on_cuda_tensors_each_backend_round_trips_and_means_each_tokens_kv(tmp_p
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from kvtier.integrations.tiny_model import build_tiny_llama
+    from kvtier.integrations.hf.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("layouts-tiny"), hidden_size=KV_HEADS * 2 * HEAD_DIM,
                             num_heads=KV_HEADS * 2, num_kv_heads=KV_HEADS, num_layers=NUM_LAYERS, dtype="bfloat16")
@@ -356,13 +356,13 @@ def cuda_worker_connector(tmp_path: Path, model: Path, layout: str, monkeypatch)
         KVCacheGroupSpec,
     )
 
-    from kvtier.integrations.vllm_connector import KVTierConnector
+    from kvtier.integrations.vllm.connector import KVTierConnector
 
     path = tmp_path / "kvtier.yaml"
     path.write_text(yaml.safe_dump({"model": str(model), "kv_dtype": "bf16", "block_tokens": BLOCK,
                                     "tiers": {"dram": {"capacity": "1MiB"}}}))
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_module_path="kvtier.integrations.vllm_connector",
+                                kv_connector_module_path="kvtier.integrations.vllm.connector",
                                 kv_connector_extra_config={"kvtier_config": str(path)})
     config = EngineArgs(model=str(model), block_size=BLOCK, dtype="bfloat16", enforce_eager=True, max_model_len=256,
                         kv_transfer_config=transfer).create_engine_config()
@@ -382,7 +382,7 @@ def attention_layers(backend_name: str) -> dict:
 @pytest.mark.parametrize("layout, ratio", [("LHBNC", 1), ("LBNHC", 2)])
 def test_a_cuda_worker_connector_checks_backends_and_pages_at_start_up(tmp_path, tiny_model, monkeypatch,
                                                                        layout, ratio):
-    from kvtier.integrations.vllm_backends import SHARED
+    from kvtier.integrations.vllm.backends import SHARED
 
     connector = cuda_worker_connector(tmp_path, tiny_model, layout, monkeypatch)
     context = connector._vllm_config.compilation_config.static_forward_context

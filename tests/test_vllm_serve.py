@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.tiny_model import build_tiny_llama
+from kvtier.integrations.hf.tiny_model import build_tiny_llama
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

@@ -24,21 +24,21 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.tiny_model import build_tiny_llama
-from kvtier.integrations.vllm_lookup import LookupServer
-from kvtier.integrations.vllm_scheduler import (
+from kvtier.integrations.hf.tiny_model import build_tiny_llama
+from kvtier.integrations.vllm.lookup import LookupServer
+from kvtier.integrations.vllm.scheduler import (
     KeyDirectory,
     LoadSpec,
     SchedulerSide,
     StoreSpec,
 )
-from kvtier.integrations.vllm_backends import SHARED, open_backend
-from kvtier.integrations.vllm_settings import (
+from kvtier.integrations.vllm.backends import SHARED, open_backend
+from kvtier.integrations.vllm.settings import (
     EngineFacts,
     read_settings,
 )
-from kvtier.integrations.vllm_shards import Sharding
-from kvtier.integrations.vllm_transfers import WorkerSide
+from kvtier.integrations.vllm.shards import Sharding
+from kvtier.integrations.vllm.transfers import WorkerSide
 from kvtier.keys import block_keys
 
 pytest.importorskip("vllm")
@@ -93,8 +93,8 @@ def test_each_slice_has_its_own_keys_and_replicas_share_them(dram_yaml):
 
 
 def test_replicated_kv_goes_to_the_pool_once_and_every_rank_hits_it(tmp_path, tiny_model):
-    from kvtier.pool.client import PoolClient
-    from kvtier.pool.testing import running_node
+    from kvtier.pool.client.api import PoolClient
+    from kvtier.pool.node.process import running_node
 
     assert [Sharding(r, 4, 2).writes_shared for r in range(4)] == [True, False, True, False]
     with running_node(capacity="32MiB") as node:
@@ -150,10 +150,10 @@ def _connector(model: Path, role: str, extra: dict, rank: int = 0, **parallel):
         KVCacheGroupSpec,
     )
 
-    from kvtier.integrations.vllm_connector import KVTierConnector
+    from kvtier.integrations.vllm.connector import KVTierConnector
 
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_module_path="kvtier.integrations.vllm_connector",
+                                kv_connector_module_path="kvtier.integrations.vllm.connector",
                                 kv_connector_extra_config=extra)
     config = EngineArgs(model=str(model), block_size=BLOCK, dtype="float32", enforce_eager=True, max_model_len=512,
                         kv_transfer_config=transfer, distributed_executor_backend="mp",

@@ -51,7 +51,7 @@ def _build(spec: dict):
     if spec.get("kvtier"):
         policy = spec.get("failure_policy", "recompute")
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm_connector",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
             kv_role="kv_both", **({"kv_load_failure_policy": policy} if policy else {}),
             kv_connector_extra_config={"kvtier_config": spec["kvtier"], **spec.get("extra", {})})
     return LLM(**kwargs)
@@ -68,7 +68,7 @@ def _connector():
 
 def _corrupt_ssd() -> int:
     """Overwrites every SSD slab file of this process's kvtier backends; returns the files hit."""
-    from kvtier.integrations.vllm_backends import SHARED
+    from kvtier.integrations.vllm.backends import SHARED
     from kvtier.tiers.base import TierKind
 
     count = 0
@@ -94,7 +94,7 @@ def _overwrite_files(pattern: str) -> int:
 
 
 def _zero_loaded_kv() -> None:
-    import kvtier.integrations.vllm_transfers as transfers
+    import kvtier.integrations.vllm.transfers as transfers
 
     scatter = transfers.scatter_blocks
 
@@ -141,7 +141,7 @@ def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
 
 
 def _facts() -> dict:
-    from kvtier.integrations.vllm_backends import SHARED
+    from kvtier.integrations.vllm.backends import SHARED
 
     connector = _connector()
     facts: dict = {}

@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from kvtier.errors import TierIOError
-from kvtier.pool.client import byte_view
+from kvtier.pool.client.api import byte_view
 from kvtier.tiers.base import copy_bytes
 
 PAGE_BYTES = 4096

@@ -97,8 +97,8 @@ def hbm_dram(env: BenchEnv, block_bytes: int, depth: int, num_blocks: int, budge
 
 
 def dram_pool(env: BenchEnv, block_bytes: int, depth: int, num_blocks: int, budget: Budget) -> list[Measured]:
-    from kvtier.pool.client import PoolClient
-    from kvtier.pool.tier import PoolTier
+    from kvtier.pool.client.api import PoolClient
+    from kvtier.pool.client.tier import PoolTier
 
     dram, views = dram_slab(num_blocks, block_bytes)
     client = PoolClient([env.pool_address], timeout_s=env.pool_timeout_s)

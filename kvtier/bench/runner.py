@@ -179,11 +179,11 @@ def _workdir(stack: ExitStack, options: BenchOptions, on_ssd: bool) -> str:
 def _start_pool(stack: ExitStack, env: BenchEnv, options: BenchOptions, need_bytes: int, facts: dict) -> None:
     """Starts (or reaches) the pool node and the raw socket server; records the transport in use."""
     from kvtier.bench.rawsock import RawSocketServer
-    from kvtier.pool.client import PoolClient
+    from kvtier.pool.client.api import PoolClient
 
     address = options.pool
     if address is None:
-        from kvtier.pool.testing import NodeProcess
+        from kvtier.pool.node.process import NodeProcess
 
         region = max(4 * MIB, -(-max(options.sizes_bytes) // (4 * KIB)) * 4 * KIB)
         capacity = math.ceil((2 * need_bytes + 64 * MIB) / region) * region

@@ -1,10 +1,11 @@
 """The memory pool: a node daemon holding KV blocks for many servers, and the client that reaches it.
 
-Node side: `server.PoolNode` (sockets, threads; `admission` its front door: connection, handshake
-and authentication bounds) over `store.BlockStore` (index, states, data-plane checks; no I/O),
-which keeps `slabs.Slabs` (allocator, quotas, eviction, zeroing on hand-over) and
-`leases.LeaseTable` (bounded leases), and `arena.Arena` (the memory). Client side: `client.PoolClient` (keyed
-blocks, placement over several nodes) over one `base.Transport` per node, and `tier.PoolTier`, the
-manager's `Tier` view of it. Both speak `protocol` (frames, sans-I/O). Nothing here imports torch
-except `tier`, so a node starts in a fraction of a second.
+Split by process role:
+- shared by both ends: `protocol` (frames, sans-I/O), `wire` (frames on a socket), `tenants`,
+  `base` (locations and the `Transport` interface), `verbs` and `detect` (the RDMA device layer),
+  `buffers`, `units`;
+- `node/`: the daemon (`node.server.PoolNode` over `node.store.BlockStore`, ...);
+- `client/`: `client.api.PoolClient`, its transports, and `client.tier.PoolTier`;
+- `mooncake`: a second pool backend, Mooncake Store.
+Nothing here imports torch except `client.tier`, so a node starts in a fraction of a second.
 """

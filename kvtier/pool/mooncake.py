@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.pool.mooncake_master import free_port
+from kvtier.testing.mooncake_master import free_port
 from kvtier.errors import ConfigError, TierIOError, TransferError
 from kvtier.pool.buffers import block_checksum, byte_view
 from kvtier.pool.units import parse_address

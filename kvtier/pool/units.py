@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvtier.config import parse_size  # torch-free: a pool node starts without importing torch
 from kvtier.errors import ConfigError
-from kvtier.hardware import format_bytes as format_size  # torch-free too
+from kvtier.sizing.hardware import format_bytes as format_size  # torch-free too
 
 __all__ = ["format_size", "parse_address", "parse_size"]
 

@@ -2,7 +2,7 @@
 across rdma-core versions, RoCEv2 GID selection, and one RC queue pair's state machine.
 
 pyverbs is imported lazily, only here, only when RDMA is used. `KVTIER_VERBS=fake` loads
-`kvtier.pool.fake_verbs` instead (the test double with the same class and method names).
+`kvtier.testing.fake_verbs` instead (the test double with the same class and method names).
 
 Enum layouts differ: rdma-core 44 exposes `pyverbs.enums` with module-level names
 (`e.IBV_QPS_RTS`) besides enum classes; newer releases generate `pyverbs.libibverbs_enums`, where a
@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier.errors import TransferError
 
-ENV_VERBS = "KVTIER_VERBS"  # "fake": use kvtier.pool.fake_verbs
+ENV_VERBS = "KVTIER_VERBS"  # "fake": use kvtier.testing.fake_verbs
 
 
 class NoRDMADevice(TransferError):
@@ -62,7 +62,7 @@ def load_verbs(kind: str | None = None) -> types.SimpleNamespace:
     """
     kind = kind or os.environ.get(ENV_VERBS, "pyverbs")
     if kind == "fake":
-        from kvtier.pool import fake_verbs as fv
+        from kvtier.testing import fake_verbs as fv
         return types.SimpleNamespace(**{n: getattr(fv, n) for n in _NAMES}, e=Enums(fv), Error=fv.PyverbsError,
                                      kind="fake")
     try:

@@ -29,7 +29,7 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
         return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct,
                        persist=cfg.persist)
     if cfg.kind is TierKind.POOL:
-        from kvtier.pool.tier import build_pool_tier
+        from kvtier.pool.client.tier import build_pool_tier
         return build_pool_tier(cfg, slot_bytes)
     raise ConfigError(f"tiers.{cfg.kind.name.lower()}: this tier is not available in this build")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier.config import config_from_dict
-from kvtier.pool.testing import NodeProcess
+from kvtier.pool.node.process import NodeProcess
 from kvtier.runtime import KVTier
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.pool import wire
-from kvtier.pool.client import PoolClient
-from kvtier.pool.connection import AuthFailed
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.connection import AuthFailed
 from kvtier.pool.protocol import PREFIX, VERSION, ErrorCode, MsgType
 from kvtier.pool.tenants import proof
-from kvtier.pool.testing import NodeProcess, running_node
+from kvtier.pool.node.process import NodeProcess, running_node
 from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
 
 

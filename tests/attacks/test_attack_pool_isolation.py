@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from kvtier.pool.client import PoolClient
+from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import MsgType
-from kvtier.pool.testing import rdma_node, running_node
+from kvtier.pool.node.process import rdma_node, running_node
 from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
 
 KIB = 1024

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 
-from kvtier.pool.client import PoolClient
+from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import ErrorCode, MsgType
-from kvtier.pool.testing import rdma_node, running_node
+from kvtier.pool.node.process import rdma_node, running_node
 from test_attack_pool_admission import wait_until
 from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
 

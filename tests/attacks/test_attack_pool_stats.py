@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from kvtier.cli import main
-from kvtier.pool.client import PoolClient
-from kvtier.pool.testing import running_node
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import running_node
 from test_pool_node import SECRETS, WAIT_S, tenants_file  # noqa: F401 (a fixture)
 
 NODE_WIDE = {"active_connections", "connections", "auth_failures", "refused_busy", "protocol_errors",

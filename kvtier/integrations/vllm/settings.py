@@ -1,0 +1,285 @@
+"""Start-up of the vLLM connector: its settings and the engine it serves (backends: `vllm_backends`).
+
+Everything here runs once, when vLLM builds the connector, so a wrong setting is a clear error at
+start-up and never a surprise mid-request. `read_settings` is pure (tested without an engine);
+`engine_facts` is the only function that reads vLLM's config objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import ConfigError, GeometryError
+from kvtier.geometry import KVDtype
+from kvtier.integrations.vllm.pages import (
+    CPU_BACKENDS,
+    PageFormat,
+    check_spec,
+    page_format,
+)
+from kvtier.integrations.vllm.shards import Sharding, rank_config
+from kvtier.keys import Namespace
+from kvtier.layout import BlockLayout
+from kvtier.weights import WeightsSource, user_weights_id, weights_fingerprint
+
+log = logging.getLogger(__name__)
+
+EXTRA = "kv_connector_extra_config"
+_KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
+         "model_id": "what names the model in block keys (default: the engine's model and revision)",
+         "weights_id": "names the weights in block keys (default: a fingerprint of the files the engine loads)",
+         "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
+         "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)",
+         "metrics_port": "serve kvtier's Prometheus metrics, every worker rank's, from the scheduler's process on "
+                         "this port (0: any free port, logged; engine i of a data-parallel group: port + i)",
+         "metrics_addr": "the address the metrics are served on (default 127.0.0.1)"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the connector must know about the engine, read once from vLLM's config.
+
+    Attributes:
+        model_id: names the model (goes into every block key).
+        block_size: tokens per engine block.
+        kv_dtype: the cache's exact element format: `fp32`, `bf16`, `fp16`, `fp8_e4m3`, ...
+        layer_names: attention layers in model order (layer i of a kvtier block is layer_names[i]).
+        page_bytes: bytes of one layer of one engine block (K and V together).
+        device_type: vLLM's platform (`cpu`, `cuda`, ...); with `kv_cache_layout`, decides the page format.
+        kv_role: `kv_both`, `kv_producer` (stores only) or `kv_consumer` (loads only).
+        sharding: this rank's slice of each block (tensor parallelism).
+        engine_tag: names this engine among others on the host (its lookup sockets).
+        kv_cache_layout: vLLM's resolved `KVCacheLayout` name (None: not resolved; see `page_format`).
+        weights: where the engine loads its weights from; a fingerprint of those files goes into
+            every block key (None: unknown, as in tests of the settings alone). Files, not tensors:
+            the scheduler's process has no weights, and both roles must compute the same keys.
+        load_settings: how the engine turns those files into the model it runs (dtype,
+            quantization): the same files loaded another way compute other KV, so they key it too.
+        data_parallel_rank: this engine's index in a data-parallel group (offsets its metrics port).
+    """
+
+    model_id: str
+    block_size: int
+    kv_dtype: str
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    device_type: str
+    kv_role: str
+    sharding: Sharding = Sharding()
+    engine_tag: str = "engine"
+    kv_cache_layout: str | None = None
+    weights: WeightsSource | None = None
+    load_settings: str = ""
+    data_parallel_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The connector's validated settings; both roles compute the same ones, but for their rank.
+
+    `config` is this rank's share of the kvtier config (see `rank_config`) and `layout` its slice
+    of a block; `namespace` keys engine-level blocks, `sharding.keys` this rank's slices of them.
+    """
+
+    config_path: Path
+    config: KVTierConfig
+    layout: BlockLayout
+    namespace: Namespace
+    layer_index: Mapping[str, int]
+    load_timeout_s: float
+    can_load: bool
+    can_store: bool
+    sharding: Sharding = Sharding()
+    lookup_timeout_s: float = 1.0
+    engine_tag: str = "engine"
+    page_format: PageFormat = PageFormat("vllm-cpu:h(kv)nd", "LBHNC", True, CPU_BACKENDS)
+    metrics_port: int | None = None  # None: no metrics endpoint
+    metrics_addr: str = "127.0.0.1"
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    def backend_id(self, rank: int | None = None) -> Hashable:
+        """Names a rank's backend (default: this one's) in `SHARED`: one per kvtier config and rank."""
+        return self.config_path, self.sharding.rank if rank is None else rank, self.sharding.num_ranks
+
+    def lookup_socket(self, rank: int) -> Path:
+        """Where rank `rank`'s worker answers lookups (see `vllm_scheduler.LookupServer`).
+
+        Named by a digest of the engine's tag, so the path stays within the ~100 bytes a Unix socket allows.
+        """
+        name = f"{xxhash.xxh64_hexdigest(self.engine_tag.encode())}-tp{rank}.sock"
+        return Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}" / name
+
+
+def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
+    """Validates the connector's extra config against the engine.
+
+    Raises:
+        ConfigError: a field is missing, unknown or wrong, or the engine does not match the kvtier
+            config (model geometry, page format); the message names the field and the fix. The
+            block size and KV dtype are the engine's (see `_check_engine`).
+    """
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{EXTRA}: expected a mapping, got {extra!r}")
+    unknown = sorted(set(extra) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"{EXTRA}.{unknown[0]}: unknown field; expected "
+                          + "; ".join(f"{k}: {v}" for k, v in _KEYS.items()))
+    path = extra.get("kvtier_config")
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ConfigError(f"{EXTRA}.kvtier_config: missing; expected {_KEYS['kvtier_config']}, got {path!r}")
+    config_path = Path(path).expanduser().resolve()
+    config = load_config(config_path)
+    layout, page = _check_engine(config, config_path, facts)
+    config = replace(config, block_tokens=facts.block_size, kv_dtype=_kv_dtype(facts.kv_dtype, "kv_dtype").value)
+    model_id = extra.get("model_id", facts.model_id)
+    if not isinstance(model_id, str) or not model_id:
+        raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
+    timeouts = [_seconds(extra, name, default) for name, default in (("load_timeout_s", 30.0),
+                                                                     ("lookup_timeout_s", 1.0))]
+    weights = user_weights_id(extra.get("weights_id"), f"{EXTRA}.weights_id")
+    weights = weights or (weights_fingerprint(facts.weights) if facts.weights else "")
+    weights += f";{facts.load_settings}" if facts.load_settings else ""
+    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant, weights)
+    return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
+                    {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
+                    can_load=facts.kv_role in ("kv_both", "kv_consumer"),
+                    can_store=facts.kv_role in ("kv_both", "kv_producer"),
+                    sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
+                    page_format=page, **_metrics(extra, facts.data_parallel_rank))
+
+
+def _metrics(extra: Mapping[str, Any], data_parallel_rank: int) -> dict[str, Any]:
+    port, addr = extra.get("metrics_port"), extra.get("metrics_addr", "127.0.0.1")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"{EXTRA}.metrics_port: expected a port number 0-65535 (0: any free port), got {port!r}")
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(f"{EXTRA}.metrics_addr: expected an address to listen on, e.g. 127.0.0.1, got {addr!r}")
+    if port is None:
+        return {"metrics_addr": addr}
+    return {"metrics_port": port + data_parallel_rank if port else 0, "metrics_addr": addr}
+
+
+def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{EXTRA}.{name}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple[BlockLayout, PageFormat]:
+    """The kvtier block layout, checked against the engine's KV cache, and the engine's page format.
+
+    Block size and KV dtype follow the engine: a kvtier block is one engine block, in the format
+    the engine caches, whatever the kvtier config says (a difference is said in one INFO line).
+    """
+    page = page_format(facts.device_type, facts.kv_cache_layout)
+    engine_dtype = _kv_dtype(facts.kv_dtype, "the engine's KV cache dtype")
+    if config.block_tokens != facts.block_size:
+        log.info("kvtier: blocks of %d tokens, the engine's block size (block_tokens: %d in %s does not apply "
+                 "under vLLM)", facts.block_size, config.block_tokens, path)
+    if config.kv_dtype is not None and _kv_dtype(config.kv_dtype, f"kv_dtype: {path}") is not engine_dtype:
+        log.info("kvtier: KV cached as %s, the engine's KV cache dtype (kv_dtype: %s in %s does not apply "
+                 "under vLLM)", engine_dtype.value, config.kv_dtype, path)
+    from kvtier.sizing.catalog import resolve_model
+    try:
+        geometry = resolve_model(config.model, kv_dtype=engine_dtype)
+    except GeometryError as e:
+        raise ConfigError(f"model: {path}: {e}") from None
+    whole = geometry.block_layout(facts.block_size)
+    if whole.num_layers != len(facts.layer_names):
+        raise ConfigError(f"model: {path} describes {whole.num_layers} KV layers ({config.model}) but the engine "
+                          f"has {len(facts.layer_names)}; point model at the served model's config.json")
+    shards = facts.sharding.num_shards
+    wrong = [(i, n) for i, n in enumerate(whole.layer_bytes) if n != facts.page_bytes * shards]
+    if wrong:
+        split = f" (1/{shards} of it on each tensor-parallel rank)" if shards > 1 else ""
+        raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
+                          f"but an engine page holds {facts.page_bytes}; {config.model} is not the served "
+                          "model's geometry")
+    return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes)), page
+
+
+def _kv_dtype(name: str, what: str) -> KVDtype:
+    try:
+        return KVDtype.parse(name)
+    except GeometryError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
+    """Reads what the connector needs from vLLM's `VllmConfig` and `KVCacheConfig`.
+
+    Raises:
+        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window, chunked,
+            non-causal, MLA or non-attention layers, packed quantized KV) or a
+            parallelism it cannot (pipeline or context parallel).
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups or len(groups) != 1:
+        raise ConfigError(f"kv_connector: kvtier holds models with one KV cache group; this one has "
+                          f"{len(groups or ())} (hybrid or sliding-window models are not supported yet)")
+    spec = groups[0].kv_cache_spec
+    check_spec(spec)
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    model = vllm_config.model_config
+    model_id = str(model.model) + (f"@{model.revision}" if getattr(model, "revision", None) else "")
+    transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    return EngineFacts(model_id=model_id, block_size=int(vllm_config.cache_config.block_size),
+                       kv_dtype=kv_dtype, layer_names=tuple(sorted(groups[0].layer_names, key=extract_layer_index)),
+                       page_bytes=int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)),
+                       device_type=str(current_platform.device_type),
+                       kv_role=str(transfer.kv_role),
+                       sharding=_sharding(vllm_config),
+                       engine_tag=f"{transfer.engine_id}-dp{parallel.data_parallel_rank}",
+                       kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None)
+                       or vllm_config.cache_config.kv_cache_layout,
+                       weights=WeightsSource(getattr(model, "model_weights", "") or str(model.model), model.revision,
+                                             vllm_config.load_config.download_dir),
+                       load_settings=f"dtype={model.dtype};quantization={model.quantization}",
+                       data_parallel_rank=int(parallel.data_parallel_rank or 0))
+
+
+def _sharding(vllm_config: Any) -> Sharding:
+    """This process's tensor-parallel rank and how vLLM splits KV heads over the ranks.
+
+    A worker reads its rank from vLLM's tensor-parallel group (or, where none is initialized, as
+    in a test, from `parallel_config.rank`); the scheduler is rank 0.
+    """
+    from vllm.distributed import parallel_state
+
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) != 1:
+            raise ConfigError(f"{name}: kvtier stores a block's KV for every layer and token of one tensor-parallel "
+                              f"rank; {name}={getattr(parallel, name)} splits layers or tokens across ranks, which "
+                              f"is not supported yet (set {name}=1; tensor_parallel_size may be any)")
+    num_ranks = int(parallel.tensor_parallel_size)
+    if num_ranks == 1:
+        return Sharding()
+    if parallel_state.model_parallel_is_initialized():
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    else:
+        rank = int(parallel.rank) % num_ranks
+    model = vllm_config.model_config
+    # vLLM gives each rank total/tp heads, or, with fewer heads than ranks, one head replicated on
+    # tp/total ranks; MLA's latent is the same on every rank.
+    num_shards = 1 if model.use_mla else min(num_ranks, int(model.get_total_num_kv_heads()))
+    return Sharding(rank, num_ranks, num_shards)

@@ -1,0 +1,350 @@
+"""The worker side of the vLLM connector: moves KV between the engine's pages and kvtier, per step.
+
+One engine step, as vLLM drives it:
+
+    start_loads(plan.loads)   before the forward: every load starts, all layers in flight
+    wait_layer(l)             before layer l's attention: waits for layer l only, scatters it
+    save_layer(l, stores)     after layer l's attention: gathers layer l of the blocks to store
+    end_step() -> failed ids  after the forward: finishes the loads, sends the stores
+
+Loads and stores go through host or device staging rows of kvtier's layer-major block layout;
+`native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's caches, given
+as block-major views (`engine_block_view`, `kv_dim=None`): one copy, no permute, so a block's bytes
+keep the engine's own interior order (`vllm_pages.PageFormat` names it), whether the block is one
+contiguous page (LBHNC, LBNHC, BL*) or one run per KV head (LHBNC, BHLNC).
+
+A block that fails to load at any layer is reported by engine block id; the KV that this step
+computed on top of it is wrong, so every store whose prefix holds such a block is dropped.
+
+Under tensor parallelism every rank runs this on the same plan, each for its own slice of every
+block (`Sharding.keys` names it in the backend). A block that fails on one rank poisons the
+step's KV on every rank (attention outputs are all-reduced across ranks), so `end_step` first
+agrees with the other ranks on which blocks failed (`agree`: an OR across ranks), and every rank
+then reports the same engine blocks and drops the same stores. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import GeometryError, KVTierError
+from kvtier.handle import TransferHandle
+from kvtier.integrations.vllm.backends import Backend
+from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
+from kvtier.integrations.vllm.shards import Sharding
+from kvtier.keys import BlockKey
+from kvtier.layout import BlockLayout
+from kvtier.native import PagedLayer, gather_blocks, scatter_blocks
+
+log = logging.getLogger(__name__)
+
+
+def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, layer_bytes: int,
+                      head_major: bool) -> torch.Tensor:
+    """One layer's cache as vLLM registers it, `[B * r, H, N / r, C]`, viewed as `[num_blocks, ...]`.
+
+    vLLM gives each layer a `[B, H, N, C]` view (blocks, KV heads, tokens, K|V content) whose strides
+    follow its `KVCacheLayout`. Where the attention kernels take smaller blocks than the scheduler,
+    a block is r kernel blocks of N / r tokens (rows b*r .. b*r + r - 1). The view lists block b's
+    data as `[H, r, N/r, C]` (head_major) or `[r, N/r, H, C]`: tokens in order either way, so the
+    bytes stored for a block depend on the interior order only, not on r nor on how layers and
+    blocks nest around it. No data moves.
+
+    Args:
+        kv: the registered cache of one layer.
+        num_blocks: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`).
+        block_tokens: tokens per block (N).
+        layer_bytes: what kvtier's block layout holds for this layer.
+        head_major: the layout puts heads outside tokens (`PageFormat.head_major`).
+
+    Raises:
+        GeometryError: the shape is not `[num_blocks * r, H, block_tokens / r, C]`, the strides put
+            heads and tokens the other way round, a block's bytes are not runs `native.PagedLayer` can
+            describe, or they do not add up to layer_bytes.
+    """
+    r = kv.shape[0] // num_blocks if kv.ndim == 4 and num_blocks > 0 else 0
+    if r == 0 or kv.shape[0] != r * num_blocks or kv.shape[2] * r != block_tokens:
+        raise GeometryError(f"expected [{num_blocks} blocks (or a multiple: kernel blocks), heads, tokens, K|V] "
+                            f"covering {block_tokens} tokens per block, got shape {tuple(kv.shape)}")
+    heads, tokens = kv.shape[1], kv.shape[2]
+    if heads > 1 and tokens > 1 and (kv.stride(1) > kv.stride(2)) != head_major:
+        inner, outer = ("heads", "tokens") if head_major else ("tokens", "heads")
+        raise GeometryError(f"strides {kv.stride()} put {outer} outside {inner}, against the layout")
+    blocks = kv.unflatten(0, (num_blocks, r))  # [B, r, H, N/r, C]
+    view = blocks.permute(0, 2, 1, 3, 4) if head_major else blocks.permute(0, 1, 3, 2, 4)
+    page_bytes = PagedLayer.of(view, None).page_bytes
+    if page_bytes != layer_bytes:
+        raise GeometryError(f"a block holds {page_bytes} bytes of the layer, kvtier's layout {layer_bytes}")
+    return view
+
+
+@dataclass
+class WorkerStats:
+    """Counters of one worker, for tests, logs and metrics (`vllm_metrics`)."""
+
+    num_loads: int = 0
+    num_blocks_loaded: int = 0
+    num_blocks_failed: int = 0  # failed to load: reported to vLLM, which recomputes them
+    num_layer_waits: int = 0
+    layer_wait_s: float = 0.0  # time the forward spent in wait_layer: what loading cost the engine
+    num_blocks_stored: int = 0
+    num_blocks_not_stored: int = 0  # dropped: a store that failed, or computed on a block that failed to load
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    backend_keys: tuple[BlockKey, ...]  # this rank's keys for spec.keys
+    staging: torch.Tensor
+    handle: TransferHandle | None  # None: the backend raised, every block failed
+    num_layers_placed: int = 0
+    timed_out: bool = False
+
+    def failed_rows(self) -> list[int]:
+        if self.handle is None or self.timed_out:
+            return list(range(len(self.spec.keys)))
+        return [i for i, k in enumerate(self.backend_keys) if k in self.handle.failed]
+
+
+@dataclass
+class _Stores:
+    specs: list[StoreSpec]
+    staging: torch.Tensor
+    block_ids: list[int]
+    layers_gathered: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _InFlight:
+    keys: tuple[BlockKey, ...]  # blocks being stored (engine-level keys); () for a load given up on
+    backend_keys: tuple[BlockKey, ...]  # this rank's keys for them
+    staging: torch.Tensor  # kept alive until the backend is done with it
+    handle: TransferHandle | None
+
+
+class WorkerSide:
+    """Moves one worker's blocks; see the module docstring for the call order.
+
+    Args:
+        backend: where blocks live.
+        layout: kvtier's block layout; layer i is `layers[i]`.
+        layers: each layer's cache as a block-major view, `[num_engine_blocks, ...]`, a block's data in
+            stored order (`engine_block_view`; `native.PagedLayer` says which strides it may have).
+        timeout_s: the longest one layer of a load may take before its blocks count as failed.
+        sharding: this rank's slice of each block (its keys in the backend); default: the only rank.
+        agree: combines every rank's failed-row flags of a step's loads (element-wise OR) and
+            returns them; called by every rank at the same point of a step with loads. None: one rank.
+    """
+
+    def __init__(self, backend: Backend, layout: BlockLayout, layers: Sequence[torch.Tensor],
+                 timeout_s: float, stats: WorkerStats | None = None, sharding: Sharding | None = None,
+                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
+        self.backend, self.layout, self.layers = backend, layout, list(layers)
+        self.timeout_s = timeout_s
+        self.sharding, self.agree = sharding or Sharding(), agree
+        self.stats = stats or WorkerStats()
+        self._loads: list[_Load] = []
+        self._stores: _Stores | None = None
+        self._in_flight: list[_InFlight] = []
+        self._stored: list[BlockKey] = []
+        self._missing: list[BlockKey] = []
+        self._step_kvtier_s = 0.0  # this step's time in start_loads, wait_layer and save_layer
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Starts every load; returns at once, unless a block to load is still being stored here:
+        that store is waited for first (the scheduler counts blocks being stored as hits)."""
+        started = time.perf_counter()
+        for spec in specs:
+            self._wait_stores_of(spec.keys)
+            staging = self._staging(len(spec.keys))
+            keys = self.sharding.keys(spec.keys)
+            try:
+                handle = self.backend.load(keys, staging)
+            except Exception as e:  # a broken backend: the blocks are failed loads, vLLM recomputes them
+                log.warning("kvtier load of %d blocks failed: %r", len(spec.keys), e)
+                handle = None
+            self._loads.append(_Load(spec, keys, staging, handle))
+            self.stats.num_loads += 1
+        self._step_kvtier_s += time.perf_counter() - started
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once layer `layer` of every block loading in this step is in the engine's pages."""
+        if not self._loads:
+            return
+        started = time.perf_counter()
+        for load in self._loads:
+            while load.num_layers_placed <= layer:
+                self._place_next_layer(load)
+        self.stats.num_layer_waits += 1
+        waited = time.perf_counter() - started
+        self._step_kvtier_s += waited
+        self.stats.layer_wait_s += waited
+
+    def save_layer(self, layer: int, specs: Sequence[StoreSpec]) -> None:
+        """Copies layer `layer` of the blocks to store out of the engine's pages."""
+        if not specs:
+            return
+        started = time.perf_counter()
+        if self._stores is None:
+            block_ids = [b for s in specs for b in s.block_ids]
+            self._stores = _Stores(list(specs), self._staging(len(block_ids)), block_ids)
+        if layer not in self._stores.layers_gathered:
+            gather_blocks([self.layers[layer]], self._stores.block_ids, self._stores.staging, self.layout,
+                          None, layers=[layer])
+            self._stores.layers_gathered.add(layer)
+        self._step_kvtier_s += time.perf_counter() - started
+
+    def take_step_seconds(self) -> float:
+        """The seconds this step spent in kvtier so far (loads started, layers waited for, layers
+        gathered for stores), and a fresh count for the next step: what the engine's measured
+        step time must leave out to be its compute time."""
+        seconds, self._step_kvtier_s = self._step_kvtier_s, 0.0
+        return seconds
+
+    def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
+        """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
+        for load in self._loads:
+            while load.num_layers_placed < self.layout.num_layers:
+                self._place_next_layer(load)
+        failed = self._failed_block_ids([self._finish(load) for load in self._loads])
+        self._loads = []
+        for layer in range(self.layout.num_layers):  # layers vLLM did not hand to save_layer
+            self.save_layer(layer, specs)
+        if self._stores is not None:
+            self._send(self._stores, failed)
+            self._stores = None
+        self.reap()
+        return failed
+
+    # ---- between steps -------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Collects finished stores."""
+        still = []
+        for store in self._in_flight:
+            if store.handle is not None and not store.handle.done():
+                still.append(store)
+                continue
+            failed = store.handle.failed if store.handle is not None else None
+            ok = [k for k, b in zip(store.keys, store.backend_keys) if failed is not None and b not in failed]
+            self._stored += ok
+            landed = set(ok)
+            self._missing += [k for k in store.keys if k not in landed]
+            self.stats.num_blocks_stored += len(ok)
+            self.stats.num_blocks_not_stored += len(store.keys) - len(ok)
+        self._in_flight = still
+
+    @property
+    def num_stores_in_flight(self) -> int:
+        """Stores sent to the backend and not yet reaped (the connector's store backlog)."""
+        return len(self._in_flight)
+
+    def take_reports(self) -> tuple[list[BlockKey], list[BlockKey]]:
+        """Keys stored and keys found missing since the last call (for the scheduler's directory)."""
+        stored, missing = self._stored, self._missing
+        self._stored, self._missing = [], []
+        return stored, missing
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits for transfers in flight; one that does not end in time is left to the backend's close."""
+        for store in self._in_flight:
+            try:
+                if store.handle is not None:
+                    store.handle.wait(timeout_s)
+            except (TimeoutError, KVTierError) as e:
+                log.warning("kvtier transfer of %d blocks still unfinished at shutdown: %r", len(store.keys), e)
+        self.reap()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _wait_stores_of(self, keys: Sequence[BlockKey]) -> None:
+        """Waits (up to the load timeout) for the stores in flight that carry any of `keys`."""
+        wanted = set(keys)
+        for store in self._in_flight:
+            if store.handle is None or wanted.isdisjoint(store.keys):
+                continue
+            try:
+                store.handle.wait(self.timeout_s)
+            except (TimeoutError, KVTierError) as e:  # the load then misses those blocks; vLLM recomputes
+                log.warning("kvtier store of %d blocks not done before their load: %r", len(store.keys), e)
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        # vLLM runs the model under inference mode; kvtier's threads write these rows outside it,
+        # which an inference tensor refuses.
+        with torch.inference_mode(False):
+            return torch.empty((num_blocks, self.layout.block_bytes), dtype=torch.uint8,
+                               device=self.layers[0].device)
+
+    def _place_next_layer(self, load: _Load) -> None:
+        layer = load.num_layers_placed
+        load.num_layers_placed += 1
+        if load.handle is None or load.timed_out:
+            return
+        try:
+            load.handle.wait_layer(layer, self.timeout_s)
+        except TimeoutError:
+            log.warning("kvtier load of %d blocks: layer %d not in after %ss; recomputing them",
+                        len(load.spec.keys), layer, self.timeout_s)
+            load.timed_out = True
+            return
+        failed = set(load.failed_rows())
+        rows = [i for i in range(len(load.spec.keys)) if i not in failed]
+        if rows:
+            scatter_blocks([self.layers[layer]], [load.spec.block_ids[i] for i in rows], load.staging,
+                           self.layout, None, slots=rows, layers=[layer])
+
+    def _finish(self, load: _Load) -> list[int]:
+        """The rows of `load` that failed here; its staging is kept while the backend may write it."""
+        if load.handle is not None and not load.timed_out:
+            try:
+                load.handle.wait(self.timeout_s)
+            except TimeoutError:
+                load.timed_out = True
+            except Exception as e:  # completing the transfer broke: the blocks are not trusted
+                log.warning("kvtier load of %d blocks failed to complete: %r", len(load.spec.keys), e)
+                load.handle = None
+        if load.timed_out and load.handle is not None:
+            self._in_flight.append(_InFlight((), (), load.staging, load.handle))
+        rows = load.failed_rows()
+        self._missing += [load.spec.keys[i] for i in rows]
+        return rows
+
+    def _failed_block_ids(self, failed_rows: list[list[int]]) -> set[int]:
+        """The engine blocks of this step's loads that failed on this rank or, agreed, on any other."""
+        if self.agree is not None and self._loads:
+            flags: list[bool] = []
+            for load, rows in zip(self._loads, failed_rows):
+                bad = set(rows)
+                flags += [i in bad for i in range(len(load.spec.keys))]
+            agreed = iter(self.agree(flags))
+            failed_rows = [[i for i in range(len(load.spec.keys)) if next(agreed)] for load in self._loads]
+        failed: set[int] = set()
+        for load, rows in zip(self._loads, failed_rows):
+            failed.update(load.spec.block_ids[i] for i in rows)
+            self.stats.num_blocks_failed += len(rows)
+            self.stats.num_blocks_loaded += len(load.spec.keys) - len(rows)
+        return failed
+
+    def _send(self, stores: _Stores, failed_block_ids: set[int]) -> None:
+        row = 0
+        for spec in stores.specs:
+            rows = stores.staging[row: row + len(spec.keys)]
+            row += len(spec.keys)
+            if failed_block_ids.intersection(spec.prefix_block_ids):
+                self.stats.num_blocks_not_stored += len(spec.keys)
+                self._missing += spec.keys
+                continue
+            keys = self.sharding.keys(spec.keys)
+            try:
+                handle = self.backend.store(keys, rows, background=True)
+            except Exception as e:  # a broken backend: the blocks are simply not cached
+                log.warning("kvtier store of %d blocks failed: %r", len(spec.keys), e)
+                handle = None
+            self._in_flight.append(_InFlight(spec.keys, keys, stores.staging, handle))

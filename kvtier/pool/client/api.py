@@ -1,0 +1,456 @@
+"""`PoolClient`: keyed blocks on one or more pool nodes, shared by every client of a tenant.
+
+A key lives on one node, chosen by rendezvous hashing over the configured node addresses (every
+client with the same node list agrees, and losing a node moves only that node's keys): the key's
+home is the highest-ranked node that is not marked down. Calls are batched per node, nodes run in
+parallel, and every call has a timeout.
+
+put:  PUT_BEGIN (a slot under a write lease) -> one-sided WRITE of the bytes -> PUT_COMMIT (visible).
+      Over TCP one PUT frame carries all three, bytes included: one round trip, as a raw socket
+      (a block the node holds already is sent anyway, then dropped and counted in the node's
+      `duplicate_put_bytes`; `PoolNode._put` says why that beats asking first).
+get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check (seeded with the
+      key: `block_checksum`); the lease is released with the next GET to that node (or expires),
+      which saves a round trip per get. A node that answers LIMIT (this client holds as many
+      leases as it may) leased nothing: its keys are misses.
+      Over TCP the GET asks for the hits' bytes inline instead: one round trip, as a raw socket.
+
+Faults are misses, never errors and never wrong bytes: a node that is down, slow or dies mid-call
+yields False for its keys; a block whose bytes do not match their checksum is a miss. A wrong
+tenant secret is not a fault but a configuration error, and raises `AuthFailed`.
+
+Data plane per node (`transport`): `tcp`; `rdma` (this host must open an RDMA device, and a node
+that does not serve RDMA refuses it loudly: its accesses raise `TransferError`); or `auto`, which
+picks RDMA for a node once that node's welcome says it serves RDMA and this host can open a device,
+TCP otherwise. The choice and its reason are kept per node (`transport_facts`), never swapped later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from kvtier.errors import ConfigError, TransferError
+from kvtier.pool.base import Location, RemoteIO, Transport
+from kvtier.pool.buffers import block_checksum, byte_view
+from kvtier.pool.client.connection import AuthFailed, NodeConnection, NodeLink, NodeUnavailable, RemoteError, Request
+from kvtier.pool.detect import TransportKind, choose_transport
+from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, ErrorCode, GrantStatus, MsgType
+from kvtier.pool.client.tcp import TCPTransport
+from kvtier.pool.units import parse_address
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A mutable block this client allocated (`alloc`): which node holds it, and where."""
+
+    node: int
+    key: bytes
+    location: Location
+
+
+class PoolClient:
+    """Keyed access to the pool nodes of one tenant. Thread-safe.
+
+    Args:
+        nodes: "host:port" of each node; the order does not matter.
+        tenant, secret: credentials (an open node takes tenant "default" with an empty secret).
+        timeout_s: the longest any one call to a node may take.
+        reconnect_s: how long a failed node is skipped before it is tried again.
+        lease_s: read lease asked for on each hit (a slot being read is not reused before).
+        put_lease_s: how long a started put may take before the node reclaims its slot.
+        transport: the data plane asked for (see the module docstring).
+    Raises:
+        ConfigError: no nodes, an address that is not HOST:PORT, or `rdma` asked for on a host
+            that cannot open an RDMA device.
+    """
+
+    def __init__(self, nodes: Sequence[str], *, tenant: str = "default", secret: bytes = b"",
+                 timeout_s: float = 2.0, reconnect_s: float = 1.0, lease_s: float = 5.0,
+                 put_lease_s: float = 30.0, transport: TransportKind = TransportKind.TCP) -> None:
+        if not nodes:
+            raise ConfigError("pool client: nodes: at least one HOST:PORT is needed")
+        names = [str(n) for n in nodes]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"pool client: nodes: duplicate address in {names}")
+        self.tenant, self.timeout_s = tenant, timeout_s
+        self.lease_s, self.put_lease_s = lease_s, put_lease_s
+        self.links = [NodeLink(n, parse_address(n, f"pool node {n}"), tenant, secret, timeout_s=timeout_s,
+                               reconnect_s=reconnect_s) for n in names]
+        local, self._local_reason = choose_transport(transport)
+        self.transports: list[Transport] = [TCPTransport(link) for link in self.links]
+        self._reasons = [self._local_reason] * len(names)
+        # auto with a usable device here: each node's data plane waits for the node to say what it serves
+        self._undecided = set(range(len(names))) if transport is TransportKind.AUTO and local is TransportKind.RDMA \
+            else set()
+        if transport is TransportKind.RDMA:
+            self.transports = [_rdma_transport(link) for link in self.links]
+        self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
+        self._seeds = [n.encode() for n in names]
+        self._releases: list[list[int]] = [[] for _ in names]
+        self._lock = threading.Lock()
+        self._counters: Counter = Counter()
+        self._fanout = ThreadPoolExecutor(len(names), thread_name_prefix="kvtier-pool") if len(names) > 1 else None
+
+    # ---- keyed blocks -----------------------------------------------------------------------
+
+    def placement(self, key: bytes) -> list[int]:
+        """Node indices in rendezvous order for `key` (highest score first)."""
+        return sorted(range(len(self.links)), key=lambda i: xxhash.xxh3_64_intdigest(self._seeds[i] + key),
+                      reverse=True)
+
+    def home(self, key: bytes) -> int:
+        """The node a key is stored on and looked up at now: the first in `placement` not marked down."""
+        if len(self.links) == 1:
+            return 0
+        order = self.placement(key)
+        return next((i for i in order if not self.links[i].down), order[0])
+
+    def put(self, key: bytes, data: Any) -> bool:
+        return self.batch_put([key], [data])[0]
+
+    def get(self, key: bytes, into: Any) -> bool:
+        return self.batch_get([key], [into])[0]
+
+    def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
+        """Stores each block under its key. True: stored now or already there. False: not stored
+        (the node is full of leased blocks, the quota is spent, the node is unreachable...)."""
+        views = [byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
+        return self._per_node(keys, lambda i, ks, js: self._put_on(i, ks, [views[j] for j in js]))
+
+    def batch_get(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[bool]:
+        """Copies each stored block into its buffer, which must be the block's exact size.
+        True: the bytes are there and verified. False: a miss (buffer content undefined).
+
+        Raises:
+            ValueError: a buffer is not the stored block's size.
+        """
+        views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
+        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, [views[j] for j in js]))
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored (a node that is down answers False)."""
+        return self._per_node(keys, lambda i, ks, js: self.links[i].call(MsgType.CONTAINS, {"keys": ks})["found"])
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drops keys; returns how many were dropped (blocks being read are kept)."""
+        counts = self._per_node(keys, lambda i, ks, js: [self.links[i].call(MsgType.DELETE, {"keys": ks})["deleted"]]
+                                + [0] * (len(ks) - 1))
+        return sum(counts)
+
+    # ---- mutable slots (the Tier adapter) ---------------------------------------------------
+
+    def alloc(self, key: bytes, length: int) -> Slot:
+        """A mutable block of `length` bytes under `key` on the key's home node.
+
+        Raises:
+            TransferError: no room (the reason is in the message) or the node is unreachable.
+        """
+        node = self.home(key)
+        grant = self.links[node].call(MsgType.ALLOC, {"keys": [key], "lengths": [length]})["grants"][0]
+        status = GrantStatus(grant[0])
+        if status is not GrantStatus.GRANTED:
+            self._count(f"alloc_{status.name.lower()}")
+            raise TransferError(f"pool node {self.links[node].name}: cannot allocate {length} bytes: {status.name}")
+        return Slot(node, key, Location(grant[1], grant[2], length, grant[3]))
+
+    def read_at(self, slot: Slot, offset: int, dst: Any) -> bool:
+        """Reads `len(dst)` bytes at `offset` of a slot. False: the node dropped the slot.
+
+        Raises:
+            TransferError: the node is unreachable or refused the access.
+        """
+        view = byte_view(dst, writable=True, what="read buffer")
+        return self._data_plane(slot.node).read(slot.location.sub(offset, len(view)), view)
+
+    def write_at(self, slot: Slot, offset: int, src: Any) -> bool:
+        """Writes `src` at `offset` of a slot. False: the node dropped the slot. Raises as `read_at`."""
+        view = byte_view(src, writable=False, what="write source")
+        return self._data_plane(slot.node).write(slot.location.sub(offset, len(view)), view)
+
+    def free(self, slots: Sequence[Slot]) -> None:
+        """Drops slots, best effort: a node that is down drops them by recency later."""
+        by_node: dict[int, list[bytes]] = {}
+        for s in slots:
+            by_node.setdefault(s.node, []).append(s.key)
+        for node, keys in by_node.items():
+            for start in range(0, len(keys), MAX_BATCH):
+                try:
+                    self.links[node].call(MsgType.DELETE, {"keys": keys[start: start + MAX_BATCH]})
+                except NodeUnavailable:
+                    break
+
+    # ---- facts and lifecycle ----------------------------------------------------------------
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each node's stats (as its tenant sees them), or `{"node": address, "error": ...}`."""
+        out = []
+        for i, link in enumerate(self.links):
+            try:
+                facts = link.call(MsgType.STATS, {})["stats"]
+                self._data_plane(i)  # the node has said which data plane it serves
+                out.append({"address": link.name, **facts})
+            except AuthFailed:
+                raise
+            except NodeUnavailable as e:
+                out.append({"address": link.name, "error": str(e)})
+        return out
+
+    def register_memory(self, address: int, length: int, owner: object) -> None:
+        """Declares host memory that buffers passed to `read_at`/`write_at` often lie in (the
+        runtime's DRAM slab), for every node's data plane, present and chosen later: RDMA
+        registers it and moves those buffers without a staging copy (see `RDMATransport`); TCP
+        ignores it. `owner` keeps the memory alive while the client may use it."""
+        with self._lock:
+            self._host_memory.append((address, length, owner))
+            transports = list(self.transports)
+        for transport in transports:
+            transport.register_memory(address, length, owner)
+
+    def transport_facts(self) -> list[tuple[str, str]]:
+        """Per node, the data plane in use and why, e.g. `("tcp", "auto: node serves tcp only")`;
+        `("undecided", ...)` for an `auto` node not reached yet."""
+        with self._lock:
+            return [("undecided", "auto: node not reached yet") if i in self._undecided else
+                    (self.transports[i].name, self._reasons[i]) for i in range(len(self.links))]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors, lease_limit..."""
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        """Releases pending leases (best effort) and closes every connection. Idempotent."""
+        for i, link in enumerate(self.links):
+            leases = self._take_releases(i)
+            if leases and not link.down:
+                try:
+                    link.call(MsgType.RELEASE, {"leases": leases})
+                except NodeUnavailable:
+                    pass
+            link.close()
+        for t in self.transports:
+            t.close()
+        if self._fanout is not None:
+            self._fanout.shutdown(wait=True)
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- per node -----------------------------------------------------------------------------
+
+    def _per_node(self, keys: Sequence[bytes], fn: Callable[[int, list[bytes], list[int]], list]) -> list:
+        """Runs `fn(node, keys, positions)` once per node and batch (nodes in parallel); a node
+        that fails gives a falsy result for its keys."""
+        if len(self.links) == 1 and len(keys) <= MAX_BATCH:  # the whole call is one batch to one node
+            return self._guarded(0, fn, list(keys), range(len(keys)))
+        groups: dict[int, list[int]] = {}
+        for j, key in enumerate(keys):
+            groups.setdefault(self.home(key), []).append(j)
+        jobs = [(node, js[s: s + MAX_BATCH]) for node, js in groups.items() for s in range(0, len(js), MAX_BATCH)]
+        run = lambda job: self._guarded(job[0], fn, [keys[j] for j in job[1]], job[1])
+        results = list(self._fanout.map(run, jobs)) if self._fanout and len(jobs) > 1 else [run(j) for j in jobs]
+        out: list = [False] * len(keys)
+        for (_, js), res in zip(jobs, results):
+            for j, r in zip(js, res):
+                out[j] = r
+        return out
+
+    def _guarded(self, node: int, fn, keys: list[bytes], js: list[int]) -> list:
+        try:
+            return fn(node, keys, js)
+        except AuthFailed:
+            raise
+        except NodeUnavailable as e:
+            self._count("node_errors")
+            log.debug("%s", e)
+            return [False] * len(keys)
+
+    def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        if self._data_plane(node).inline:
+            return self._put_inline(node, keys, views)
+        with self.links[node].connection() as conn:  # the write leases are this connection's: see _get_on
+            return self._put_leased(node, conn, keys, views)
+
+    def _put_leased(self, node: int, conn: NodeConnection, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """PUT_BEGIN, one-sided writes and PUT_COMMIT (or PUT_ABORT) on `conn`, which holds the leases."""
+        sums: list[int] = []
+        grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
+                                                          "lease_s": self.put_lease_s}),
+                              overlap=lambda: sums.extend(map(block_checksum, keys, views)))["grants"]
+        out = [g[0] == GrantStatus.EXISTS for g in grants]
+        todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
+        counts = {"put_exists": sum(out)}
+        for g in grants:
+            if g[0] not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
+                counts[_rejection(g[0])] = counts.get(_rejection(g[0]), 0) + 1
+        self._count_all(counts)
+        if not todo:
+            return out
+        transport = self.transports[node]
+        written = transport.write_many([
+            RemoteIO(Location(grants[j][1], grants[j][2], len(views[j]), grants[j][3]), views[j],
+                     sums[j] if transport.inline else None) for j in todo])
+        done = [j for j, ok in zip(todo, written) if ok]
+        lost = [j for j, ok in zip(todo, written) if not ok]
+        if lost:  # a write or commit that did not go through: free the slot now, not at lease expiry
+            conn.call(MsgType.PUT_ABORT, {"keys": [keys[j] for j in lost], "gens": [grants[j][3] for j in lost]})
+        if done and not transport.inline:
+            ok = conn.call(MsgType.PUT_COMMIT, {"keys": [keys[j] for j in done], "gens": [grants[j][3] for j in done],
+                                                "checksums": [sums[j] for j in done]})["ok"]
+            done = [j for j, committed in zip(done, ok) if committed]
+        for j in done:
+            out[j] = True
+        self._count("puts", len(done))
+        return out
+
+    def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """A PUT frame per block, pipelined: one round trip for the batch instead of two. The price: a
+        block the node holds already is sent anyway (the node drains it, answers EXISTS and counts
+        the bytes in its `duplicate_put_bytes`; see `PoolNode._put`)."""
+        with self.links[node].connection() as conn:
+            sent = [j for j, v in enumerate(views) if len(v) <= conn.max_payload]
+            replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
+                                                            "checksum": block_checksum(keys[j], views[j])},
+                                              payload=views[j]) for j in sent])
+        statuses = [int(GrantStatus.TOO_LARGE)] * len(keys)
+        out = [False] * len(keys)
+        for j, reply in zip(sent, replies):
+            if isinstance(reply, RemoteError):
+                raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
+            statuses[j] = reply["status"]
+            out[j] = reply["stored"] or reply["status"] == GrantStatus.EXISTS
+        counts = {"put_exists": statuses.count(GrantStatus.EXISTS),
+                  "puts": sum(o and s == GrantStatus.GRANTED for o, s in zip(out, statuses))}
+        for s in statuses:
+            if s not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
+                counts[_rejection(s)] = counts.get(_rejection(s), 0) + 1
+        self._count_all(counts)
+        return out
+
+    def _get_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        transport = self._data_plane(node)
+        wrong_size: list[int] = []
+
+        def inline_buffers(header: dict) -> list[memoryview]:
+            """Where an inline reply's bytes go, hit by hit (a wrong-sized buffer gets scratch)."""
+            out = []
+            for j, h in enumerate(header["hits"][: len(keys)]):
+                if h[0] and h[7]:
+                    fits = h[3] == len(views[j])
+                    out.append(views[j] if fits else memoryview(bytearray(h[3])))
+                    if not fits:
+                        wrong_size.append(j)
+            return out
+
+        request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
+                                        "inline": transport.inline}, into=inline_buffers,
+                          max_reply_payload=MAX_INLINE_BYTES)
+        # One loan for the GET and the reads of its leased hits: the node ends a connection's
+        # leases when it closes, and a connection handed back may be closed at once (pool full).
+        with self.links[node].connection() as conn:
+            try:
+                hits = conn.request(request)["hits"]
+            except RemoteError as e:
+                if e.code is not ErrorCode.LIMIT:
+                    raise
+                self._count_all({"misses": len(keys), "lease_limit": 1})  # the node leased nothing
+                return [False] * len(keys)
+            found, read = self._read_leased(node, keys, views, hits, wrong_size)
+        out = [False] * len(keys)
+        stale = corrupt = 0
+        for j in found:
+            moved = read.get(j, True)  # an inline hit came with the reply
+            out[j] = moved and block_checksum(keys[j], views[j]) == hits[j][5]
+            stale += not moved
+            corrupt += moved and not out[j]
+        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
+        return out
+
+    def _read_leased(self, node: int, keys: list[bytes], views: list[memoryview], hits: list,
+                     wrong_size: list[int]) -> tuple[list[int], dict[int, bool]]:
+        """Checks a GET's answer, queues its leases for release and reads the leased hits; returns
+        the positions found and, per leased one, whether its bytes moved.
+
+        Raises:
+            NodeUnavailable: an answer of the wrong length.
+            ValueError: a buffer that is not the stored block's size.
+        """
+        if len(hits) != len(keys):
+            raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to {len(keys)} keys")
+        found = [j for j, h in enumerate(hits) if h[0]]
+        leased = [j for j in found if not hits[j][7]]
+        if leased or len(found) < len(keys):  # before anything below can raise
+            with self._lock:
+                self._releases[node] += [hits[j][6] for j in leased]
+                self._counters["misses"] += len(keys) - len(found)
+        for j in wrong_size + [j for j in leased if hits[j][3] != len(views[j])]:
+            raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, buffer holds {len(views[j])}")
+        if not leased:
+            return found, {}
+        moved = self.transports[node].read_many([RemoteIO(Location(*hits[j][1:5]), views[j]) for j in leased])
+        return found, dict(zip(leased, moved))
+
+    def _data_plane(self, node: int) -> Transport:
+        """The node's transport; under `auto`, chosen on first use from what the node serves.
+
+        Raises:
+            NodeUnavailable: an undecided node cannot be reached (it stays undecided).
+        """
+        if node in self._undecided:
+            link = self.links[node]
+            if link.transport is None:
+                with link.connection():
+                    pass  # the node's welcome names its data plane
+            with self._lock:
+                if node in self._undecided:
+                    self._undecided.discard(node)
+                    if link.transport == TransportKind.RDMA.value:
+                        self.transports[node] = _rdma_transport(link)
+                        for memory in self._host_memory:
+                            self.transports[node].register_memory(*memory)
+                        self._reasons[node] = f"{self._local_reason}; node serves rdma"
+                    else:
+                        self._reasons[node] = f"auto: node serves {link.transport} only"
+        return self.transports[node]
+
+    def _take_releases(self, node: int) -> list[int]:
+        if not self._releases[node]:  # a read without the lock: a lease added meanwhile goes next time
+            return []
+        with self._lock:
+            leases, self._releases[node] = self._releases[node][:MAX_BATCH], self._releases[node][MAX_BATCH:]
+        return leases
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _count_all(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._counters[name] += n
+
+
+def _rejection(status: int) -> str:
+    """The counter a put refused with `status` adds to."""
+    known = status in GrantStatus._value2member_map_
+    return f"put_rejected_{GrantStatus(status).name.lower() if known else status}"
+
+
+def _rdma_transport(link: NodeLink) -> Transport:
+    from kvtier.pool.client.rdma import RDMATransport  # verbs only where RDMA is used
+
+    return RDMATransport(link)

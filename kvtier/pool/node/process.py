@@ -1,0 +1,180 @@
+"""Pool nodes as real subprocesses, for tests and benchmarks (`kvtier pool serve` on 127.0.0.1).
+
+Readiness is the node's own "ready" line on stdout followed by an answered STATS call: nothing
+sleeps or guesses. A node can be stopped (SIGTERM), killed (SIGKILL), frozen (SIGSTOP, the way a
+node hangs mid-transfer) and restarted on the same address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvtier.pool.client.api import PoolClient
+
+READY_TIMEOUT_S = 60.0  # a safety net against a node that never starts, never a measurement
+
+
+class NodeProcess:
+    """One `kvtier pool serve` subprocess."""
+
+    def __init__(self, *, capacity: str = "64MiB", region_size: str = "1MiB", listen: str = "127.0.0.1:0",
+                 tenants: str | Path | None = None, credentials: tuple[str, bytes] = ("default", b""),
+                 extra: Sequence[str] = (), wait: bool = True) -> None:
+        self._args = ["--capacity", capacity, "--region-size", region_size, *extra]
+        if tenants is not None:
+            self._args += ["--tenants", str(tenants)]
+        self.address, self.credentials = listen, credentials
+        self.ready: dict = {}
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile()
+        if not wait:
+            self.spawn()
+            return
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # a node that never became ready must not outlive the failed start
+            raise
+
+    def start(self) -> None:
+        """Starts the node (again, on the same address once it had one) and waits until it serves.
+
+        Raises:
+            RuntimeError: the node exited or said nothing within READY_TIMEOUT_S; carries its stderr.
+            Anything the readiness probe raises; the process is left to `close()`.
+        """
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Starts the process without waiting; `wait_ready()` waits."""
+        cmd = [sys.executable, "-m", "kvtier", "pool", "serve", "--listen", self.address, *self._args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self) -> None:
+        """Waits for the ready line, then for an answered STATS call. Raises as `start`."""
+        self.ready = self._read_ready()
+        self.address = self.ready["listen"]
+        tenant, secret = self.credentials
+        with PoolClient([self.address], tenant=tenant, secret=secret, reconnect_s=0,
+                        timeout_s=READY_TIMEOUT_S) as probe:
+            probe.stats()
+
+    def _read_ready(self) -> dict:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(deadline - time.monotonic()):
+                    line = self.proc.stdout.readline()
+                    if not line:
+                        break
+                    event = json.loads(line)
+                    if event.get("event") == "ready":
+                        return event
+        self.kill()
+        raise RuntimeError(f"pool node did not start: {self.stderr()}")
+
+    def stderr(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def terminate(self) -> int:
+        """SIGTERM, then waits; returns the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(READY_TIMEOUT_S)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(READY_TIMEOUT_S)
+
+    def pause(self) -> None:
+        """Freezes the node, returning only once every thread of it has stopped (SIGSTOP alone is
+        asynchronous: a request sent right after could still be served)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        os.waitpid(self.proc.pid, os.WUNTRACED)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            try:
+                self.terminate()
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def start_nodes(count: int, **kwargs) -> list[NodeProcess]:
+    """`count` nodes started side by side (their start-ups overlap), each ready on return."""
+    nodes = [NodeProcess(wait=False, **kwargs) for _ in range(count)]
+    try:
+        for node in nodes:
+            node.wait_ready()
+    except BaseException:
+        for node in nodes:
+            node.close()
+        raise
+    return nodes
+
+
+@contextmanager
+def running_node(**kwargs) -> Iterator[NodeProcess]:
+    """A `NodeProcess` for the duration of the block; stopped (SIGTERM, then SIGKILL) afterwards."""
+    node = NodeProcess(**kwargs)
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+@contextmanager
+def rdma_node(verbs: str = "fake", fabric: Path | str | None = None, **kwargs) -> Iterator[NodeProcess]:
+    """A node serving `--transport rdma`, this process on the same verbs for the duration.
+
+    Args:
+        verbs: `fake` (the software NIC of `kvtier.testing.fake_verbs`) or `pyverbs` (a real device).
+        fabric: with `fake`, the directory the fake fabric lives in (shared with the node).
+        kwargs: as `NodeProcess`; `extra` gets `--transport rdma` added.
+    Sets KVTIER_VERBS (and KVTIER_FAKE_FABRIC) in `os.environ`, which the node inherits, and puts
+    back what was there afterwards.
+    """
+    from kvtier.testing.fake_verbs import ENV_FABRIC
+    from kvtier.pool.verbs import ENV_VERBS
+
+    if verbs == "fake" and fabric is None:
+        raise ValueError("rdma_node: the fake verbs need a fabric directory")
+    wanted = {ENV_VERBS: verbs, ENV_FABRIC: str(fabric) if fabric is not None else None}
+    saved = {name: os.environ.get(name) for name in wanted}
+    for name, value in wanted.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        kwargs["extra"] = [*kwargs.get("extra", ()), "--transport", "rdma"]
+        with running_node(**kwargs) as node:
+            yield node
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,173 @@
+"""The pool node's slot allocator, sans-I/O: regions cut into slots, per-tenant recency and quota.
+
+The node's memory is cut into equal **regions**. A region belongs to one tenant at a time and holds
+slots of one size class (the block length rounded up to 4 KiB), like a slab allocator: no
+fragmentation, and under RDMA each region is one memory registration whose rkey only its tenant
+learns.
+
+Room for a block of class c of tenant t is found in this order: a free slot in one of t's class-c
+regions; a free region; then the older of (t's least recently used idle class-c block, the least
+recently used region with no busy block). A tenant over its quota first evicts its own least
+recently used idle blocks.
+
+No tenant is handed bytes another wrote. A region handed to another tenant than its last one is
+zeroed first (the `scrub` hook, given by the node: nothing here touches memory), over the extent
+allocated since it was last zeroed; a mutable block, readable at once, is zeroed at allocation when
+its slot lies in that extent. Why here and not a memset per put: a hand-over happens once per
+region and change of tenant, and a mutable block is allocated once per slot of the Tier adapter,
+whereas puts are the hot path (their blocks are only readable once written whole: `blocks.cover`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+from kvtier.pool.node.blocks import Block, BlockState, Grant, Region, TenantState
+from kvtier.pool.protocol import GrantStatus
+
+CLASS_ALIGN_BYTES = 4096
+TENANT_COUNTERS = ("hits", "misses", "puts", "evictions", "leases_expired", "stale", "bounds", "forbidden",
+                   "rejected_full", "rejected_quota", "rejected_busy", "rejected_limit", "deleted", "aborted",
+                   "bytes_in", "bytes_out", "duplicate_put_bytes")
+# Zeroes `length` bytes at `start` of a region; `hand_over`: the region passes to another tenant
+# (an RDMA node also replaces the region's memory registration then). Returns the bytes zeroed.
+Scrub = Callable[[Region, int, int, bool], int]
+
+
+def no_memory(region: Region, start: int, length: int, hand_over: bool) -> int:
+    """The `Scrub` of a store without memory behind it (unit tests): nothing to zero."""
+    return length
+
+
+class Slabs:
+    """Regions, free regions, and each tenant's index, recency lists and use. Not thread-safe.
+
+    Args:
+        capacity_bytes: the arena; rounded down to whole regions.
+        region_bytes: bytes per region (the largest block a node takes).
+        quotas: tenant name -> quota in bytes.
+        scrub: zeroes node memory (see `Scrub`).
+        id_base: the first generation minus one.
+    Raises:
+        ValueError: region_bytes not a positive multiple of 4 KiB, or capacity below one region.
+    """
+
+    def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
+                 scrub: Scrub = no_memory, id_base: int = 0) -> None:
+        if region_bytes < CLASS_ALIGN_BYTES or region_bytes % CLASS_ALIGN_BYTES:
+            raise ValueError(f"region_bytes must be a positive multiple of {CLASS_ALIGN_BYTES}, got {region_bytes}")
+        num_regions = capacity_bytes // region_bytes
+        if num_regions < 1:
+            raise ValueError(f"capacity {capacity_bytes} bytes is below one region of {region_bytes} bytes")
+        self.region_bytes = region_bytes
+        self.regions = [Region(i, i * region_bytes, region_bytes) for i in range(num_regions)]
+        self.free_regions = list(reversed(self.regions))
+        self.tenants = {name: TenantState(q, dict.fromkeys(TENANT_COUNTERS, 0)) for name, q in quotas.items()}
+        self.counters = dict.fromkeys(("region_handovers", "scrubbed_bytes"), 0)
+        self._scrub = scrub
+        self._tick = 0
+        self._gen = id_base
+
+    def allocate(self, tenant: str, key: bytes, length: int, state: BlockState, mutable: bool = False) -> Grant:
+        """A new block for `key` in a slot found (or freed) for it; TOO_LARGE, QUOTA or FULL when none."""
+        slot_bytes = -(-max(length, 1) // CLASS_ALIGN_BYTES) * CLASS_ALIGN_BYTES
+        if slot_bytes > self.region_bytes:
+            return Grant(GrantStatus.TOO_LARGE)
+        t = self.tenants[tenant]
+        if not self._fit_quota(t, slot_bytes):
+            t.counters["rejected_quota"] += 1
+            return Grant(GrantStatus.QUOTA)
+        region = self._room(tenant, t, slot_bytes)
+        if region is None:
+            t.counters["rejected_full"] += 1
+            return Grant(GrantStatus.FULL)
+        slot = region.free.pop()
+        if not region.free:
+            t.open_regions[slot_bytes].pop(region.id)
+        offset = slot * slot_bytes
+        if mutable and offset < region.dirty_bytes:  # readable at once: no older bytes may show
+            self.counters["scrubbed_bytes"] += self._scrub(region, offset, length, False)
+        region.dirty_bytes = max(region.dirty_bytes, offset + slot_bytes)
+        self._gen += 1
+        block = Block(tenant, key, region, slot, length, self._gen, state, mutable)
+        region.blocks[slot] = block
+        t.index[key] = block
+        lru = t.lru.get(slot_bytes)
+        if lru is None:
+            lru = t.lru[slot_bytes] = OrderedDict()
+        lru[key] = block
+        t.used_bytes += slot_bytes
+        self.touch(block)
+        return Grant(GrantStatus.GRANTED, block)
+
+    def remove(self, block: Block) -> None:
+        """Frees the block's slot (and its region once empty). The block must not be busy."""
+        t, region = self.tenants[block.tenant], block.region
+        del t.index[block.key]
+        del t.lru[region.slot_bytes][block.key]
+        del region.blocks[block.slot]
+        region.free.append(block.slot)
+        t.used_bytes -= region.slot_bytes
+        t.open_regions.setdefault(region.slot_bytes, {})[region.id] = region
+        if not region.blocks:
+            del t.open_regions[region.slot_bytes][region.id]
+            region.tenant, region.slot_bytes, region.free = None, 0, []
+            self.free_regions.append(region)
+
+    def touch(self, block: Block) -> None:
+        """Makes `block` (and its region) the most recently used."""
+        self._tick += 1
+        block.last_use = block.region.last_use = self._tick
+        self.tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.key)
+
+    def _fit_quota(self, t: TenantState, slot_bytes: int) -> bool:
+        while t.used_bytes + slot_bytes > t.quota_bytes:
+            victim = min(filter(None, (_oldest_idle(lru) for lru in t.lru.values())),
+                         key=lambda b: b.last_use, default=None)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _room(self, tenant: str, t: TenantState, slot_bytes: int) -> Region | None:
+        """A region of `tenant`'s class `slot_bytes` with a free slot, evicting by recency if needed."""
+        while True:
+            open_ = t.open_regions.get(slot_bytes)
+            if open_:
+                return next(iter(open_.values()))
+            if self.free_regions:  # popped once assigned: a scrub that raises leaves it free
+                region = self._assign(self.free_regions[-1], tenant, t, slot_bytes)
+                self.free_regions.pop()
+                return region
+            own = _oldest_idle(t.lru.get(slot_bytes, {}))
+            idle = [r for r in self.regions if r.num_busy == 0 and r.tenant is not None]
+            region = min(idle, key=lambda r: r.last_use, default=None)
+            if own is None and region is None:
+                return None
+            if own is not None and (region is None or own.last_use <= region.last_use):
+                self._evict(own)
+            else:
+                for block in list(region.blocks.values()):
+                    self._evict(block)
+
+    def _assign(self, region: Region, tenant: str, t: TenantState, slot_bytes: int) -> Region:
+        """Hands a free region to `tenant` for class `slot_bytes`, zeroed first when it may hold
+        another tenant's bytes."""
+        if region.last_tenant is not None and region.last_tenant != tenant:
+            self.counters["region_handovers"] += 1
+            self.counters["scrubbed_bytes"] += self._scrub(region, 0, region.dirty_bytes, True)
+            region.dirty_bytes = 0
+        region.last_tenant = tenant
+        region.tenant, region.slot_bytes = tenant, slot_bytes
+        region.free = list(reversed(range(region.size // slot_bytes)))
+        t.open_regions.setdefault(slot_bytes, {})[region.id] = region
+        return region
+
+    def _evict(self, block: Block) -> None:
+        self.tenants[block.tenant].counters["evictions"] += 1  # the owner's: it sees its blocks go
+        self.remove(block)
+
+
+def _oldest_idle(lru: Mapping[bytes, Block]) -> Block | None:
+    return next((b for b in lru.values() if not b.busy and b.state is BlockState.READY), None)

@@ -1,0 +1,352 @@
+"""The pool node's block store, sans-I/O: key index, block states, leases, data-plane checks.
+
+The slots come from `slabs.Slabs` (regions of one tenant and size class each, recency eviction,
+quotas, zeroing on hand-over). A **block** is a key's bytes in one slot; its **generation** is
+unique per allocation, so a location `(region, offset, gen)` names one incarnation of one slot and
+a reused slot never answers to an old location.
+
+States: a block is WRITING (after `put_begin`, invisible to lookups, held by a write lease) until
+`commit`, then READY; a mutable block (`alloc`, the Tier adapter's slots) is READY at once and
+writable. A block is **busy** while it has a live lease or a data-plane access in flight; a busy
+block is never evicted, deleted or reused. Leases expire (checked lazily on every call), so a client
+that dies cannot pin memory forever; a WRITING block whose lease expires is dropped. A commit needs
+writes that covered the whole block (`blocks.cover`), so no byte of a slot's past is ever readable.
+
+Leases (`leases.LeaseTable`) are bounded per tenant and per connection (`owner`); past a bound a
+put is refused (GrantStatus.LIMIT) and a read lease raises AccessError(LIMIT); `disconnect` drops
+what a closed connection held. Counters are kept per tenant: `tenant_stats` is what a tenant may
+see of the node, `stats` the node-wide view. Nothing here does I/O or reads a clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+from kvtier.pool.node.blocks import Access, AccessError, Block, BlockState, Grant, cover
+from kvtier.pool.node.leases import Lease, LeaseTable
+from kvtier.pool.protocol import ErrorCode, GrantStatus
+from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
+
+MAX_LEASES_PER_OWNER = 16384  # 4 full GET frames: a client's pipelined gets release theirs with the next
+MAX_LEASES_PER_TENANT = 131072  # ~32 MiB of bookkeeping at most per tenant
+
+
+class BlockStore:
+    """Index and allocator of one node. Not thread-safe: the server calls it under one lock.
+
+    Args:
+        capacity_bytes: the arena; rounded down to whole regions.
+        region_bytes: bytes per region (the largest block a node takes).
+        quotas: tenant name -> quota in bytes; only these tenants may store.
+        clock: seconds, monotonic (lease expiry).
+        max_lease_s: the longest lease a client may ask for.
+        id_base: first generation and lease id minus one. A node passes a random one so that a
+            location or lease from before a restart never names a block or lease after it.
+        scrub: zeroes node memory (`slabs.Scrub`); the default, for a store without memory, does nothing.
+        max_leases_per_owner, max_leases_per_tenant: live leases one connection or tenant may hold.
+    Raises:
+        ValueError: as `Slabs`.
+    """
+
+    def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
+                 clock: Callable[[], float], max_lease_s: float = 60.0, id_base: int = 0, *,
+                 scrub: Scrub = no_memory, max_leases_per_owner: int = MAX_LEASES_PER_OWNER,
+                 max_leases_per_tenant: int = MAX_LEASES_PER_TENANT) -> None:
+        self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base)
+        self.region_bytes, self.regions = region_bytes, self._slabs.regions
+        self._tenants = self._slabs.tenants
+        self._num_inflight = 0
+        self._leases = LeaseTable(clock, max_lease_s, max_leases_per_owner, max_leases_per_tenant, id_base)
+        self._dropped_on_close = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return len(self.regions) * self.region_bytes
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Node-wide event counts: every tenant's, summed, and the node's own."""
+        out = {**self._slabs.counters, "leases_dropped_on_close": self._dropped_on_close}
+        for name in TENANT_COUNTERS:
+            out[name] = sum(t.counters[name] for t in self._tenants.values())
+        return out
+
+    def count(self, tenant: str, name: str, n: int = 1) -> None:
+        """Adds `n` to one of `tenant`'s counters (the node counts the bytes it moves here)."""
+        self._tenants[tenant].counters[name] += n
+
+    # ---- control plane --------------------------------------------------------------------
+
+    def put_begin(self, tenant: str, key: bytes, length: int, lease_s: float, owner: Hashable | None = None) -> Grant:
+        """Reserves a slot for `key` under a write lease taken on `owner` (None: the lease ends with
+        the caller's own request, so it counts against the tenant only); the block is invisible
+        until `commit`. LIMIT when the tenant or the owner holds as many leases as it may."""
+        self._expire()
+        t = self._tenants[tenant]
+        old = t.index.get(key)
+        if old is not None:
+            if old.state is BlockState.WRITING:
+                t.counters["rejected_busy"] += 1
+                return Grant(GrantStatus.BUSY)
+            return Grant(GrantStatus.EXISTS)
+        if not self._leases.room(tenant, owner):
+            t.counters["rejected_limit"] += 1
+            return Grant(GrantStatus.LIMIT)
+        grant = self._slabs.allocate(tenant, key, length, BlockState.WRITING)
+        if grant.block is not None:
+            lease = self._lease(grant.block, lease_s, write=True, owner=owner)
+            grant.block.write_lease = lease
+            return Grant(grant.status, grant.block, lease)
+        return grant
+
+    def alloc(self, tenant: str, key: bytes, length: int) -> Grant:
+        """A mutable, READY block for `key` (its existing one if of the same length); never leased."""
+        self._expire()
+        old = self._tenants[tenant].index.get(key)
+        if old is not None:
+            if old.mutable and old.length == length:
+                self._slabs.touch(old)
+                return Grant(GrantStatus.GRANTED, old)
+            return Grant(GrantStatus.EXISTS)
+        return self._slabs.allocate(tenant, key, length, BlockState.READY, mutable=True)
+
+    def commit(self, tenant: str, key: bytes, gen: int, checksum: int,
+               holds: Callable[[Block, int], bool] | None = None) -> bool:
+        """Makes a WRITING block READY. False (and the block is dropped) unless writes covered every
+        byte of it (`blocks.cover`); False also when the write lease expired or the block is not
+        that generation.
+
+        Args:
+            holds: for writes this store never saw (one-sided RDMA WRITEs): whether the block's
+                bytes match `checksum` (the node hashes them); a match stands for full coverage,
+                since the client's checksum is of the whole block it meant to write.
+        """
+        self._expire()
+        t = self._tenants[tenant]
+        block = t.index.get(key)
+        if block is None or block.gen != gen or block.state is not BlockState.WRITING:
+            return False
+        self._drop_lease(block.write_lease)
+        if block.written < block.length and not (holds is not None and holds(block, checksum)):
+            if not block.busy:
+                self._slabs.remove(block)
+            t.counters["aborted"] += 1
+            return False
+        block.state, block.checksum, block.islands = BlockState.READY, checksum, None
+        t.counters["puts"] += 1
+        self._slabs.touch(block)
+        return True
+
+    def abort(self, tenant: str, key: bytes, gen: int) -> None:
+        self._expire()
+        block = self._tenants[tenant].index.get(key)
+        if block is not None and block.gen == gen and block.state is BlockState.WRITING:
+            self._drop_lease(block.write_lease)
+            if not block.busy:
+                self._slabs.remove(block)
+            self._tenants[tenant].counters["aborted"] += 1
+
+    def get(self, tenant: str, keys: Sequence[bytes], lease_s: float,
+            owner: Hashable | None = None) -> list[Grant | None]:
+        """A read lease on each READY, immutable block under `keys`; None for a miss.
+
+        Raises:
+            AccessError(LIMIT): the hits would take the tenant or `owner` past its lease bound;
+                then nothing is leased.
+        """
+        blocks = self.lookup(tenant, keys)
+        self.check_lease_room(tenant, owner, sum(b is not None for b in blocks))
+        return [Grant(GrantStatus.GRANTED, b, self._lease(b, lease_s, write=False, owner=owner)) if b else None
+                for b in blocks]
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Block | None]:
+        """The READY, immutable block under each key (None: a miss); counts hits and misses."""
+        self._expire()
+        t = self._tenants[tenant]
+        index, counters = t.index, t.counters
+        out: list[Block | None] = []
+        for key in keys:
+            block = index.get(key)
+            if block is None or block.state is not BlockState.READY or block.mutable:
+                counters["misses"] += 1
+                out.append(None)
+                continue
+            counters["hits"] += 1
+            self._slabs.touch(block)
+            out.append(block)
+        return out
+
+    def check_lease_room(self, tenant: str, owner: Hashable | None, n: int) -> None:
+        """Raises AccessError(LIMIT) unless `tenant` may take `n` more leases on `owner`."""
+        if n and self._leases.room(tenant, owner) < n:
+            self._tenants[tenant].counters["rejected_limit"] += 1
+            held = self._leases.count(tenant)
+            raise AccessError(ErrorCode.LIMIT, f"{n} more leases would pass a bound: tenant {tenant!r} holds "
+                                               f"{held} (max {self._leases.max_per_tenant}), at most "
+                                               f"{self._leases.max_per_owner} per connection; release some")
+
+    def lease(self, block: Block, lease_s: float, owner: Hashable | None = None) -> int:
+        """A read lease on a block `lookup` just returned (the caller checked `check_lease_room`)."""
+        return self._lease(block, lease_s, write=False, owner=owner)
+
+    def pin(self, block: Block, write: bool = False) -> Access:
+        """An access to the whole of a block this store just handed out: a read of one `lookup`
+        returned (the node sends it inline), or the write of one `put_begin` granted (the node
+        receives it from the same frame). Its location is the store's own, so nothing is checked."""
+        self._set_busy(block, inflight=+1)
+        self._num_inflight += 1
+        return Access(block, block.region.base + block.offset, block.length, write)
+
+    def release(self, tenant: str, lease_ids: Iterable[int]) -> None:
+        """Ends the tenant's read leases among `lease_ids` (others' and unknown ids are ignored)."""
+        for lid in lease_ids:
+            lease = self._leases.get(lid)
+            if lease is not None and lease.block.tenant == tenant and not lease.write:
+                self._drop_lease(lid)
+        self._expire()
+
+    def disconnect(self, owner: Hashable) -> None:
+        """Drops every lease taken on `owner` (a connection that closed): its reads are over, and
+        its puts not committed are abandoned."""
+        for lid in self._leases.owned_by(owner):
+            self._dropped_on_close += 1
+            self._end_lease(self._drop_lease(lid))
+
+    def contains(self, tenant: str, keys: Sequence[bytes]) -> list[bool]:
+        index = self._tenants[tenant].index
+        return [(b := index.get(k)) is not None and b.state is BlockState.READY and not b.mutable for k in keys]
+
+    def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """Drops the tenant's blocks under `keys`; busy blocks are skipped (recency evicts them later)."""
+        self._expire()
+        index, n = self._tenants[tenant].index, 0
+        for key in keys:
+            block = index.get(key)
+            if block is not None and not block.busy:
+                self._slabs.remove(block)
+                n += 1
+        self._tenants[tenant].counters["deleted"] += n
+        return n
+
+    # ---- data plane -----------------------------------------------------------------------
+
+    def begin_access(self, tenant: str, region_id: int, offset: int, length: int, gen: int, write: bool) -> Access:
+        """Checks tenant, generation and bounds of a data-plane access and marks the block busy.
+
+        Raises:
+            AccessError: STALE (the slot or region holds another allocation now, or another
+                tenant's), BOUNDS (no such region; outside the region or the block), FORBIDDEN
+                (a write to a committed block, a read of an uncommitted one).
+        """
+        self._expire()
+        if not 0 <= region_id < len(self.regions):
+            raise self._refused(tenant, "bounds", ErrorCode.BOUNDS, f"region {region_id} does not exist")
+        region = self.regions[region_id]
+        if region.tenant != tenant:
+            # STALE, not FORBIDDEN: a client whose blocks were evicted may hold a location in a region
+            # since freed or handed to another tenant. Either way it learns nothing and reads nothing.
+            raise self._refused(tenant, "forbidden" if region.tenant is not None else "stale", ErrorCode.STALE,
+                                f"region {region_id} holds none of tenant {tenant!r}'s blocks")
+        if offset < 0 or length < 0 or offset + length > region.size:
+            raise self._refused(tenant, "bounds", ErrorCode.BOUNDS, f"[{offset}, {offset + length}) is outside "
+                                                                    f"region {region_id} of {region.size} bytes")
+        slot, within = divmod(offset, region.slot_bytes)
+        block = region.blocks.get(slot)
+        where = f"region {region_id} slot {slot}"
+        if block is None or block.gen != gen:
+            raise self._refused(tenant, "stale", ErrorCode.STALE, f"{where} no longer holds generation {gen}")
+        if within + length > block.length:
+            raise self._refused(tenant, "bounds", ErrorCode.BOUNDS, f"[{within}, {within + length}) is outside "
+                                                                    f"the block of {block.length} bytes at {where}")
+        if write and not (block.mutable or block.state is BlockState.WRITING):
+            raise self._refused(tenant, "forbidden", ErrorCode.FORBIDDEN, f"block at {where} is committed")
+        if not write and block.state is BlockState.WRITING:
+            raise self._refused(tenant, "forbidden", ErrorCode.FORBIDDEN, f"block at {where} is not committed")
+        self._set_busy(block, inflight=+1)
+        self._num_inflight += 1
+        if block.mutable:
+            self._slabs.touch(block)
+        return Access(block, region.base + offset, length, write)
+
+    def end_access(self, access: Access, ok: bool) -> None:
+        """Ends an access; a successful write into a WRITING block covers its range toward the commit."""
+        block = access.block
+        if ok and access.write and block.state is BlockState.WRITING:
+            start = access.arena_offset - block.region.base - block.offset
+            cover(block, start, start + access.length)
+        self._set_busy(block, inflight=-1)
+        self._num_inflight -= 1
+        if block.state is BlockState.WRITING and not block.busy and self._leases.get(block.write_lease) is None:
+            self._slabs.remove(block)  # its writer's lease expired while this access was in flight
+
+    # ---- facts ------------------------------------------------------------------------------
+
+    def stats(self, tenant: str | None = None) -> dict[str, object]:
+        """The node-wide view (the operator's): use, leases and every counter; with `tenant`, also
+        that tenant's own figures under "tenant"."""
+        self._expire()
+        tenants = self._tenants.values()
+        out: dict[str, object] = {
+            **self.facts(), "used_bytes": sum(t.used_bytes for t in tenants),
+            "free_regions": len(self._slabs.free_regions), "num_blocks": sum(len(t.index) for t in tenants),
+            "active_leases": len(self._leases),
+            "lease_heap_entries": self._leases.heap_entries, "accesses_in_flight": self._num_inflight, **self.counters}
+        if tenant is not None:
+            out["tenant"] = self._tenant_facts(tenant)
+        return out
+
+    def tenant_stats(self, tenant: str) -> dict[str, object]:
+        """What `tenant` may see: the static facts, its own use, quota, leases and counters, and
+        nothing of other tenants' activity (not even the node's free space, which they change)."""
+        self._expire()
+        own = self._tenant_facts(tenant)
+        return {**self.facts(), **{k: own[k] for k in ("used_bytes", "quota_bytes", "num_blocks", "active_leases")},
+                **self._tenants[tenant].counters, "tenant": own}
+
+    def facts(self) -> dict[str, object]:
+        """What never changes: capacity and how it is cut."""
+        return {"capacity_bytes": self.capacity_bytes, "region_bytes": self.region_bytes,
+                "num_regions": len(self.regions)}
+
+    def _tenant_facts(self, tenant: str) -> dict[str, object]:
+        t = self._tenants[tenant]
+        return {"name": tenant, "used_bytes": t.used_bytes, "quota_bytes": t.quota_bytes,
+                "num_blocks": len(t.index), "active_leases": self._leases.count(tenant)}
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
+        was = block.leases > 0 or block.inflight > 0  # `Block.busy`, inline: three calls per request
+        block.leases += leases
+        block.inflight += inflight
+        now = block.leases > 0 or block.inflight > 0
+        if now is not was:
+            block.region.num_busy += 1 if now else -1
+
+    def _lease(self, block: Block, lease_s: float, write: bool, owner: Hashable | None) -> int:
+        self._set_busy(block, leases=+1)
+        return self._leases.add(block, lease_s, write, owner)
+
+    def _drop_lease(self, lease_id: int) -> Lease | None:
+        lease = self._leases.drop(lease_id)
+        if lease is not None:
+            self._set_busy(lease.block, leases=-1)
+        return lease
+
+    def _end_lease(self, lease: Lease) -> None:
+        """After a lease was dropped unreleased (expired, or its connection closed): an abandoned
+        put's block goes."""
+        block = lease.block
+        if lease.write and block.state is BlockState.WRITING and not block.busy:
+            self._slabs.remove(block)
+
+    def _expire(self) -> None:
+        for lease in self._leases.pop_expired():
+            self._set_busy(lease.block, leases=-1)
+            self._tenants[lease.block.tenant].counters["leases_expired"] += 1
+            self._end_lease(lease)
+
+    def _refused(self, tenant: str, counter: str, code: ErrorCode, message: str) -> AccessError:
+        """Counts a refused access under `tenant` and returns the error to raise."""
+        self._tenants[tenant].counters[counter] += 1
+        return AccessError(code, message)

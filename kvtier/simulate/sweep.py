@@ -1,0 +1,188 @@
+"""Capacity sweeps for `kvtier simulate`: hit rate against the size of one tier, and a recommendation.
+
+A sweep replays the trace once per (configuration, capacity) pair, changing only the swept tier's
+slot count, and recommends the smallest swept capacity at which an online policy (LRU, S3-FIFO or
+ARC, with or without admission) reaches the target block hit rate. Belady's MIN, when swept too,
+is never recommended — no real cache knows the future — but its own smallest capacity is reported:
+no policy can reach the target with less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.sizing.hardware import format_bytes
+from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, simulate
+from kvtier.simulate.trace import Trace
+from kvtier.tiers.kinds import TierKind
+
+# Default sweep points, as shares of the trace's distinct blocks (1.0 holds every block: no evictions).
+DEFAULT_SWEEP_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+# Default target: this share of the best any cache can do on the trace (its compulsory misses aside).
+DEFAULT_TARGET_SHARE_OF_MAX = 0.9
+
+
+def default_points(trace: Trace) -> list[int]:
+    """Slot counts at `DEFAULT_SWEEP_SHARES` of the trace's distinct blocks, ascending and distinct."""
+    return sorted({max(1, round(share * trace.num_unique_blocks)) for share in DEFAULT_SWEEP_SHARES})
+
+
+def default_target(trace: Trace) -> float:
+    """`DEFAULT_TARGET_SHARE_OF_MAX` of the trace's best possible block hit rate."""
+    return DEFAULT_TARGET_SHARE_OF_MAX * trace.max_block_hit_rate
+
+
+def with_capacity(config: SimConfig, tier: TierKind, num_slots: int, bandwidth_gbps: float) -> SimConfig:
+    """`config` with `tier` resized to `num_slots` (added, at `bandwidth_gbps`, if it was absent)."""
+    others = tuple(t for t in config.tiers if t.kind is not tier)
+    current = next((t for t in config.tiers if t.kind is tier), None)
+    bandwidth = current.bandwidth_gbps if current else bandwidth_gbps
+    return dataclasses.replace(config, tiers=(*others, VirtualTier(tier, num_slots, bandwidth)))
+
+
+def sweep(trace: Trace, configs: Sequence[SimConfig], tier: TierKind, points: Sequence[int],
+          bandwidth_gbps: float, *, on_progress: Callable[[int], None] | None = None) -> list[dict]:
+    """Replays `trace` for every configuration at every capacity of `tier`.
+
+    Args:
+        trace: the requests.
+        configs: the configurations to compare (typically one per policy and admission choice).
+        tier: the tier whose capacity varies; added to configurations that lack it.
+        points: its slot counts (each >= 1).
+        bandwidth_gbps: its bandwidth where it is added.
+        on_progress: passed on to `simulate`.
+    Returns:
+        One row per (configuration, point), configurations in order, points ascending: `label`,
+        `policy`, `admission`, `capacity_blocks`, `capacity_bytes`, `block_hit_rate`, the per-tier
+        hit rates, tokens saved and TTFT percentiles.
+    Raises:
+        ConfigError: no points.
+        CapacityError: a point below one block.
+    """
+    if not points:
+        raise ConfigError("sweep: give at least one capacity point")
+    rows = []
+    for config in configs:
+        for num_slots in sorted(points):
+            report = simulate(trace, with_capacity(config, tier, num_slots, bandwidth_gbps), on_progress=on_progress)
+            rows.append(_row(report, tier, num_slots))
+    return rows
+
+
+def _row(report: dict, tier: TierKind, num_slots: int) -> dict:
+    return {
+        "label": report["label"], "policy": report["policy"], "admission": report["admission"],
+        "tier": tier.name.lower(), "capacity_blocks": num_slots,
+        "capacity_bytes": num_slots * report["block_bytes"],
+        "block_hit_rate": report["block_hit_rate"],
+        "tier_hit_rates": {name: t["hit_rate"] for name, t in report["tiers"].items()},
+        "tokens_saved": report["prefill"]["tokens_saved"], "ttft_s": report["ttft_s"],
+    }  # fmt: skip
+
+
+def recommend(rows: Sequence[dict], target_hit_rate: float, max_hit_rate: float) -> dict:
+    """The smallest swept capacity at which an online policy reaches `target_hit_rate`.
+
+    Args:
+        rows: from `sweep`.
+        target_hit_rate: the block hit rate wanted, in (0, 1].
+        max_hit_rate: the trace's best possible block hit rate, for the message.
+    Returns:
+        `target_hit_rate`, `by_label` (each configuration's smallest capacity reaching it, or None),
+        `recommended` (the row chosen, or None), `belady` (Belady's smallest, or None) and `message`.
+    Raises:
+        ConfigError: the target is not in (0, 1].
+    """
+    if not 0 < target_hit_rate <= 1:
+        raise ConfigError(f"target_hit_rate must be in (0, 1], got {target_hit_rate!r}")
+    first: dict[str, dict | None] = {}
+    for row in rows:
+        first.setdefault(row["label"], None)
+        if first[row["label"]] is None and row["block_hit_rate"] >= target_hit_rate:
+            first[row["label"]] = row
+    belady = next((r for label, r in first.items() if label.startswith(SimPolicy.BELADY.value)), None)
+    online = [r for label, r in first.items() if r is not None and not label.startswith(SimPolicy.BELADY.value)]
+    best = min(online, key=lambda r: (r["capacity_blocks"], -r["block_hit_rate"]), default=None)
+    return {
+        "target_hit_rate": target_hit_rate,
+        "by_label": {label: (r and _choice(r)) for label, r in first.items()},
+        "recommended": best and _choice(best),
+        "belady": belady and _choice(belady),
+        "message": _message(best, belady, rows, target_hit_rate, max_hit_rate),
+    }
+
+
+def _choice(row: dict) -> dict:
+    keys = ("label", "tier", "capacity_blocks", "capacity_bytes", "block_hit_rate")
+    return {k: row[k] for k in keys}
+
+
+def _message(best: dict | None, belady: dict | None, rows: Sequence[dict], target: float, max_rate: float) -> str:
+    if best is not None:
+        text = (f"{best['tier']} = {best['capacity_blocks']:,} blocks ({format_bytes(best['capacity_bytes'])}) with "
+                f"{best['label']} reaches {best['block_hit_rate']:.1%} >= target {target:.1%}")
+    elif target > max_rate:
+        text = f"target {target:.1%} is above this trace's maximum {max_rate:.1%} (every block's first use misses)"
+    else:
+        top = max(rows, key=lambda r: r["block_hit_rate"])
+        text = (f"no swept capacity reaches {target:.1%}; the best is {top['block_hit_rate']:.1%} "
+                f"({top['label']}, {top['capacity_blocks']:,} blocks): sweep larger capacities")
+    if belady is not None:
+        text += f"; Belady's optimum needs {belady['capacity_blocks']:,} blocks"
+    return text
+
+
+def plot_sweep(rows: Sequence[dict], path: Path, *, target_hit_rate: float | None, max_hit_rate: float) -> Path:
+    """Writes a PNG of block hit rate against the swept capacity, one line per configuration."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == label]
+        ax.plot([r["capacity_blocks"] for r in mine], [100 * r["block_hit_rate"] for r in mine],
+                marker="o", linestyle="--" if label.startswith("belady") else "-", label=label)
+    ax.axhline(100 * max_hit_rate, color="grey", linewidth=0.8, label="infinite cache")
+    if target_hit_rate is not None:
+        ax.axhline(100 * target_hit_rate, color="red", linewidth=0.8, linestyle=":", label="target")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"{rows[0]['tier']} capacity (blocks)")
+    ax.set_ylabel("block hit rate (%)")
+    ax.set_title("kvtier simulate: hit rate vs capacity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_runs(runs: Sequence[dict], path: Path) -> Path:
+    """Writes a PNG of each run's hit rate per tier, stacked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) + 2), 5))
+    labels = [r["label"] for r in runs]
+    bottom = [0.0] * len(runs)
+    for tier in dict.fromkeys(name for r in runs for name in r["tiers"]):
+        heights = [100 * r["tiers"].get(tier, {}).get("hit_rate", 0.0) for r in runs]
+        ax.bar(labels, heights, bottom=bottom, label=tier)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("block hit rate (%)")
+    ax.set_title("kvtier simulate: hits by tier")
+    ax.legend()
+    return _save(fig, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
