@@ -20,23 +20,9 @@ from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.pool.detect import TransportKind
-from kvtier.sizes import parse_size
-from kvtier.tiers.kinds import TierKind
+from kvtier.units import parse_address, parse_size
+from kvtier.kinds import CacheMode, PoolBackend, TierKind
 from kvtier.yaml_strict import load_yaml
-
-
-class PoolBackend(enum.Enum):
-    """Who serves the pool tier: kvtier's own pool nodes, or a Mooncake Store master."""
-
-    KVTIER = "kvtier"
-    MOONCAKE = "mooncake"
-
-
-class CacheMode(enum.Enum):
-    """Exclusive keeps one copy of a block; inclusive writes through to every lower tier."""
-
-    EXCLUSIVE = "exclusive"
-    INCLUSIVE = "inclusive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +47,7 @@ class TierConfig:
     timeout_s: float = 2.0  # POOL only: the longest any one call to a node may take
     reconnect_s: float = 1.0  # POOL only: how long a failed node is skipped before it is retried
     transport: TransportKind = TransportKind.AUTO  # POOL only
+    verbs: str = "pyverbs"  # POOL only: the verbs provider under RDMA (a stand-in's module name in tests)
     backend: PoolBackend = PoolBackend.KVTIER  # POOL only: mooncake takes nodes = [master HOST:PORT]
     metadata_server: str | None = None  # POOL mooncake only: http://HOST:PORT/metadata
 
@@ -184,12 +171,11 @@ _TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_waterm
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
 _KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"},
                 TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport",
-                                 "backend", "metadata_server"}}
+                                 "verbs", "backend", "metadata_server"}}
 
 
 def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
     """The POOL tier's own fields, validated."""
-    from kvtier.pool.units import parse_address
 
     nodes = raw.get("nodes")
     nodes = [nodes] if isinstance(nodes, str) else nodes
@@ -223,7 +209,16 @@ def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
             "secret_file": Path(secret_file).expanduser() if secret_file else None,
             "timeout_s": _number(raw.get("timeout_s", 2.0), f"{where}.timeout_s", float, 0.001, 3600),
             "reconnect_s": _number(raw.get("reconnect_s", 1.0), f"{where}.reconnect_s", float, 0.0, 3600),
-            "transport": _enum(TransportKind, raw.get("transport", "auto"), f"{where}.transport")}
+            "transport": _enum(TransportKind, raw.get("transport", "auto"), f"{where}.transport"),
+            "verbs": _verbs(raw.get("verbs", "pyverbs"), f"{where}.verbs")}
+
+
+def _verbs(value: Any, where: str) -> str:
+    """A verbs provider: `pyverbs`, or a dotted module name (checked when RDMA is first used)."""
+    if not isinstance(value, str) or not all(part.isidentifier() for part in value.split(".")):
+        raise ConfigError(f"{where}: expected pyverbs or a module name such as kvtier.testing.fake_verbs, "
+                          f"got {value!r}")
+    return value
 
 
 def _tier(name: str, raw: Any) -> TierConfig:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 
 class OnlineFit:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 if TYPE_CHECKING:
     from kvtier.handle import Failure

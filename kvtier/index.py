@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError, KVTierError
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 
 class CopyState(enum.Enum):

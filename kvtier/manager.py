@@ -26,13 +26,12 @@ import itertools
 import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
-from kvtier.config import CacheMode
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.index import BlockEntry, BlockIndex, Copy, CopyState, SlotAllocator
 from kvtier.plans import LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
 from kvtier.policy.admission import AdmissionKind
 from kvtier.stats import DropReason, Stats
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import CacheMode, TierKind
 
 
 # Enum members as module constants for the per-block hot paths: a class attribute lookup on an Enum

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.policy.base import EvictionPolicy
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 
 class MoveReason(enum.Enum):

@@ -565,5 +565,5 @@ def _done_handle(layout: BlockLayout) -> TransferHandle:
 
 
 def _layout_from_model(config: KVTierConfig) -> BlockLayout:
-    from kvtier.sizing.catalog import resolve_model
+    from kvtier.model_catalog import resolve_model
     return resolve_model(config.model, kv_dtype=config.kv_dtype).block_layout(config.block_tokens)

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 # Upper bounds of the transfer latency histogram buckets, seconds (a last bucket catches the rest).
 TRANSFER_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)

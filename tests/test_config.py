@@ -108,16 +108,16 @@ def test_parse_size_refuses_a_bare_prefix_as_ambiguous(value: str, hint: str) ->
         parse_size(value, "tiers.dram.capacity")
 
 
-def test_config_and_planner_read_sizes_alike() -> None:
-    from kvtier.sizing.hardware import HardwareError, parse_bytes
+def test_sizes_are_read_in_one_place_with_the_callers_error() -> None:
+    from kvtier.sizing.hardware import HardwareError
 
     for text in ("80GiB", "24GB", "1.5TiB", "512", "2 MiB", "1e9", "4Gi"):
-        assert parse_bytes("hbm", text) == parse_size(text, "hbm")
+        assert parse_size(text, "hbm", HardwareError) == parse_size(text, "hbm")
     for text in ("4G", "4g", "-1GiB", "24XB"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match="hbm"):
             parse_size(text, "hbm")
-        with pytest.raises(HardwareError):
-            parse_bytes("hbm", text)
+        with pytest.raises(HardwareError, match="hbm"):
+            parse_size(text, "hbm", HardwareError)
 
 
 # ---- every validation path names its field ---------------------------------------------------
@@ -323,3 +323,23 @@ def test_small_config_builds_and_sizes_every_tier(tmp_path: Path) -> None:
         assert kv.layout.block_bytes == TINY_BLOCK_BYTES
         assert {t: u["slots"] for t, u in kv.usage().items()} == {"hbm": 4, "dram": 8, "ssd": 32}
         assert (tmp_path / "ssd").is_dir()
+
+
+def test_the_pool_verbs_provider_is_passed_in_and_a_bad_one_named() -> None:
+    from kvtier.config import config_from_dict
+    from kvtier.kinds import TierKind
+    from kvtier.pool.verbs import load_verbs
+
+    def pool(**extra: Any) -> dict:
+        return {"model": "kvtier-tiny", "tiers": {"dram": {"capacity": "1MiB"},
+                                                  "pool": {"capacity": "1MiB", "nodes": ["127.0.0.1:1"], **extra}}}
+
+    assert config_from_dict(pool()).tier(TierKind.POOL).verbs == "pyverbs"
+    assert config_from_dict(pool(verbs="kvtier.testing.fake_verbs")).tier(TierKind.POOL).verbs == "kvtier.testing.fake_verbs"
+    for bad in ("not a module", 3, "a..b"):
+        with pytest.raises(ConfigError, match=r"tiers\.pool\.verbs"):
+            config_from_dict(pool(verbs=bad))
+    with pytest.raises(ConfigError, match="verbs provider 'no_such_verbs' cannot be imported"):
+        load_verbs("no_such_verbs")
+    with pytest.raises(ConfigError, match="verbs provider 'json' lacks Context"):
+        load_verbs("json")  # importable, but not verbs

@@ -8,10 +8,12 @@ import resource
 import subprocess
 import sys
 
+from kvtier.testing.pool import FAKE_VERBS
+
 
 def doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvtier", "doctor", *args], check=False, capture_output=True, text=True,
-                          timeout=120, env=env or {k: v for k, v in os.environ.items() if k != "KVTIER_VERBS"})
+                          timeout=120, env=env)
 
 
 def test_json_lists_every_check_with_a_status(tmp_path) -> None:
@@ -32,8 +34,8 @@ def test_text_output_and_a_missing_ssd_dir_fails(tmp_path) -> None:
 
 
 def test_fake_fabric_is_reported_as_a_device(tmp_path) -> None:
-    env = {**os.environ, "KVTIER_VERBS": "fake", "KVTIER_FAKE_FABRIC": str(tmp_path)}
-    checks = json.loads(doctor("--json", "--ssd-dir", str(tmp_path), env=env).stdout)
+    env = {**os.environ, "KVTIER_FAKE_FABRIC": str(tmp_path)}
+    checks = json.loads(doctor("--json", "--verbs", FAKE_VERBS, "--ssd-dir", str(tmp_path), env=env).stdout)
     gid = next(c for c in checks if c["name"] == "rdma fake0 GID")
     assert gid["status"] == "ok" and "RoCE v2" in gid["detail"]
     assert next(c for c in checks if c["name"].startswith("pool"))["detail"].startswith("rdma")
@@ -63,7 +65,6 @@ def doctor_memlock(config) -> dict:
     soft = 32 << 20 if hard == resource.RLIM_INFINITY else min(32 << 20, hard)
     run = subprocess.run([sys.executable, "-m", "kvtier", "doctor", "--json", "--config", str(config)],
                          check=False, capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "KVTIER_VERBS"},
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard)))
     return next(c for c in json.loads(run.stdout) if c["name"] == "locked memory (ulimit -l)")
 

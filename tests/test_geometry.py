@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.sizing.catalog import catalog_names, lookup_config, resolve_model
+from kvtier.model_catalog import catalog_names, lookup_config, resolve_model
 from kvtier.errors import GeometryError, KVTierError
 from kvtier.geometry import KVDtype, LayerKind, LayerSpec, ModelGeometry, from_hf_config
 

@@ -109,7 +109,7 @@ def kvtier(model_dir: Path, tmp_path: Path, hbm: int = 2, dram: int = 4, ssd: in
 
 
 def _layout(model_dir: Path, kv_dtype: str) -> BlockLayout:
-    from kvtier.sizing.catalog import resolve_model
+    from kvtier.model_catalog import resolve_model
 
     return resolve_model(str(model_dir), kv_dtype=kv_dtype).block_layout(BLOCK_TOKENS)
 

@@ -11,22 +11,16 @@ from fractions import Fraction
 import pytest
 
 from kvtier.sizing.capacity import PlanInputs, plan
-from kvtier.sizing.catalog import (
+from kvtier.model_catalog import (
     catalog_names,
     count_weight_params,
     resolve_config,
     resolve_model,
 )
 from kvtier.errors import ConfigError, GeometryError, KVTierError
-from kvtier.sizing.hardware import (
-    GPU,
-    HardwareError,
-    parse_bytes,
-    parse_count,
-    parse_seconds,
-    parse_tokens,
-    resolve_gpu,
-)
+from kvtier.errors import ConfigError
+from kvtier.sizing.hardware import GPU, HardwareError, resolve_gpu
+from kvtier.units import parse_count, parse_seconds, parse_size, parse_tokens
 from kvtier.sizing.planner import WeightDtype, Workload, kv_share_per_gpu, workload_report
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -327,22 +321,22 @@ def test_unknown_or_ambiguous_gpu_lists_close_matches():
     [("80GiB", 80 * GiB), ("24GB", 24 * 10**9), ("1.5TiB", 3 * 512 * GiB), ("512", 512), ("2 MiB", 2 * MiB)],
 )
 def test_parse_bytes(text, value):
-    assert parse_bytes("hbm", text) == value
+    assert parse_size(text, "hbm") == value
 
 
 def test_parse_tokens_seconds_and_counts():
-    assert [parse_tokens("context", t) for t in ("4096", "32k", "128K", "1.5k", "1m")] == [
+    assert [parse_tokens(t, "context") for t in ("4096", "32k", "128K", "1.5k", "1m")] == [
         4096, 32768, 131072, 1536, 1 << 20]  # fmt: skip
-    assert [parse_seconds("ttft", t) for t in ("0.5s", "500ms", "2")] == [Fraction(1, 2), Fraction(1, 2), 2]
-    assert [parse_count("params", t) for t in ("6.74e9", "7B", "180M")] == [6_740_000_000, 7 * 10**9, 180 * 10**6]
+    assert [parse_seconds(t, "ttft") for t in ("0.5s", "500ms", "2")] == [Fraction(1, 2), Fraction(1, 2), 2]
+    assert [parse_count(t, "params") for t in ("6.74e9", "7B", "180M")] == [6_740_000_000, 7 * 10**9, 180 * 10**6]
 
 
 @pytest.mark.parametrize(
     ("parse", "text", "message"),
-    [(parse_bytes, "24XB", "hbm: cannot read '24XB'"), (parse_bytes, "-1GiB", "cannot read"),
+    [(parse_size, "24XB", "hbm: cannot read '24XB'"), (parse_size, "-1GiB", "cannot read"),
      (parse_tokens, "1.5", "not a whole number of tokens"), (parse_seconds, "soon", "cannot read"),
      (parse_count, "0", "positive")],
 )  # fmt: skip
 def test_unreadable_units_are_refused(parse, text, message):
-    with pytest.raises(HardwareError, match=message):
-        parse("hbm", text)
+    with pytest.raises(ConfigError, match=message):
+        parse(text, "hbm")

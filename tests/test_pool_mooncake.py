@@ -35,7 +35,7 @@ def master() -> Iterator[MasterProcess]:
 
 def connect(master: MasterProcess, **kw) -> MooncakeClient:
     return MooncakeClient(master.address, master.metadata_server,
-                          local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}", **kw)
+                          **kw)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.testing import fake_verbs
+from kvtier.testing.pool import FAKE_VERBS
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.verbs import (
     Device,
@@ -62,7 +63,6 @@ def test_real_pyverbs_builds_qp_and_address_attributes_without_a_device() -> Non
 
 @pytest.mark.skipif(has_device(), reason="this host has an RDMA device")
 def test_no_device_is_reported_and_auto_falls_back_to_tcp(monkeypatch) -> None:
-    monkeypatch.delenv("KVTIER_VERBS", raising=False)
     with pytest.raises(NoRDMADevice, match="no RDMA device"):
         device_names(load_verbs("pyverbs"))
     kind, why = choose_transport(TransportKind.AUTO)
@@ -73,10 +73,9 @@ def test_no_device_is_reported_and_auto_falls_back_to_tcp(monkeypatch) -> None:
 
 @pytest.mark.skipif(has_device(), reason="this host has an RDMA device")
 def test_serve_with_transport_rdma_refuses_clearly_without_a_device() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "KVTIER_VERBS"}
     run = subprocess.run([sys.executable, "-m", "kvtier", "pool", "serve", "--listen", "127.0.0.1:0",
                           "--capacity", "4MiB", "--transport", "rdma"], check=False, capture_output=True, text=True,
-                         env=env, timeout=60)
+                         timeout=60)
     assert run.returncode != 0 and "no RDMA device" in run.stderr
 
 
@@ -97,7 +96,7 @@ def test_gid_selection(table, want) -> None:
 @pytest.fixture
 def fabric(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_FAKE_FABRIC", str(tmp_path))
-    return load_verbs("fake")
+    return load_verbs(FAKE_VERBS)
 
 
 def test_fake_device_picks_the_roce_v2_ipv4_gid(fabric) -> None:

@@ -14,7 +14,7 @@ from kvtier.pool.buffers import block_checksum
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import GrantStatus, MsgType
-from kvtier.pool.node.process import rdma_node
+from kvtier.testing.pool import rdma_node
 
 BLOCK = 40_000
 
@@ -28,7 +28,7 @@ def node(tmp_path_factory):
 def test_keyed_puts_and_gets_over_rdma(node):
     keys = [os.urandom(16) for _ in range(6)]
     blocks = [os.urandom(BLOCK) for _ in keys]
-    with PoolClient([node.address], timeout_s=30, transport=TransportKind.RDMA) as client:
+    with PoolClient([node.address], timeout_s=30, transport=TransportKind.RDMA, verbs=node.verbs) as client:
         assert client.transports[0].name == "rdma"
         assert client.batch_put(keys, blocks) == [True] * 6
         out = [bytearray(BLOCK) for _ in keys]
@@ -39,7 +39,7 @@ def test_keyed_puts_and_gets_over_rdma(node):
 
 def test_a_commit_whose_bytes_did_not_land_is_refused(node):
     key = os.urandom(16)
-    with PoolClient([node.address], timeout_s=30, transport=TransportKind.RDMA) as client:
+    with PoolClient([node.address], timeout_s=30, transport=TransportKind.RDMA, verbs=node.verbs) as client:
         link = client.links[0]
         grant = link.call(MsgType.PUT_BEGIN, {"keys": [key], "lengths": [BLOCK], "lease_s": 30.0})["grants"][0]
         assert grant[0] == GrantStatus.GRANTED

@@ -16,7 +16,8 @@ import pytest
 
 from kvtier.pool.base import RemoteIO
 from kvtier.pool.client.api import PoolClient
-from kvtier.pool.node.process import rdma_node
+from kvtier.pool.node.process import NodeProcess
+from kvtier.testing.pool import rdma_node
 from kvtier.pool.client.rdma import STAGING_BYTES, RDMATransport
 from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
@@ -35,21 +36,21 @@ REAL = pytest.param("pyverbs", marks=[pytest.mark.rdma, pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", params=["fake", REAL])
-def node_address(request, tmp_path_factory) -> Iterator[str]:
+def node(request, tmp_path_factory) -> Iterator[NodeProcess]:
     fabric = tmp_path_factory.mktemp("fabric") if request.param == "fake" else None
     with rdma_node(request.param, fabric, capacity="8MiB", region_size="256KiB") as node:
-        yield node.address
+        yield node
 
 
 @pytest.fixture
-def client(node_address) -> Iterator[PoolClient]:
-    with PoolClient([node_address], timeout_s=30) as c:  # a safety net, never a measurement
+def client(node) -> Iterator[PoolClient]:
+    with PoolClient([node.address], timeout_s=30) as c:  # a safety net, never a measurement
         yield c
 
 
 @pytest.fixture
-def transport(client) -> Iterator[RDMATransport]:
-    t = RDMATransport(client.links[0])
+def transport(client, node) -> Iterator[RDMATransport]:
+    t = RDMATransport(client.links[0], verbs=node.verbs)
     yield t
     t.close()
 
@@ -123,7 +124,7 @@ def test_register_memory_rejects_an_empty_range(transport) -> None:
 def test_memory_the_device_refuses_to_register_is_staged_and_said(tmp_path, monkeypatch) -> None:
     with rdma_node("fake", tmp_path, capacity="8MiB", region_size="256KiB") as node, \
             PoolClient([node.address], timeout_s=30) as client:  # only the fake can be made to refuse
-        transport = RDMATransport(client.links[0])
+        transport = RDMATransport(client.links[0], verbs=node.verbs)
         monkeypatch.setenv("KVTIER_FAKE_MEMLOCK", str(STAGING_BYTES + 4096))  # the staging buffer fits, no more
         slab = bytearray(2 * BLOCK)
         transport.register_memory(address(slab), len(slab), slab)

@@ -1,5 +1,5 @@
 """The runtime's pool tier on the RDMA data plane: `transport: rdma` moves blocks through
-`RDMATransport` over the fake verbs NIC (`KVTIER_VERBS=fake`, the node a real `kvtier pool serve
+`RDMATransport` over the fake verbs NIC (`verbs: kvtier.testing.fake_verbs`, the node a real `kvtier pool serve
 --transport rdma` subprocess on the same fake fabric), and `transport: auto` reports what it chose
 and why. Cost: about 4 s (two node starts).
 """
@@ -13,6 +13,7 @@ from kvtier.config import KVTierConfig, config_from_dict
 from kvtier.errors import ConfigError
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.node.process import running_node
+from kvtier.testing.pool import FAKE_VERBS
 from kvtier.pool.client.rdma import RDMATransport
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
@@ -24,8 +25,7 @@ P = TierKind.POOL
 
 @pytest.fixture
 def fabric(tmp_path, monkeypatch):
-    """A fake RDMA fabric this process and the nodes it starts share (the env is inherited)."""
-    monkeypatch.setenv("KVTIER_VERBS", "fake")
+    """A fake RDMA fabric this process and the nodes it starts share (the fake's env is inherited)."""
     monkeypatch.setenv("KVTIER_FAKE_FABRIC", str(tmp_path / "fabric"))
     (tmp_path / "fabric").mkdir()
 
@@ -37,7 +37,7 @@ def config(tmp_path, node_address: str, transport: str) -> KVTierConfig:
             "hbm": {"capacity": 2 * BLOCK, "device": "cpu", "high_watermark": 1.0, "low_watermark": 1.0},
             "dram": {"capacity": 2 * BLOCK, "high_watermark": 1.0, "low_watermark": 1.0},
             "pool": {"capacity": 4 * BLOCK, "nodes": [node_address], "transport": transport,
-                     "timeout_s": WAIT_S, "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0},
+                     "verbs": FAKE_VERBS, "timeout_s": WAIT_S, "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0},
         },
     })
 
@@ -54,7 +54,7 @@ def node_bytes(address: str) -> tuple[int, int]:
 
 
 def test_transport_rdma_stores_and_loads_through_one_sided_verbs(tmp_path, fabric):
-    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma", "--verbs", FAKE_VERBS]) as node:
         with KVTier(config(tmp_path, node.address, "rdma"), layout=LAYOUT) as kv:
             facts = pool_facts(kv)
             assert facts["transport"] == "rdma" and "requested" in facts["transport_reason"], facts
@@ -93,7 +93,7 @@ def test_transport_auto_against_a_tcp_only_node_reports_tcp_and_why(tmp_path, fa
 
 
 def test_transport_auto_against_an_rdma_node_takes_rdma(tmp_path, fabric):
-    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma"]) as node:
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma", "--verbs", FAKE_VERBS]) as node:
         with KVTier(config(tmp_path, node.address, "auto"), layout=LAYOUT) as kv:
             facts = pool_facts(kv)
             assert facts["transport"] == "rdma" and "node serves rdma" in facts["transport_reason"], facts
@@ -106,7 +106,6 @@ def test_transport_rdma_against_a_tcp_only_node_is_a_config_error(tmp_path, fabr
 
 
 def test_transport_rdma_without_a_device_here_is_a_config_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTIER_VERBS", "fake")
     monkeypatch.delenv("KVTIER_FAKE_FABRIC", raising=False)  # the fake NIC is absent
     with pytest.raises(ConfigError, match=r"tiers\.pool: transport rdma: no RDMA device"):
         KVTier(config(tmp_path, "127.0.0.1:1", "rdma"), layout=LAYOUT)

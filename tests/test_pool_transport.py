@@ -19,13 +19,14 @@ from kvtier.errors import TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeLink
-from kvtier.pool.node.process import rdma_node
+from kvtier.testing.pool import FAKE_VERBS, rdma_node
 from kvtier.pool.client.rdma import RDMATransport
 from kvtier.pool.client.tcp import TCPTransport
-from kvtier.pool.units import parse_address
+from kvtier.units import parse_address
 
 BLOCK = 20_000  # not a multiple of 4 KiB
-TRANSPORTS: dict[str, Callable[[NodeLink], Transport]] = {"tcp": TCPTransport, "rdma-fake": RDMATransport}
+TRANSPORTS: dict[str, Callable[[NodeLink], Transport]] = {
+    "tcp": TCPTransport, "rdma-fake": lambda link: RDMATransport(link, verbs=FAKE_VERBS)}
 
 
 def detects_stale(t: Transport) -> bool:

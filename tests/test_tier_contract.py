@@ -78,12 +78,12 @@ def mooncake_client() -> Iterator[object]:
     """A `mooncake_master` subprocess and one client of it, shared by the module's Mooncake tiers
     (each tier keys its slots apart; setting a client up costs more than the tests that use it)."""
     from kvtier.pool.mooncake import MooncakeClient
-    from kvtier.testing.mooncake_master import MasterProcess, free_port
+    from kvtier.testing.mooncake_master import MasterProcess
 
     master = MasterProcess()
     try:
         client = MooncakeClient(master.address, master.metadata_server, segment_bytes=64 << 20,
-                                staging_bytes=16 << 20, local_hostname=f"127.0.0.1:{free_port('127.0.0.1')}")
+                                staging_bytes=16 << 20)
         yield client
         client.close()
     finally:

@@ -48,7 +48,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace):
     """The `BenchOptions` the arguments describe. Raises ConfigError naming the option at fault."""
     from kvtier.bench.runner import BenchOptions, expand_paths, quick
-    from kvtier.pool.units import parse_size
+    from kvtier.units import parse_size
 
     explicit: dict[str, Any] = {}
     if args.tiers:

@@ -30,6 +30,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("doctor", help="check RDMA, memory locking, hugepages, O_DIRECT and CUDA",
                               description="Report what this host offers each kvtier tier, with hints.")
     p.add_argument("--json", action="store_true", help="print a JSON list of checks")
+    p.add_argument("--verbs", metavar="MODULE", default="pyverbs",
+                   help="verbs provider to check: pyverbs (default), or a stand-in's module such as "
+                        "kvtier.testing.fake_verbs")
     p.add_argument("--ssd-dir", metavar="DIR",
                    help="directory whose O_DIRECT support to probe (default: the config's SSD path, else a temp dir)")
     p.add_argument("--config", metavar="FILE",
@@ -51,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtier doctor: {args.config}: {e}")
             return 2
         need, ssd_dir = memlock_needed(config), _ssd_dir(config)
-    checks = [*check_rdma(), check_memlock(need), check_hugepages(), check_o_direct(args.ssd_dir or ssd_dir),
-              check_cuda(), check_transport()]
+    checks = [*check_rdma(args.verbs), check_memlock(need), check_hugepages(), check_o_direct(args.ssd_dir or ssd_dir),
+              check_cuda(), check_transport(args.verbs)]
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
-def check_rdma() -> list[Check]:
+def check_rdma(verbs: str = "pyverbs") -> list[Check]:
     from kvtier.pool.verbs import (
         NoRDMADevice,
         device_names,
@@ -71,7 +74,7 @@ def check_rdma() -> list[Check]:
     )
 
     try:
-        v = load_verbs()
+        v = load_verbs(verbs)
         names = device_names(v)
     except NoRDMADevice as e:
         return [Check("rdma", "warn", str(e), "pool traffic uses TCP; for soft-RoCE run kvtier/pool/rxe_setup.sh IFACE")]
@@ -105,7 +108,7 @@ def memlock_needed(config: Any) -> tuple[int, str] | None:
     from kvtier.config import PoolBackend
     from kvtier.pool.detect import TransportKind
     from kvtier.pool.client.rdma import STAGING_BYTES
-    from kvtier.tiers.kinds import TierKind
+    from kvtier.kinds import TierKind
 
     tiers = {t.kind: t for t in config.tiers}
     pool = tiers.get(TierKind.POOL)
@@ -117,7 +120,7 @@ def memlock_needed(config: Any) -> tuple[int, str] | None:
 
 
 def _ssd_dir(config: Any) -> str | None:
-    from kvtier.tiers.kinds import TierKind
+    from kvtier.kinds import TierKind
 
     return next((str(t.path) for t in config.tiers if t.kind is TierKind.SSD and t.path is not None), None)
 
@@ -192,12 +195,12 @@ def check_cuda() -> Check:
                  + (f" ({why})" if why else ""), "" if pinned else "raise ulimit -l")
 
 
-def check_transport() -> Check:
+def check_transport(verbs: str = "pyverbs") -> Check:
     from kvtier.errors import ConfigError
     from kvtier.pool.detect import TransportKind, choose_transport
 
     try:
-        kind, why = choose_transport(TransportKind.AUTO)
+        kind, why = choose_transport(TransportKind.AUTO, verbs=verbs)
     except ConfigError as e:
         return Check("pool transport (auto)", "fail", str(e))
     return Check("pool transport (auto)", "ok", f"{kind.value} ({why})")

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.sizing.hardware import format_bytes
+from kvtier.units import format_bytes
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def environment() -> dict[str, Any]:
 
 def collect(config_path: str | None) -> dict[str, Any]:
     """What `kvtier info` prints, from the config alone (`planned_facts`: nothing is built)."""
-    from kvtier.sizing.catalog import resolve_model
+    from kvtier.model_catalog import resolve_model
     from kvtier.config import load_config
     from kvtier.tiers.build import planned_facts
 

@@ -33,6 +33,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "(default 64MiB, or the capacity when smaller)")
     serve.add_argument("--transport", choices=("auto", "tcp", "rdma"), default="auto",
                        help="data plane: auto picks RDMA only when a device exists (default auto)")
+    serve.add_argument("--verbs", metavar="MODULE", default="pyverbs",
+                       help="verbs provider under RDMA: pyverbs (default), or the module of a stand-in with "
+                            "pyverbs' names, such as kvtier.testing.fake_verbs")
     serve.add_argument("--tenants", metavar="FILE", help="YAML tenants file (name, secret/secret_file, quota); "
                        "without it every client is tenant 'default' with no secret")
     serve.add_argument("--hugepages", action="store_true", help="map the memory on 2 MiB hugepages (MAP_HUGETLB)")
@@ -69,7 +72,7 @@ def node_config(args: argparse.Namespace):
     from kvtier.pool.detect import TransportKind, choose_transport
     from kvtier.pool.node.server import NodeConfig
     from kvtier.pool.tenants import load_tenants, open_tenants
-    from kvtier.pool.units import parse_address, parse_size
+    from kvtier.units import parse_address, parse_size
 
     host, port = parse_address(args.listen, "--listen")
     capacity = parse_size(args.capacity, "--capacity")
@@ -86,9 +89,9 @@ def node_config(args: argparse.Namespace):
     for name in ("max_connections", "max_handshakes", "max_leases_per_connection", "max_leases_per_tenant"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    transport, reason = choose_transport(TransportKind(args.transport))
+    transport, reason = choose_transport(TransportKind(args.transport), verbs=args.verbs)
     tenants = load_tenants(args.tenants, capacity) if args.tenants else open_tenants(capacity)
-    return NodeConfig(host, port, capacity, tenants, region_bytes=region, transport=transport.value,
+    return NodeConfig(host, port, capacity, tenants, region_bytes=region, transport=transport.value, verbs=args.verbs,
                       transport_reason=reason, hugepages=args.hugepages, lease_s=args.lease_s,
                       max_lease_s=args.max_lease_s, max_connections=args.max_connections,
                       max_handshakes=args.max_handshakes, handshake_timeout_s=args.handshake_timeout_s,
@@ -157,7 +160,7 @@ def _print_table(f: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.pool.units import format_size
+    from kvtier.units import format_bytes as format_size
 
     node_wide = f.get("scope", "node") == "node"
     lookups = f["hits"] + f["misses"]

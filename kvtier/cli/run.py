@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import xxhash
 
-    from kvtier.sizing.catalog import resolve_model
+    from kvtier.model_catalog import resolve_model
     from kvtier.config import load_config
     from kvtier.keys import Namespace, block_keys
     from kvtier.runtime import KVTier

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvtier.sizing.catalog import resolve_model
+from kvtier.model_catalog import resolve_model
 from kvtier.cli.size import format_bytes
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError
@@ -26,7 +26,7 @@ from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAU
                              SimPolicy, VirtualTier, parse_capacity, simulate)
 from kvtier.simulate.sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
 from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 EXAMPLES = """examples:
   kvtier simulate --trace conversation --capacity hbm=18279

@@ -22,22 +22,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.sizing.capacity import PlanInputs, plan
-from kvtier.sizing.catalog import count_weight_params, resolve_config, resolve_model
+from kvtier.model_catalog import count_weight_params, resolve_config, resolve_model
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import ModelGeometry
-from kvtier.sizing.hardware import (
-    GPU,
-    GiB,
-    format_bytes,
-    format_decimal,
-    format_params,
-    format_rate,
-    parse_bytes,
-    parse_count,
-    parse_seconds,
-    parse_tokens,
-    resolve_gpu,
-)
+from kvtier.sizing.hardware import GPU, resolve_gpu
+from kvtier.units import GiB, format_bytes, format_decimal, format_params, format_rate, parse_count, parse_seconds, \
+    parse_size, parse_tokens
 from kvtier.sizing.planner import DEFAULT_RESERVE_FRACTION, WeightDtype, Workload, size_report
 
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
@@ -99,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         GeometryError: unknown model, unreadable config, unknown KV dtype, TP that does not fit the heads.
-        HardwareError: unknown GPU (with close matches) or an unreadable size, duration or length.
+        HardwareError: unknown GPU (with close matches). ConfigError: an unreadable size, duration or length.
         ConfigError: a count, fraction or capacity out of range. TraceError: an unreadable trace.
     """
     geometry = resolve_model(args.model, kv_dtype=args.kv_dtype)
@@ -117,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         dram_bytes_per_server=_optional_bytes("dram", args.dram),
         pool_bytes=_optional_bytes("pool", args.pool),
         ssd_bytes_per_server=_optional_bytes("ssd", args.ssd),
-        ttft_target_s=parse_seconds("ttft_target", args.ttft_target),
+        ttft_target_s=parse_seconds(args.ttft_target, "ttft_target"),
     )
     report = plan(geometry, workload, args.block_tokens, inputs)
     if args.plot:
@@ -131,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _workload(args: argparse.Namespace) -> Workload:
     if args.contexts:
-        return Workload.from_contexts([parse_tokens("context", n) for n in args.contexts], args.concurrency)
+        return Workload.from_contexts([parse_tokens(n, "context") for n in args.contexts], args.concurrency)
     if args.context_dist:
         return Workload.from_quantiles(parse_context_dist(args.context_dist), args.concurrency)
     from kvtier.simulate.trace import load_trace, resolve_trace_path
@@ -144,7 +134,7 @@ def parse_context_dist(spec: str) -> dict[str, int]:
     """`p50=4k,p90=32k,max=128k` -> `{"p50": 4096, "p90": 32768, "max": 131072}`.
 
     Raises:
-        ConfigError: an item is not `key=length` or a key repeats. HardwareError: a length is unreadable.
+        ConfigError: an item is not `key=length` or a key repeats. ConfigError: a length is unreadable.
     """
     quantiles: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
@@ -154,7 +144,7 @@ def parse_context_dist(spec: str) -> dict[str, int]:
             raise ConfigError(f"context_dist: {item!r} is not key=length; write e.g. p50=4k,p90=32k,max=128k")
         if key in quantiles:
             raise ConfigError(f"context_dist: {key} is given twice")
-        quantiles[key] = parse_tokens(f"context_dist {key}", value)
+        quantiles[key] = parse_tokens(value, f"context_dist {key}")
     return quantiles
 
 
@@ -162,7 +152,7 @@ def _gpu(args: argparse.Namespace) -> GPU | None:
     if args.gpu:
         return resolve_gpu(args.gpu)
     if args.hbm:
-        hbm = parse_bytes("hbm", args.hbm)
+        hbm = parse_size(args.hbm, "hbm")
         return GPU(f"a {format_bytes(hbm)} GPU", hbm, host_link="")
     return None
 
@@ -170,7 +160,7 @@ def _gpu(args: argparse.Namespace) -> GPU | None:
 def _weight_params(args: argparse.Namespace, name: str, cfg: dict[str, Any], need: bool) -> int | None:
     """The parameter count: given, or counted; None when it cannot be counted and no GPU needs it."""
     if args.params:
-        return parse_count("params", args.params)
+        return parse_count(args.params, "params")
     try:
         return sum(count_weight_params(cfg, name).values())
     except GeometryError as e:
@@ -187,7 +177,7 @@ def _fraction(field: str, text: str) -> Fraction:
 
 
 def _optional_bytes(field: str, text: str | None) -> int | None:
-    return None if text is None else parse_bytes(field, text)
+    return None if text is None else parse_size(text, field)
 
 
 # ---------------------------------------------------------------------------------------------

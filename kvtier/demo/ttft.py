@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvtier.keys import block_keys
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 SUFFIX_TOKENS = 32  # the new message after the stored prefix: what kvtier still has to compute
 

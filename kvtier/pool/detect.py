@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import enum
-import os
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -21,28 +20,35 @@ class TransportKind(enum.Enum):
     RDMA = "rdma"
 
 
-def rdma_devices(sysfs: Path = SYSFS_RDMA) -> list[str]:
-    """Names of the RDMA devices the kernel exposes (mlx5_0, rxe0, ...); with `KVTIER_VERBS=fake`,
-    the fake fabric's device when its directory is set."""
-    if os.environ.get("KVTIER_VERBS") == "fake":
-        fabric = os.environ.get("KVTIER_FAKE_FABRIC")
-        return ["fake0"] if fabric and Path(fabric).is_dir() else []
+def rdma_devices(sysfs: Path = SYSFS_RDMA, verbs: str = "pyverbs") -> list[str]:
+    """Names of the RDMA devices the kernel exposes (mlx5_0, rxe0, ...); under another verbs
+    provider (`kvtier.pool.verbs.load_verbs`), the devices it lists."""
+    if verbs != "pyverbs":
+        from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
+
+        try:
+            return device_names(load_verbs(verbs))
+        except NoRDMADevice:
+            return []
     try:
         return sorted(p.name for p in sysfs.iterdir())
     except OSError:
         return []
 
 
-def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA) -> tuple[TransportKind, str]:
-    """The transport to use for `requested` and the reason, e.g. (TCP, "no RDMA device").
+def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA,
+                     verbs: str = "pyverbs") -> tuple[TransportKind, str]:
+    """The transport to use for `requested` and the reason, e.g. (TCP, "no RDMA device"), the
+    devices those of the verbs provider `verbs`.
 
     Raises:
         ConfigError: RDMA was asked for and cannot be used.
     """
     if requested is TransportKind.TCP:
         return TransportKind.TCP, "requested"
-    devices = rdma_devices(sysfs)
-    why = f"no RDMA device ({sysfs} is empty or missing)" if not devices else _verbs_problem()
+    devices = rdma_devices(sysfs, verbs)
+    where = sysfs if verbs == "pyverbs" else f"verbs provider {verbs}"
+    why = f"no RDMA device ({where} is empty or missing)" if not devices else _verbs_problem(verbs)
     if why:
         if requested is TransportKind.RDMA:
             raise ConfigError(f"transport rdma: {why}; use --transport tcp or auto")
@@ -51,12 +57,12 @@ def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA) -> tupl
     return TransportKind.RDMA, f"{how}: RDMA device(s) {', '.join(devices)}"
 
 
-def _verbs_problem() -> str:
+def _verbs_problem(verbs: str) -> str:
     """Why the verbs library cannot be used here ("" when it can)."""
     from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
     try:
-        device_names(load_verbs())
+        device_names(load_verbs(verbs))
     except NoRDMADevice as e:
         return str(e)
     return ""

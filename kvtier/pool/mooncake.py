@@ -30,10 +30,9 @@ from typing import Any
 
 import xxhash
 
-from kvtier.testing.mooncake_master import free_port
 from kvtier.errors import ConfigError, TierIOError, TransferError
 from kvtier.pool.buffers import block_checksum, byte_view
-from kvtier.pool.units import parse_address
+from kvtier.units import parse_address
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
 log = logging.getLogger(__name__)
@@ -81,8 +80,9 @@ class MooncakeClient:
         metadata_server: http://HOST:PORT/metadata (the master's `--enable_http_metadata_server`).
         segment_bytes: memory this process lends to the store (its objects may land there).
         staging_bytes: the registered region every call goes through; bounds bytes per batch.
-        local_hostname: HOST:PORT this client's transfer engine serves on; None picks the local IP
-            that reaches the master and a free port.
+        local_hostname: HOST[:PORT] this client's transfer engine serves on; None picks the local
+            IP that reaches the master. Without a port the engine binds one itself (nothing here
+            checks a port free and binds it later, which another process could take between).
         tenant: prefixes every key, so tenants never see each other's blocks.
         setup_timeout_s: the longest each probe of the master and metadata server may take. A
             master that is absent fails at once; a port that accepts but never answers RPC still
@@ -100,7 +100,7 @@ class MooncakeClient:
         local_ip = probe(master, setup_timeout_s, "mooncake master")
         probe(_metadata_address(metadata_server), setup_timeout_s, "mooncake metadata server")
         _probe_metadata(metadata_server, setup_timeout_s)
-        self.local_hostname = local_hostname or f"{local_ip}:{free_port(local_ip)}"
+        self.local_hostname = local_hostname or local_ip  # no port: the transfer engine binds one itself
         self._store = _setup_store(self.local_hostname, metadata_server, segment_bytes, master)
         self._staging = _np().zeros(staging_bytes, dtype=_np().uint8)
         self._base = self._staging.ctypes.data

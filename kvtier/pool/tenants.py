@@ -32,12 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvtier.errors import ConfigError
 from kvtier.pool.protocol import MAX_NAME_BYTES
-from kvtier.pool.units import parse_size
-from kvtier.yaml_strict import load_yaml
+from kvtier.units import parse_size
 
 _TAG = b"kvtier-pool-v1"
 DEFAULT_TENANT = "default"
@@ -72,6 +69,10 @@ def load_tenants(path: str | Path, capacity_bytes: int) -> dict[str, Tenant]:
         ConfigError: the file is unreadable or not YAML, or an entry is invalid; the message names
             the file and the field (`tenants[1].quota`).
     """
+    import yaml  # here, not at the top: a node without a tenants file starts without YAML
+
+    from kvtier.yaml_strict import load_yaml
+
     try:
         raw = load_yaml(Path(path).read_text())
     except OSError as e:

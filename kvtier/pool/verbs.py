@@ -1,8 +1,10 @@
 """Verbs plumbing shared by the node and the client: loading pyverbs (or the fake), enum names
 across rdma-core versions, RoCEv2 GID selection, and one RC queue pair's state machine.
 
-pyverbs is imported lazily, only here, only when RDMA is used. `KVTIER_VERBS=fake` loads
-`kvtier.testing.fake_verbs` instead (the test double with the same class and method names).
+pyverbs is imported lazily, only here, only when RDMA is used. Another provider with pyverbs' class
+and method names (the test double `kvtier.testing.fake_verbs`, an out-of-tree one) is passed in by
+module name, as the `verbs` argument of the node, the client and the pool tier; nothing here
+chooses one from the environment.
 
 Enum layouts differ: rdma-core 44 exposes `pyverbs.enums` with module-level names
 (`e.IBV_QPS_RTS`) besides enum classes; newer releases generate `pyverbs.libibverbs_enums`, where a
@@ -15,15 +17,14 @@ from __future__ import annotations
 import enum
 import importlib
 import ipaddress
-import os
 import random
 import types
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import TransferError
+from kvtier.errors import ConfigError, TransferError
 
-ENV_VERBS = "KVTIER_VERBS"  # "fake": use kvtier.testing.fake_verbs
+PYVERBS = "pyverbs"  # the provider every production path uses
 
 
 class NoRDMADevice(TransferError):
@@ -54,17 +55,16 @@ class Enums:
         raise AttributeError(f"{self._module.__name__} has no verbs constant {name}")
 
 
-def load_verbs(kind: str | None = None) -> types.SimpleNamespace:
-    """The verbs classes this process uses: real pyverbs, or the fake with `kind="fake"`.
+def load_verbs(provider: str = PYVERBS) -> types.SimpleNamespace:
+    """The verbs classes of `provider`: "pyverbs" (rdma-core's), or the name of a module with the
+    same class and method names in one namespace (`kvtier.testing.fake_verbs`).
 
     Raises:
         NoRDMADevice: pyverbs is not installed.
+        ConfigError: `provider` is not importable or lacks a name the transports use.
     """
-    kind = kind or os.environ.get(ENV_VERBS, "pyverbs")
-    if kind == "fake":
-        from kvtier.testing import fake_verbs as fv
-        return types.SimpleNamespace(**{n: getattr(fv, n) for n in _NAMES}, e=Enums(fv), Error=fv.PyverbsError,
-                                     kind="fake")
+    if provider != PYVERBS:
+        return _provider(provider)
     try:
         mods = {m: importlib.import_module(f"pyverbs.{m}") for m in ("device", "pd", "mr", "cq", "qp", "addr", "wr")}
         from pyverbs.pyverbs_error import PyverbsError
@@ -76,6 +76,18 @@ def load_verbs(kind: str | None = None) -> types.SimpleNamespace:
         enums = importlib.import_module("pyverbs.libibverbs_enums")
     found = {n: getattr(mods[m], n) for m, names in _WHERE.items() for n in names}
     return types.SimpleNamespace(**found, e=Enums(enums), Error=PyverbsError, kind="pyverbs")
+
+
+def _provider(name: str) -> types.SimpleNamespace:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(f"verbs provider {name!r} cannot be imported: {e}") from None
+    missing = [n for n in (*_NAMES, "PyverbsError") if not hasattr(module, n)]
+    if missing:
+        raise ConfigError(f"verbs provider {name!r} lacks {', '.join(missing)} (pyverbs' names are needed)")
+    return types.SimpleNamespace(**{n: getattr(module, n) for n in _NAMES}, e=Enums(module),
+                                 Error=module.PyverbsError, kind=name)
 
 
 _WHERE = {"device": ("Context", "get_device_list"), "pd": ("PD",), "mr": ("MR",), "cq": ("CQ",),

@@ -56,7 +56,7 @@ from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.trace import Trace
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 # The model the Mooncake paper's own simulations use (LLaMA2-70B geometry): 160 MiB per 512-token block.
 DEFAULT_MODEL = "Llama-2-70B"

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtier.errors import ConfigError
-from kvtier.sizing.hardware import format_bytes
+from kvtier.units import format_bytes
 from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, simulate
 from kvtier.simulate.trace import Trace
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 # Default sweep points, as shares of the trace's distinct blocks (1.0 holds every block: no evictions).
 DEFAULT_SWEEP_SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)

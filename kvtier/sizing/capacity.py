@@ -13,14 +13,8 @@ from typing import Any
 
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import ModelGeometry
-from kvtier.sizing.hardware import (
-    FABRICS,
-    GPU,
-    format_bytes,
-    format_decimal,
-    format_params,
-    format_rate,
-)
+from kvtier.sizing.hardware import FABRICS, GPU
+from kvtier.units import format_bytes, format_decimal, format_params, format_rate
 from kvtier.sizing.planner import (
     DEFAULT_RESERVE_FRACTION,
     DEFAULT_TTFT_TARGET_S,

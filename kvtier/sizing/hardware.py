@@ -1,8 +1,8 @@
 """Built-in hardware catalogs for `kvtier size`: GPUs (HBM, host link) and the fabrics KV reloads over.
 
 Every figure is a planning number with its source in a comment; the planner only compares against
-them, so an operator who knows better passes `--hbm` instead of a GPU name. Also the parsers for
-the units operators type: `80GiB`, `1.5TB`, `0.5s`, `250ms`, `32k`.
+them, so an operator who knows better passes `--hbm` instead of a GPU name. The units operators
+type (`80GiB`, `0.5s`, `32k`) are read by `kvtier.units`.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ import difflib
 import enum
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 
 from kvtier.errors import KVTierError
-from kvtier.sizes import parse_size
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+from kvtier.units import MiB
 
 
 class HardwareError(KVTierError, ValueError):
@@ -118,94 +115,3 @@ def fabric(name: str) -> Fabric:
         if f.name == name:
             return f
     raise HardwareError(f"unknown fabric {name!r}; known: {', '.join(f.name for f in FABRICS)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# units
-
-_TIME_UNITS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "us": Fraction(1, 10**6), "m": 60, "min": 60}
-_TOKEN_UNITS = {"": 1, "k": 1024, "m": 1 << 20}  # context lengths count in powers of two: 128k = 131,072
-_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _parse(field: str, text: str, units: dict[str, int | Fraction], example: str) -> Fraction:
-    match = _NUMBER.match(str(text))
-    unit = match.group(3).lower() if match else None
-    if match is None or unit not in units:
-        raise HardwareError(f"{field}: cannot read {text!r}; write it like {example}")
-    mantissa = Fraction(match.group(1)) * Fraction(10) ** int(match.group(2) or 0)
-    return mantissa * units[unit]
-
-
-def parse_bytes(field: str, text: str) -> int:
-    """`80GiB` -> 85899345920, `1.5TB` -> 1.5e12; a bare number is bytes; see `kvtier.sizes`.
-
-    Raises:
-        HardwareError: not a non-negative size, or an ambiguous unit such as `80G`; names `field`.
-    """
-    return parse_size(text, field, HardwareError)
-
-
-def parse_seconds(field: str, text: str) -> Fraction:
-    """`0.5s`, `500ms` or `0.5` -> 1/2 (exact, so the planner's arithmetic stays exact).
-
-    Raises:
-        HardwareError: not a duration; the message names `field`.
-    """
-    return _parse(field, text, _TIME_UNITS, "0.5s or 500ms")
-
-
-def parse_tokens(field: str, text: str) -> int:
-    """`4096` -> 4096, `32k` -> 32768, `1m` -> 1048576, `1.5k` -> 1536.
-
-    Raises:
-        HardwareError: not a whole number of tokens; the message names `field`.
-    """
-    value = _parse(field, text, _TOKEN_UNITS, "4096, 32k or 1m")
-    if value.denominator != 1:
-        raise HardwareError(f"{field}: {text!r} is not a whole number of tokens")
-    return int(value)
-
-
-def parse_count(field: str, text: str) -> int:
-    """A parameter count: `6.74e9`, `7B`, `70b`, `180M` or a plain integer.
-
-    Raises:
-        HardwareError: not a whole, positive count; the message names `field`.
-    """
-    value = _parse(field, text, {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}, "6.74e9 or 7B")
-    if value.denominator != 1 or value <= 0:
-        raise HardwareError(f"{field}: {text!r} is not a positive whole count")
-    return int(value)
-
-
-def format_bytes(num_bytes: int) -> str:
-    """`536870912` -> `512 MiB`; binary units, at most two decimals, trailing zeros dropped."""
-    value, unit = float(num_bytes), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, bigger
-    text = f"{value:,.2f}".rstrip("0").rstrip(".")
-    return f"{text} {unit}"
-
-
-def format_decimal(value: float, unit: str) -> str:
-    """`25e9, "B/s"` -> `25 GB/s`, `13476831232, "B"` -> `13.48 GB`: decimal prefixes, as links and disks are rated."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1)):
-        if abs(value) >= scale or not prefix:
-            text = f"{value / scale:,.2f}".rstrip("0").rstrip(".")
-            return f"{text} {prefix}{unit}"
-    raise AssertionError("unreachable")
-
-
-def format_rate(bytes_per_s: float) -> str:
-    """`25e9` -> `25 GB/s`."""
-    return format_decimal(bytes_per_s, "B/s")
-
-
-def format_params(num_params: int) -> str:
-    """`6738415616` -> `6.74 B params`; small counts in full."""
-    if num_params >= 10**8:
-        return f"{num_params / 1e9:,.2f} B params"
-    return f"{num_params:,} params"

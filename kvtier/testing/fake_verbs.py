@@ -1,7 +1,7 @@
 """A fake verbs module for tests: pyverbs' class and method names, a NIC emulated in software.
 
 It exists because no RDMA device is here (STYLE rule 9: a fake only for what cannot run). It is
-loaded by `KVTIER_VERBS=fake` and needs `KVTIER_FAKE_FABRIC=DIR`, a directory shared by the
+passed in by name (`verbs: kvtier.testing.fake_verbs`, `--verbs ...`) and needs `KVTIER_FAKE_FABRIC=DIR`, a directory shared by the
 processes on the "fabric"; without it there is no device, as on a host without RDMA.
 
 What it emulates, because the transport depends on it:

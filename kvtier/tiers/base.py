@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.tiers.kinds import Medium, TierKind
+from kvtier.kinds import Medium, TierKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ import pytest
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import MsgType
-from kvtier.pool.node.process import rdma_node, running_node
+from kvtier.pool.node.process import running_node
+from kvtier.testing.pool import rdma_node
 from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
 
 KIB = 1024
@@ -105,9 +106,9 @@ def test_an_rkey_learned_before_a_region_changed_hands_reaches_nothing_after(tmp
     with rdma_node("fake", tmp_path, capacity="512KiB", region_size="256KiB", tenants=tenants_file,
                    credentials=("alice", SECRETS["alice"])) as node, \
             PoolClient([node.address], tenant="alice", secret=SECRETS["alice"], timeout_s=WAIT_S,
-                       transport=TransportKind.RDMA) as alice, \
+                       transport=TransportKind.RDMA, verbs=node.verbs) as alice, \
             PoolClient([node.address], tenant="bob", secret=SECRETS["bob"], timeout_s=WAIT_S,
-                       transport=TransportKind.RDMA) as bob:
+                       transport=TransportKind.RDMA, verbs=node.verbs) as bob:
         mine = alice.alloc(b"alice-slot", BLOCK)
         assert alice.write_at(mine, 0, SECRET_BYTES) and alice.read_at(mine, 0, bytearray(BLOCK))
         alice.free([mine])

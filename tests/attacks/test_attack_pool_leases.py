@@ -12,7 +12,8 @@ import os
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import ErrorCode, MsgType
-from kvtier.pool.node.process import rdma_node, running_node
+from kvtier.pool.node.process import running_node
+from kvtier.testing.pool import rdma_node
 from test_attack_pool_admission import wait_until
 from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
 
@@ -61,7 +62,8 @@ def test_a_client_that_meets_the_lease_limit_sees_misses_and_goes_on(tmp_path):
         keys = [os.urandom(16) for _ in range(4)]
         with PoolClient([node.address], timeout_s=WAIT_S) as tcp:
             assert tcp.batch_put(keys, [k * 100 for k in keys]) == [True] * 4
-        with PoolClient([node.address], timeout_s=WAIT_S, transport=TransportKind.RDMA) as c:
+        with PoolClient([node.address], timeout_s=WAIT_S, transport=TransportKind.RDMA,
+                        verbs=node.verbs) as c:
             assert c.batch_get(keys, [bytearray(1600) for _ in keys]) == [False] * 4
             assert c.counters["lease_limit"] == 1 and c.counters["misses"] == 4
             for _ in range(3):

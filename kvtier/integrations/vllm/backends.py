@@ -20,7 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.handle import TransferHandle
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.settings import Settings

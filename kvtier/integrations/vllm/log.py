@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvtier.sizing.hardware import format_bytes
+from kvtier.units import format_bytes
 
 
 def log_through_vllm() -> None:

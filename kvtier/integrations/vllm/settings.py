@@ -193,7 +193,7 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
     if config.kv_dtype is not None and _kv_dtype(config.kv_dtype, f"kv_dtype: {path}") is not engine_dtype:
         log.info("kvtier: KV cached as %s, the engine's KV cache dtype (kv_dtype: %s in %s does not apply "
                  "under vLLM)", engine_dtype.value, config.kv_dtype, path)
-    from kvtier.sizing.catalog import resolve_model
+    from kvtier.model_catalog import resolve_model
     try:
         geometry = resolve_model(config.model, kv_dtype=engine_dtype)
     except GeometryError as e:

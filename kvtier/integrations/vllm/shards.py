@@ -12,7 +12,7 @@ import xxhash
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockKey
-from kvtier.tiers.kinds import TierKind
+from kvtier.kinds import TierKind
 
 _SHARD_TAG = b"kvtier.vllm.tp-shard.v1"
 

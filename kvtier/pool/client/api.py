@@ -44,7 +44,7 @@ from kvtier.pool.client.connection import AuthFailed, NodeConnection, NodeLink, 
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, ErrorCode, GrantStatus, MsgType
 from kvtier.pool.client.tcp import TCPTransport
-from kvtier.pool.units import parse_address
+from kvtier.units import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class PoolClient:
         lease_s: read lease asked for on each hit (a slot being read is not reused before).
         put_lease_s: how long a started put may take before the node reclaims its slot.
         transport: the data plane asked for (see the module docstring).
+        verbs: the verbs provider under RDMA (`kvtier.pool.verbs.load_verbs`): pyverbs, or a test
+            double's module name.
     Raises:
         ConfigError: no nodes, an address that is not HOST:PORT, or `rdma` asked for on a host
             that cannot open an RDMA device.
@@ -76,7 +78,8 @@ class PoolClient:
 
     def __init__(self, nodes: Sequence[str], *, tenant: str = "default", secret: bytes = b"",
                  timeout_s: float = 2.0, reconnect_s: float = 1.0, lease_s: float = 5.0,
-                 put_lease_s: float = 30.0, transport: TransportKind = TransportKind.TCP) -> None:
+                 put_lease_s: float = 30.0, transport: TransportKind = TransportKind.TCP,
+                 verbs: str = "pyverbs") -> None:
         if not nodes:
             raise ConfigError("pool client: nodes: at least one HOST:PORT is needed")
         names = [str(n) for n in nodes]
@@ -86,14 +89,15 @@ class PoolClient:
         self.lease_s, self.put_lease_s = lease_s, put_lease_s
         self.links = [NodeLink(n, parse_address(n, f"pool node {n}"), tenant, secret, timeout_s=timeout_s,
                                reconnect_s=reconnect_s) for n in names]
-        local, self._local_reason = choose_transport(transport)
+        self.verbs = verbs
+        local, self._local_reason = choose_transport(transport, verbs=verbs)
         self.transports: list[Transport] = [TCPTransport(link) for link in self.links]
         self._reasons = [self._local_reason] * len(names)
         # auto with a usable device here: each node's data plane waits for the node to say what it serves
         self._undecided = set(range(len(names))) if transport is TransportKind.AUTO and local is TransportKind.RDMA \
             else set()
         if transport is TransportKind.RDMA:
-            self.transports = [_rdma_transport(link) for link in self.links]
+            self.transports = [_rdma_transport(link, verbs) for link in self.links]
         self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
         self._seeds = [n.encode() for n in names]
         self._releases: list[list[int]] = [[] for _ in names]
@@ -419,7 +423,7 @@ class PoolClient:
                 if node in self._undecided:
                     self._undecided.discard(node)
                     if link.transport == TransportKind.RDMA.value:
-                        self.transports[node] = _rdma_transport(link)
+                        self.transports[node] = _rdma_transport(link, self.verbs)
                         for memory in self._host_memory:
                             self.transports[node].register_memory(*memory)
                         self._reasons[node] = f"{self._local_reason}; node serves rdma"
@@ -450,7 +454,7 @@ def _rejection(status: int) -> str:
     return f"put_rejected_{GrantStatus(status).name.lower() if known else status}"
 
 
-def _rdma_transport(link: NodeLink) -> Transport:
+def _rdma_transport(link: NodeLink, verbs: str) -> Transport:
     from kvtier.pool.client.rdma import RDMATransport  # verbs only where RDMA is used
 
-    return RDMATransport(link)
+    return RDMATransport(link, verbs=verbs)

@@ -47,8 +47,8 @@ class RDMATransport(Transport):
     detects_stale = False  # one-sided: the node's CPU never sees the access
 
     def __init__(self, link: NodeLink, *, signal_every: int = 16, max_batch_wr: int = 256,
-                 staging_bytes: int = STAGING_BYTES, device: str | None = None) -> None:
-        self._link, self._device_name = link, device
+                 staging_bytes: int = STAGING_BYTES, device: str | None = None, verbs: str = "pyverbs") -> None:
+        self._link, self._device_name, self._verbs = link, device, verbs
         self.signal_every, self.max_batch_wr, self._staging_bytes = signal_every, max_batch_wr, staging_bytes
         self._lock = threading.Lock()
         self._closed = False
@@ -99,7 +99,7 @@ class RDMATransport(Transport):
     # ---- connection -------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        v = load_verbs()
+        v = load_verbs(self._verbs)
         self._device = Device(v, self._device_name)
         try:
             self._qp = QueuePair(self._device, max_send_wr=self.max_batch_wr)

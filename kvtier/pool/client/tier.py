@@ -218,7 +218,8 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     secret = read_secret(cfg.secret, str(cfg.secret_file) if cfg.secret_file else None, "tiers.pool")
     try:
         client = PoolClient(cfg.nodes, tenant=cfg.tenant, secret=secret, timeout_s=cfg.timeout_s,
-                            reconnect_s=cfg.reconnect_s, transport=cfg.transport)
+                            reconnect_s=cfg.reconnect_s, transport=cfg.transport,
+                            verbs=cfg.verbs)
     except ConfigError as e:
         raise ConfigError(f"tiers.pool: {e}") from None
     try:

@@ -21,6 +21,7 @@ class NodeConfig:
     region_bytes: int = 64 << 20
     transport: str = "tcp"
     transport_reason: str = "requested"
+    verbs: str = "pyverbs"  # the verbs provider (`kvtier.pool.verbs.load_verbs`) under transport rdma
     hugepages: bool = False
     lease_s: float = 10.0  # read lease when a client asks for none longer
     max_lease_s: float = 60.0

@@ -1,4 +1,4 @@
-"""Pool nodes as real subprocesses, for tests and benchmarks (`kvtier pool serve` on 127.0.0.1).
+"""Pool nodes as real subprocesses (`kvtier pool serve` on 127.0.0.1), for the demo, the benches and tests.
 
 Readiness is the node's own "ready" line on stdout followed by an answered STATS call: nothing
 sleeps or guesses. A node can be stopped (SIGTERM), killed (SIGKILL), frozen (SIGSTOP, the way a
@@ -34,6 +34,8 @@ class NodeProcess:
         if tenants is not None:
             self._args += ["--tenants", str(tenants)]
         self.address, self.credentials = listen, credentials
+        # the verbs provider its clients need under RDMA: what `--verbs` names, pyverbs by default
+        self.verbs = extra[list(extra).index("--verbs") + 1] if "--verbs" in extra else "pyverbs"
         self.ready: dict = {}
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
@@ -143,38 +145,3 @@ def running_node(**kwargs) -> Iterator[NodeProcess]:
         yield node
     finally:
         node.close()
-
-
-@contextmanager
-def rdma_node(verbs: str = "fake", fabric: Path | str | None = None, **kwargs) -> Iterator[NodeProcess]:
-    """A node serving `--transport rdma`, this process on the same verbs for the duration.
-
-    Args:
-        verbs: `fake` (the software NIC of `kvtier.testing.fake_verbs`) or `pyverbs` (a real device).
-        fabric: with `fake`, the directory the fake fabric lives in (shared with the node).
-        kwargs: as `NodeProcess`; `extra` gets `--transport rdma` added.
-    Sets KVTIER_VERBS (and KVTIER_FAKE_FABRIC) in `os.environ`, which the node inherits, and puts
-    back what was there afterwards.
-    """
-    from kvtier.testing.fake_verbs import ENV_FABRIC
-    from kvtier.pool.verbs import ENV_VERBS
-
-    if verbs == "fake" and fabric is None:
-        raise ValueError("rdma_node: the fake verbs need a fabric directory")
-    wanted = {ENV_VERBS: verbs, ENV_FABRIC: str(fabric) if fabric is not None else None}
-    saved = {name: os.environ.get(name) for name in wanted}
-    for name, value in wanted.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    try:
-        kwargs["extra"] = [*kwargs.get("extra", ()), "--transport", "rdma"]
-        with running_node(**kwargs) as node:
-            yield node
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -27,8 +27,8 @@ class RdmaNode:
         NoRDMADevice: no device can be opened.
     """
 
-    def __init__(self, arena: Arena, store: BlockStore) -> None:
-        self.device = Device(load_verbs())
+    def __init__(self, arena: Arena, store: BlockStore, verbs: str = "pyverbs") -> None:
+        self.device = Device(load_verbs(verbs))
         self._store, self._arena = store, arena
         self._mrs = [self.device.register(r.size, arena.address + r.base) for r in store.regions]
         self._qps: dict[Any, QueuePair] = {}

@@ -59,7 +59,7 @@ class PoolNode:
         self.rdma = None
         if config.transport == "rdma":
             from kvtier.pool.node.rdma import RdmaNode  # pyverbs only where RDMA is used
-            self.rdma = RdmaNode(self.arena, self.store)
+            self.rdma = RdmaNode(self.arena, self.store, config.verbs)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Lock] = {}
         self._threads: set[threading.Thread] = set()

@@ -1,4 +1,8 @@
-"""The names of tiers and media, importable without torch (the CLI, config and pool node need them)."""
+"""The enums every layer shares: tiers, media, cache modes, pool backends.
+
+Imports nothing of kvtier, torch or YAML, so the manager, the config, the CLI and the pool node
+can all use them.
+"""
 
 import enum
 
@@ -19,3 +23,17 @@ class Medium(enum.Enum):
     HOST = "host"  # host DRAM, pinned when CUDA is present
     REMOTE = "remote"  # a memory pool node reached over RDMA or TCP
     DISK = "disk"  # NVMe SSD files
+
+
+class CacheMode(enum.Enum):
+    """Exclusive keeps one copy of a block; inclusive writes through to every lower tier."""
+
+    EXCLUSIVE = "exclusive"
+    INCLUSIVE = "inclusive"
+
+
+class PoolBackend(enum.Enum):
+    """Who serves the pool tier: kvtier's own pool nodes, or a Mooncake Store master."""
+
+    KVTIER = "kvtier"
+    MOONCAKE = "mooncake"
