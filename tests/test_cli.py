@@ -112,6 +112,7 @@ def run_result(results: dict[str, subprocess.CompletedProcess], workdir: Path) -
 # ---- kvtier info ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_info_json_lists_every_tier_with_capacity_and_medium(info: dict[str, Any], workdir: Path) -> None:
     tiers = {t["tier"]: t for t in info["tiers"]}
     assert list(tiers) == ["hbm", "dram", "ssd"]

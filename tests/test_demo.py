@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
+
 TIERS = ("hbm", "dram", "pool", "ssd")
 
 

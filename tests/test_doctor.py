@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import resource
@@ -9,6 +11,8 @@ import subprocess
 import sys
 
 from kvtier.testing.pool import FAKE_VERBS
+
+pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
 
 def doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

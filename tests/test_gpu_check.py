@@ -18,6 +18,8 @@ import torch
 
 from kvtier.native import find_nvcc
 
+pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 TIMEOUT_S = 600  # a safety net against hangs, never a measurement
 
@@ -99,7 +101,6 @@ def test_the_layout_check_catches_a_backend_that_moves_nothing_or_misreads_the_l
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_quick_check_passes_on_a_gpu(tmp_path):
     done, report = run_check(tmp_path, "--quick")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

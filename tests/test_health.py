@@ -15,8 +15,8 @@ from kvtier.stats import DropReason
 from kvtier.tiers import ssd as ssd_module
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd import SSDTier
-from test_metrics import scrape
-from test_runtime import BLOCK, WAIT_S, GatedTier, blocks, config, load, store
+from support.metrics import scrape
+from support.runtime import BLOCK, WAIT_S, GatedTier, blocks, config, load, store
 
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 

@@ -108,3 +108,18 @@ def test_a_bare_import_loads_no_yaml_torch_config_or_tool(module):
              " and len(m.split('.')) > 1 and m.split('.')[1] in tools))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.strip() == "[]", f"{module} loads {run.stdout.strip()}"
+
+
+def test_the_public_api_is_importable_from_kvtier_and_lazy():
+    import kvtier
+    from kvtier.errors import TierIOError
+    from kvtier.keys import block_keys
+    from kvtier.runtime import KVTier
+
+    assert kvtier.KVTier is KVTier and kvtier.block_keys is block_keys and kvtier.TierIOError is TierIOError
+    assert set(kvtier.__all__) <= set(dir(kvtier))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kvtier.nope  # noqa: B018
+    probe = "import sys, kvtier; print(sorted(m for m in ('torch', 'yaml', 'kvtier.runtime') if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.strip() == "[]"

@@ -226,7 +226,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert counted == self.losses, "a block left the cache without being counted as dropped"
 
 
-TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine = pytest.mark.slow(ManagerMachine.TestCase)  # 300 runs of 60 steps: ~12 s
 TestManagerMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,14 +7,12 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_runtime import BLOCK, WAIT_S, load, runtime, store
+from support.runtime import BLOCK, WAIT_S, load, runtime, store
 
 
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+from support.metrics import scrape
+
+
 
 
 def test_metrics_follow_the_work(tmp_path):

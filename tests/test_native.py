@@ -120,6 +120,7 @@ def test_nvcc_builds_ptx_with_every_kernel_as_an_entry(tmp_path):
         assert f".visible .entry {name}(" in ptx
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_nvcc_builds_fatbin_for_sm80_and_sm90(tmp_path):
     fatbin = nvcc_compile(tmp_path, arch="sm_90", output=NvccOutput.FATBIN)
@@ -408,7 +409,6 @@ def test_kernels_on_cpu_equal_reference_on_strided_runs(emulator, case, num_laye
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="Backend.CUDA needs cupy")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dim", KV_DIMS)
 def test_cuda_kernels_equal_reference(kv_dim, dtype):
@@ -435,7 +435,6 @@ def test_cuda_kernels_equal_reference(kv_dim, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("case", RUN_CASES)
 def test_on_a_gpu_strided_runs_equal_reference(case, backend):

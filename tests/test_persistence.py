@@ -20,30 +20,20 @@ from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
-from test_runtime import BLOCK, LAYOUT, WAIT_S, config
+from support.runtime import BLOCK, LAYOUT, WAIT_S, config
 
-S = TierKind.SSD
-KEYS = [bytes([i]) * 16 for i in range(1, 6)]  # 16-byte keys, as kvtier.keys.block_keys makes
-
-
-def persistent(tmp_path, layout=LAYOUT, **kw) -> KVTier:
-    cfg = config(tmp_path, **kw)
-    tiers = tuple(replace(t, persist=True) if t.kind is S else t for t in cfg.tiers)
-    (tmp_path / "ssd").mkdir(exist_ok=True)
-    return KVTier(replace(cfg, tiers=tiers), layout=layout)
+from support.persistence import KEYS, S, data, fill, persistent
 
 
-def data(keys) -> torch.Tensor:
-    return torch.stack([torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
-                                      generator=torch.Generator().manual_seed(k[0])) for k in keys])
 
 
-def fill(kv, keys) -> None:
-    for key in keys:  # one at a time: the first ones are demoted down into the SSD tier
-        assert kv.store([key], data([key])).wait(WAIT_S)
-        kv.quiesce(WAIT_S)
 
 
+
+
+
+
+@pytest.mark.slow
 def test_blocks_survive_a_restart_and_a_new_process(tmp_path):
     with persistent(tmp_path) as kv:
         fill(kv, KEYS[:2])

@@ -23,6 +23,8 @@ from kvtier.errors import TierIOError, TransferError  # noqa: E402
 from kvtier.pool.mooncake import MooncakeClient, MooncakeTier, OBJECT_NOT_FOUND, Outcome  # noqa: E402
 from kvtier.testing.mooncake_master import MasterProcess, free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
+
 SIZES = [1, 4096, 64 << 10, 1 << 20, 4 << 20]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.testing import fake_verbs
+from kvtier.testing.devices import has_rdma_device
 from kvtier.testing.pool import FAKE_VERBS
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.verbs import (
@@ -33,11 +34,6 @@ from kvtier.pool.verbs import (
 pyverbs = pytest.importorskip("pyverbs")
 
 
-def has_device() -> bool:
-    try:
-        return bool(device_names(load_verbs("pyverbs")))
-    except NoRDMADevice:
-        return False
 
 
 V4 = "0000:0000:0000:0000:0000:ffff:0a00:0001"
@@ -61,7 +57,7 @@ def test_real_pyverbs_builds_qp_and_address_attributes_without_a_device() -> Non
     assert wr.wr_id == 1
 
 
-@pytest.mark.skipif(has_device(), reason="this host has an RDMA device")
+@pytest.mark.skipif(has_rdma_device(), reason="this host has an RDMA device")
 def test_no_device_is_reported_and_auto_falls_back_to_tcp(monkeypatch) -> None:
     with pytest.raises(NoRDMADevice, match="no RDMA device"):
         device_names(load_verbs("pyverbs"))
@@ -71,7 +67,7 @@ def test_no_device_is_reported_and_auto_falls_back_to_tcp(monkeypatch) -> None:
         choose_transport(TransportKind.RDMA)
 
 
-@pytest.mark.skipif(has_device(), reason="this host has an RDMA device")
+@pytest.mark.skipif(has_rdma_device(), reason="this host has an RDMA device")
 def test_serve_with_transport_rdma_refuses_clearly_without_a_device() -> None:
     run = subprocess.run([sys.executable, "-m", "kvtier", "pool", "serve", "--listen", "127.0.0.1:0",
                           "--capacity", "4MiB", "--transport", "rdma"], check=False, capture_output=True, text=True,
@@ -138,7 +134,6 @@ def test_fake_one_sided_copy_between_two_connected_qps(fabric) -> None:
 
 
 @pytest.mark.rdma
-@pytest.mark.skipif(not has_device(), reason="no RDMA device on this host (see kvtier/pool/rxe_setup.sh)")
 def test_real_device_loopback_qp_reaches_rts() -> None:
     v = load_verbs("pyverbs")
     dev = Device(v)

@@ -17,7 +17,7 @@ from kvtier.pool.client.tier import PoolTier
 from kvtier.runtime import KVTier
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
-from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
 H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD
 SECRET = "runtime-secret-123456"
@@ -51,11 +51,9 @@ def config(tmp_path, node_address: str, secret: str = SECRET) -> KVTierConfig:
     })
 
 
-def store_each(kv: KVTier, keys) -> None:
-    for k in keys:
-        handle = kv.store([k], blocks([k]))
-        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
-        kv.quiesce(WAIT_S)
+from support.pool import store_each
+
+
 
 
 def load(kv: KVTier, keys):

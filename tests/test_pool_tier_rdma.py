@@ -17,8 +17,8 @@ from kvtier.testing.pool import FAKE_VERBS
 from kvtier.pool.client.rdma import RDMATransport
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
-from test_pool_runtime import store_each
-from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
+from support.pool import store_each
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
 P = TierKind.POOL
 

@@ -68,6 +68,7 @@ def tiny(tmp_path):
 # ---- the independent reference -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_traces
 def test_lru_reference_conversation_trace(conversation):
     """One LRU tier of 10 % of the distinct blocks hits 27.8 % of block accesses (partial tails counted)."""
@@ -117,6 +118,7 @@ def test_tiny_trace_full_blocks_only(tiny):
 # ---- policies and capacities ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_traces
 @pytest.mark.parametrize("name, share", [("synthetic", 0.01), ("synthetic", 0.1), ("conversation", 0.1)])
 def test_belady_bounds_every_policy(request, name, share):
@@ -127,6 +129,7 @@ def test_belady_bounds_every_policy(request, name, share):
     assert rates[SimPolicy.BELADY] <= trace.max_block_hit_rate
 
 
+@pytest.mark.slow
 @needs_traces
 def test_lru_non_decreasing_in_capacity_and_recommendation(synthetic):
     trace = load_trace(synthetic.path, limit=1500)

@@ -25,6 +25,8 @@ from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.trace import DEFAULT_TRACE_DIR, load_trace
 from kvtier.tiers.base import TierKind
 
+pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
+
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 POLICIES = [*PolicyKind, "belady"]
 

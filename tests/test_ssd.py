@@ -215,6 +215,7 @@ tier.close()
 """
 
 
+@pytest.mark.slow
 def test_file_size_limit_raises_efbig_naming_slot(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-c", EFBIG_SCRIPT, str(tmp_path)],

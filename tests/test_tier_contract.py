@@ -50,8 +50,8 @@ def _mooncake_runs_here() -> bool:
     return (Path(sys.executable).parent / "mooncake_master").exists() or shutil.which("mooncake_master") is not None
 
 
-MOONCAKE = pytest.param("mooncake", marks=pytest.mark.skipif(
-    not _mooncake_runs_here(), reason="mooncake-transfer-engine (and its mooncake_master) not installed"))
+MOONCAKE = pytest.param("mooncake", marks=[pytest.mark.slow, pytest.mark.skipif(
+    not _mooncake_runs_here(), reason="mooncake-transfer-engine (and its mooncake_master) not installed")])
 # PoolTier on a `kvtier pool serve` subprocess, MooncakeTier on a `mooncake_master` one; `view` is None
 REMOTE_TIERS = ["pool", MOONCAKE]
 

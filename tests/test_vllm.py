@@ -50,42 +50,20 @@ from kvtier.weights import WeightsSource, weights_fingerprint
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
-BLOCK = 32  # the CPU attention backend wants a multiple of 32
-NUM_LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32  # head_dim 32: the smallest the CPU backend runs
-PAGE_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # one layer of one engine block, fp32
-LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
-SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                  "VLLM_HOST_IP": "127.0.0.1"}
+from support.vllm import BASIC_PHASES, BLOCK, HEAD_DIM, KV_HEADS, NUM_LAYERS, P1, P2, Q, SINGLE_PROCESS, SPILL, _spec, _tokens, _yaml, assert_same_as_reference, run_engine
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]  # 0-2 are the special tokens
+from support.vllm import FakeRequest, LAYER_NAMES, PAGE_BYTES
 
 
-P1 = _tokens(1, 150)
-P2 = P1[:64] + _tokens(2, 86)  # shares two blocks with P1
-Q = _tokens(3, 100)
-FOLLOW_UP = _tokens(4, 20)
-SPILL = [_tokens(10 + i, 150) for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("vllm-model"), hidden_size=128, num_heads=4,
-                            num_kv_heads=KV_HEADS, num_layers=NUM_LAYERS)
 
 
-def _yaml(path: Path, model: Path, tiers: dict, **top) -> Path:
-    """A kvtier config. The tests count hits exactly, so the load-or-recompute veto (which follows
-    this machine's measured speed) is off unless a test turns it on."""
-    import yaml
 
-    top.setdefault("transfer", {"skip_slow_loads": False})
-    path.write_text(yaml.safe_dump({"model": str(model), "kv_dtype": "fp32", "block_tokens": BLOCK,
-                                    "tiers": tiers, **top}))
-    return path
+
+
+
 
 
 def _facts(**changes) -> EngineFacts:
@@ -310,17 +288,6 @@ def test_a_metrics_port_in_use_is_a_clear_error(tiny_model, dram_yaml):
 # ---- the scheduler half --------------------------------------------------------------------------
 
 
-@dataclass
-class FakeRequest:
-    """The fields of vLLM's `Request` the scheduler half reads."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 @pytest.fixture
@@ -572,12 +539,6 @@ def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):
 # ---- the pool backend (cross-process hits) -------------------------------------------------------
 
 
-@pytest.fixture
-def pool_node():
-    from kvtier.pool.node.process import running_node
-
-    with running_node(capacity="32MiB") as node:
-        yield node
 
 
 def test_pool_backend_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_path, tiny_model, pool_node):
@@ -607,45 +568,14 @@ def test_pool_backend_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_pat
 # ---- real engines ------------------------------------------------------------------------------
 
 
-def run_engine(tmp_path: Path, name: str, spec: dict, timeout_s: float = 240) -> dict:
-    """Runs tests/vllm_worker.py on `spec`; returns its RESULT (or {"startup_error": message})."""
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, **spec.get("env", SINGLE_PROCESS), "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = subprocess.run([sys.executable, str(WORKER), str(path)], check=False, capture_output=True,
-                          text=True, timeout=timeout_s, env=env)
-    lines = done.stdout.splitlines()
-    for line in lines:
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-        if line.startswith("STARTUP_ERROR "):
-            return {"startup_error": line[len("STARTUP_ERROR "):]}
-    raise AssertionError(f"{name}: no result (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
 
 
-def _spec(model: Path, kvtier: Path | None, phases: list[dict], **engine) -> dict:
-    return {"model": str(model), "kvtier": str(kvtier) if kvtier else None, "phases": phases,
-            "engine": {"enable_prefix_caching": False, "num_gpu_blocks_override": 40, **engine}}
 
 
-BASIC_PHASES = [{"prompts": [P1]}, {"prompts": [P2]}, {"prompts": [P1, P2]},
-                {"prompts": [Q], "max_tokens": 40}, {"follow_up": FOLLOW_UP, "max_tokens": 4}]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model, tmp_path_factory) -> dict[str, dict]:
-    """What an engine without the connector generates, by prompt."""
-    phases = BASIC_PHASES + [{"prompts": SPILL}]
-    result = run_engine(tmp_path_factory.mktemp("reference"), "reference", _spec(tiny_model, None, phases))
-    return {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
 
 
-def assert_same_as_reference(phase: dict, reference: dict[str, dict]) -> None:
-    for prompt, out in zip(phase["prompts"], phase["outputs"]):
-        want = reference[json.dumps(prompt)]
-        assert out["finish_reason"] == "length"
-        assert out["tokens"] == want["tokens"], f"prompt of {len(prompt)} tokens"
-        assert out["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
 
 
 def test_engine_hits_load_layer_by_layer_and_generate_the_same(tmp_path, tiny_model, reference):

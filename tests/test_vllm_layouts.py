@@ -128,6 +128,7 @@ def views_of(caches: dict[str, torch.Tensor], settings) -> list[torch.Tensor]:
 # ---- vLLM's allocation, pinned ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, ratio", CASES)
 def test_the_gpu_checks_reproduction_lays_caches_out_as_vllm_does(layout, ratio):
     ours = gpu_check.vllm_layout_caches(layout, NUM_LAYERS, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM, torch.bfloat16,
@@ -317,7 +318,6 @@ def test_mla_is_refused_at_start_up():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("layout, ratio", CASES)
 def test_on_cuda_tensors_each_backend_round_trips_and_means_each_tokens_kv(tmp_path, model_dir, monkeypatch,

@@ -44,7 +44,7 @@ from kvtier.keys import block_keys
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-from test_vllm import (  # helpers only; after the skip, which needs vLLM
+from support.vllm import (  # noqa: E402 (helpers only; after the skip, which needs vLLM)
     BLOCK,
     HEAD_DIM,
     LAYER_NAMES,

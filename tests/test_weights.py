@@ -224,6 +224,7 @@ print(json.dumps([fingerprint_files(sys.argv[1]), fingerprint_tensors([("w", tor
 """
 
 
+@pytest.mark.slow
 def test_fingerprints_are_the_same_in_another_process(tmp_path):
     model = checkpoint(tmp_path / "m", tensors(0))
     env = os.environ | {"PYTHONHASHSEED": "123"}

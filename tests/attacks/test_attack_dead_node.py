@@ -20,7 +20,7 @@ from kvtier.pool.node.process import NodeProcess
 from kvtier.runtime import KVTier
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
-from test_runtime import BLOCK, LAYOUT, WAIT_S, blocks
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
 D, P, S = TierKind.DRAM, TierKind.POOL, TierKind.SSD
 NUM_BLOCKS = 24

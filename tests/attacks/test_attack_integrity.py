@@ -16,8 +16,8 @@ import torch
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd_journal import HEADER_BYTES, JOURNAL_NAME
-from test_persistence import KEYS, data, persistent
-from test_runtime import BLOCK, LAYOUT, WAIT_S
+from support.persistence import KEYS, data, persistent
+from support.runtime import BLOCK, LAYOUT, WAIT_S
 
 S = TierKind.SSD
 RECORD_BYTES = 24 + 8 * LAYOUT.num_layers  # valid marker, layers, key, then one checksum per layer

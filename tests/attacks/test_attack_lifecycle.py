@@ -13,8 +13,8 @@ import pytest
 
 from kvtier.errors import KVTierError, TierIOError
 from kvtier.tiers.base import TierKind
-from test_persistence import KEYS, fill, persistent
-from test_runtime import runtime, store
+from support.persistence import KEYS, fill, persistent
+from support.runtime import runtime, store
 
 D, S = TierKind.DRAM, TierKind.SSD
 

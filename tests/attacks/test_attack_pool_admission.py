@@ -21,7 +21,7 @@ from kvtier.pool.client.connection import AuthFailed
 from kvtier.pool.protocol import PREFIX, VERSION, ErrorCode, MsgType
 from kvtier.pool.tenants import proof
 from kvtier.pool.node.process import NodeProcess, running_node
-from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
+from support.pool import SECRETS, WAIT_S, Raw
 
 
 def node_threads(node: NodeProcess) -> int:
@@ -30,15 +30,9 @@ def node_threads(node: NodeProcess) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
 
 
-def wait_until(condition, what: str, timeout_s: float = WAIT_S) -> None:
-    """Polls `condition` (each try is a real call or read, never a sleep) until it holds; the
-    deadline is a safety net for a loaded machine, never a measurement."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if condition():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never: {what}")
+from support.pool import wait_until
+
+
 
 
 def connect(address: str, source: str | None = None) -> socket.socket:

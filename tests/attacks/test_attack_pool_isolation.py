@@ -16,7 +16,7 @@ from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import MsgType
 from kvtier.pool.node.process import running_node
 from kvtier.testing.pool import rdma_node
-from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
+from support.pool import SECRETS, WAIT_S, Raw
 
 KIB = 1024
 BLOCK = 64 * KIB

@@ -14,8 +14,8 @@ from kvtier.pool.detect import TransportKind
 from kvtier.pool.protocol import ErrorCode, MsgType
 from kvtier.pool.node.process import running_node
 from kvtier.testing.pool import rdma_node
-from test_attack_pool_admission import wait_until
-from test_pool_node import SECRETS, WAIT_S, Raw, tenants_file  # noqa: F401 (a fixture)
+from support.pool import wait_until
+from support.pool import SECRETS, WAIT_S, Raw
 
 FLOOD = {"keys": [b"k"] * 4096, "lease_s": 60, "release": [], "inline": False}
 

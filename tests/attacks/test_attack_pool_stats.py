@@ -11,7 +11,7 @@ import json
 from kvtier.cli import main
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.node.process import running_node
-from test_pool_node import SECRETS, WAIT_S, tenants_file  # noqa: F401 (a fixture)
+from support.pool import SECRETS, WAIT_S
 
 NODE_WIDE = {"active_connections", "connections", "auth_failures", "refused_busy", "protocol_errors",
              "free_regions", "handshakes_pending", "handshakes_evicted", "accesses_in_flight",

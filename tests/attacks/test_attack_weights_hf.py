@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from kvtier.integrations.hf.adapter import HFKVTier
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
 from kvtier.keys import Namespace
-from test_hf_cache import BLOCK_TOKENS, GEN, assert_same, default_generate, kvtier, prompts
+from support.hf import BLOCK_TOKENS, GEN, assert_same, default_generate, kvtier, prompts
 
 
 def _load(path):

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from test_sglang_storage import PAGE_BYTES, FakeHostPool, find_wheel, keys, page, same_bytes, storage_config
-from test_sglang_storage import sgl  # noqa: F401 (the fixture: SGLang's modules from the wheel)
+from support.sglang import PAGE_BYTES, FakeHostPool, find_wheel, keys, page, same_bytes, storage_config
+
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.skipif(find_wheel() is None, reason="no sglang-0.5.23 wheel: run `make venv`")

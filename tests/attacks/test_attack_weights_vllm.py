@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
-from test_vllm import BLOCK, KV_HEADS, NUM_LAYERS, P1, _spec, _yaml, assert_same_as_reference, run_engine
-from test_vllm import pool_node  # noqa: F401 (the fixture: a `kvtier pool serve` node)
+from support.vllm import BLOCK, KV_HEADS, NUM_LAYERS, P1, _spec, _yaml, assert_same_as_reference, run_engine
+
 
 pytestmark = pytest.mark.slow
 
