@@ -54,7 +54,7 @@ from kvtier.integrations.vllm.transfers import engine_block_view
 from kvtier.layout import BlockLayout
 from kvtier.native import (
     KERNEL_NAMES,
-    Backend,
+    Kernels,
     NvccOutput,
     find_nvcc,
     gather_blocks,
@@ -190,13 +190,13 @@ class CubinLauncher:
 
 def kernel_backends(device: str, cubin: Path | None) -> tuple[dict, list[str]]:
     """The ways to run gather/scatter here, by name, and why any expected one is missing."""
-    backends = {"torch": Backend.TORCH}
+    backends = {"torch": Kernels.TORCH}
     missing = []
     if device == "cuda":
         if importlib.util.find_spec("cupy") is None:
             missing.append("cupy not installed (pass --install-cupy): NVRTC and cubin kernels not run")
         else:
-            backends["cuda-nvrtc"] = Backend.CUDA
+            backends["cuda-nvrtc"] = Kernels.CUDA
             if cubin is None:
                 missing.append("no nvcc cubin: the nvcc-built kernels not run")
             else:
@@ -226,7 +226,7 @@ def run_case(backend, kv_dim, dtype, num_layers, page, device, gen) -> bool:
 
 
 def move(backend, fn, layers, ids, blocks, layout, kv_dim, slots, to_engine):
-    if isinstance(backend, Backend):
+    if isinstance(backend, Kernels):
         fn(layers, ids, blocks, layout, kv_dim, slots=slots, backend=backend)
     else:  # a launcher of the nvcc cubin
         backend(kernel_calls(layers, ids, blocks, layout, kv_dim, to_engine=to_engine, slots=slots))

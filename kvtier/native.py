@@ -14,9 +14,9 @@ that geometry. Gathering copies the blocks named by a block table into rows of a
 reverse.
 
 Two ways to move the bytes, checked against the same slow reference (`gather_reference`):
-  * `Backend.CUDA`: the kernels of `native/kv_blocks.cu`, compiled by NVRTC through cupy (imported
+  * `Kernels.CUDA`: the kernels of `native/kv_blocks.cu`, compiled by NVRTC through cupy (imported
     lazily) and launched on torch's current stream. One launch covers every layer.
-  * `Backend.TORCH`: `index_select` / `index_copy_` on uint8 views. Works on any device; on a GPU
+  * `Kernels.TORCH`: `index_select` / `index_copy_` on uint8 views. Works on any device; on a GPU
     where cupy is not installed this is the path taken (`backend_for` says which one applies).
 `nvcc_compile` builds the same source ahead of time (cubin, PTX or fatbin), e.g. for a loader
 outside Python; `native/Makefile` does the same from a shell.
@@ -58,7 +58,7 @@ class NativeError(KVTierError, RuntimeError):
     """nvcc or cupy is missing, or the kernels failed to compile."""
 
 
-class Backend(enum.Enum):
+class Kernels(enum.Enum):
     """How the bytes move: torch indexing ops (any device) or the kv_blocks.cu kernels (CUDA + cupy)."""
 
     TORCH = "torch"
@@ -281,16 +281,16 @@ def _index_tensor(values: BlockIds, limit: int, name: str, device: torch.device,
     return ids.to(device)
 
 
-def backend_for(device: torch.device) -> Backend:
+def backend_for(device: torch.device) -> Kernels:
     """The backend `gather_blocks` picks by default: CUDA for CUDA tensors when cupy is installed."""
     if device.type == "cuda" and importlib.util.find_spec("cupy") is not None:
-        return Backend.CUDA
-    return Backend.TORCH
+        return Kernels.CUDA
+    return Kernels.TORCH
 
 
 def gather_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, out: torch.Tensor,
                   layout: BlockLayout, kv_dim: int | None, *, slots: BlockIds | None = None,
-                  layers: Sequence[int] | None = None, backend: Backend | None = None) -> None:
+                  layers: Sequence[int] | None = None, backend: Kernels | None = None) -> None:
     """Copies the pages of engine blocks `block_ids` into kvtier blocks, asynchronously on CUDA.
 
     Args:
@@ -308,8 +308,8 @@ def gather_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, out: to
     Raises:
         GeometryError: a tensor's shape, strides or page size disagree with `layout` or `kv_dim`.
         IndexError: a block id or slot is out of range.
-        ValueError: slots or layers repeat, tensors span devices, or Backend.CUDA on a non-CUDA tensor.
-        NativeError: Backend.CUDA without a usable cupy.
+        ValueError: slots or layers repeat, tensors span devices, or Kernels.CUDA on a non-CUDA tensor.
+        NativeError: Kernels.CUDA without a usable cupy.
     """
     plan = _plan(layer_kv, block_ids, out, layout, kv_dim, slots, layers, unique_ids=False)
     _run(plan, to_engine=False, backend=backend)
@@ -317,7 +317,7 @@ def gather_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, out: to
 
 def scatter_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, blocks: torch.Tensor,
                    layout: BlockLayout, kv_dim: int | None, *, slots: BlockIds | None = None,
-                   layers: Sequence[int] | None = None, backend: Backend | None = None) -> None:
+                   layers: Sequence[int] | None = None, backend: Kernels | None = None) -> None:
     """Copies kvtier blocks back into the pages of engine blocks `block_ids`; the reverse of gather.
 
     Args:
@@ -334,14 +334,14 @@ def scatter_blocks(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, blocks
     _run(plan, to_engine=True, backend=backend)
 
 
-def _run(plan: _Plan, to_engine: bool, backend: Backend | None) -> None:
+def _run(plan: _Plan, to_engine: bool, backend: Kernels | None) -> None:
     device = plan.blocks.device
     chosen = backend_for(device) if backend is None else backend
-    if chosen is Backend.CUDA and device.type != "cuda":
-        raise ValueError(f"Backend.CUDA needs CUDA tensors, got {device}")
+    if chosen is Kernels.CUDA and device.type != "cuda":
+        raise ValueError(f"Kernels.CUDA needs CUDA tensors, got {device}")
     if plan.block_ids.numel() == 0:
         return
-    if chosen is Backend.CUDA:
+    if chosen is Kernels.CUDA:
         _launch_cupy(_kernel_calls(plan, to_engine), device)
         return
     for view, geometry, offset in plan.layers:
@@ -396,7 +396,7 @@ def _host_gather_layer(pages: np.ndarray, ids: np.ndarray, rows: np.ndarray, slo
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One launch of a kv_blocks.cu kernel: what `Backend.CUDA` hands to cupy.
+    """One launch of a kv_blocks.cu kernel: what `Kernels.CUDA` hands to cupy.
 
     Attributes:
         name: the kernel, one of KERNEL_NAMES.
@@ -415,7 +415,7 @@ class KernelCall:
 def kernel_calls(layer_kv: Sequence[torch.Tensor], block_ids: BlockIds, blocks: torch.Tensor,
                  layout: BlockLayout, kv_dim: int | None, *, to_engine: bool, slots: BlockIds | None = None,
                  layers: Sequence[int] | None = None) -> list[KernelCall]:
-    """The launches `Backend.CUDA` makes for a gather (or, with `to_engine`, a scatter); launches nothing.
+    """The launches `Kernels.CUDA` makes for a gather (or, with `to_engine`, a scatter); launches nothing.
 
     Exposed so the kernels can run under another launcher; the tests run them on the CPU this way.
     Args and Raises are those of `gather_blocks` / `scatter_blocks`; the tensors may be on any device.
@@ -469,8 +469,8 @@ def _import_cupy():
     try:
         import cupy
     except ImportError as e:
-        raise NativeError("Backend.CUDA needs cupy (pip install 'kvtier[gpu]'); "
-                          "without it use Backend.TORCH") from e
+        raise NativeError("Kernels.CUDA needs cupy (pip install 'kvtier[gpu]'); "
+                          "without it use Kernels.TORCH") from e
     return cupy
 
 

@@ -79,7 +79,7 @@ def test_the_kernel_check_catches_a_backend_that_moves_nothing():
 
     gen = torch.Generator().manual_seed(0)
     for kv_dim in (0, 1, None):
-        assert gpu_check.run_case(gpu_check.Backend.TORCH, kv_dim, torch.bfloat16, 3, gpu_check.PAGES[0], "cpu", gen)
+        assert gpu_check.run_case(gpu_check.Kernels.TORCH, kv_dim, torch.bfloat16, 3, gpu_check.PAGES[0], "cpu", gen)
         assert not gpu_check.run_case(lambda calls: None, kv_dim, torch.float16, 3, gpu_check.PAGES[1], "cpu", gen)
 
 
@@ -91,7 +91,7 @@ def test_the_layout_check_catches_a_backend_that_moves_nothing_or_misreads_the_l
     shape = gpu_check.LAYOUT_SHAPES[0]
     for layout in gpu_check.VLLM_LAYOUTS:
         for ratio in gpu_check.kernel_ratios(layout):
-            assert gpu_check.layout_case(gpu_check.Backend.TORCH, layout, ratio, torch.bfloat16, shape, "cpu", gen)
+            assert gpu_check.layout_case(gpu_check.Kernels.TORCH, layout, ratio, torch.bfloat16, shape, "cpu", gen)
             assert not gpu_check.layout_case(lambda calls: None, layout, ratio, torch.bfloat16, shape, "cpu", gen)
     # the reference tells the two interior orders apart: same bytes, other places
     kv = gpu_check.vllm_layout_caches("LBHNC", 1, 4, 2, 16, 8, torch.bfloat16, "cpu")[0]

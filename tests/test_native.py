@@ -21,7 +21,7 @@ from kvtier.layout import BlockLayout
 from kvtier.native import (
     KERNEL_NAMES,
     KERNEL_SOURCE,
-    Backend,
+    Kernels,
     KernelCall,
     NativeError,
     NvccOutput,
@@ -38,9 +38,9 @@ from kvtier.native import (
 KV_DIMS = [0, 1, None]  # [2, blocks, ...], [blocks, 2, ...], MLA [blocks, ...]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # On a GPU both copy paths run; the kernel's launches go through cupy.
-CUDA_BACKENDS = [pytest.param(Backend.CUDA, marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
-                                                                     reason="Backend.CUDA needs cupy")),
-                 Backend.TORCH]
+CUDA_BACKENDS = [pytest.param(Kernels.CUDA, marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                                                     reason="Kernels.CUDA needs cupy")),
+                 Kernels.TORCH]
 
 
 def make_engine(kv_dim, dtype, *, num_layers=3, num_engine_blocks=11, block_size=4, heads=2, head_dim=8,
@@ -150,7 +150,7 @@ def test_torch_gather_equals_reference(kv_dim, dtype, strided):
     ids = random_ids(16, 11, seed=1, unique=False)  # more ids than blocks: repeats, any order
     got = torch.zeros(len(ids), layout.block_bytes, dtype=torch.uint8)
     want = torch.zeros_like(got)
-    gather_blocks(layers, ids, got, layout, kv_dim, backend=Backend.TORCH)
+    gather_blocks(layers, ids, got, layout, kv_dim, backend=Kernels.TORCH)
     gather_reference(layers, ids, want, layout, kv_dim)
     assert torch.equal(got, want)
 
@@ -164,7 +164,7 @@ def test_torch_scatter_equals_reference(kv_dim, dtype, strided):
     blocks = torch.randint(0, 256, (7, layout.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     got = zeroed_like(layers)
     want = [t.clone() for t in got]
-    scatter_blocks(got, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    scatter_blocks(got, ids, blocks, layout, kv_dim, backend=Kernels.TORCH)
     scatter_reference(want, ids, blocks, layout, kv_dim)
     assert_same_bytes(got, want)
 
@@ -174,9 +174,9 @@ def test_scatter_of_gather_round_trips_and_touches_nothing_else(kv_dim):
     layers, layout = make_engine(kv_dim, torch.bfloat16, strided=True)
     ids = random_ids(6, 11, seed=4, unique=True)
     blocks = torch.empty(6, layout.block_bytes, dtype=torch.uint8)
-    gather_blocks(layers, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    gather_blocks(layers, ids, blocks, layout, kv_dim, backend=Kernels.TORCH)
     restored = zeroed_like(layers)
-    scatter_blocks(restored, ids, blocks, layout, kv_dim, backend=Backend.TORCH)
+    scatter_blocks(restored, ids, blocks, layout, kv_dim, backend=Kernels.TORCH)
     block_dim = 1 if kv_dim == 0 else 0
     for before, after in zip(raw(layers), raw(restored)):
         for b in range(11):
@@ -191,13 +191,13 @@ def test_slots_and_a_single_layer_address_part_of_a_slab(kv_dim):
     ids, slots = [3, 3, 0, 9], [5, 1, 7, 2]
     got = torch.zeros(8, layout.block_bytes, dtype=torch.uint8)
     want = torch.zeros_like(got)
-    gather_blocks(layers[1:2], ids, got, layout, kv_dim, slots=slots, layers=[1], backend=Backend.TORCH)
+    gather_blocks(layers[1:2], ids, got, layout, kv_dim, slots=slots, layers=[1], backend=Kernels.TORCH)
     gather_reference(layers[1:2], ids, want, layout, kv_dim, slots=slots, layers=[1])
     assert torch.equal(got, want) and got[[0, 3, 4, 6]].count_nonzero() == 0
     unique_ids = [4, 1, 8, 10]
     back = zeroed_like(layers)
     back_want = [t.clone() for t in back]
-    scatter_blocks(back[2:], unique_ids, want, layout, kv_dim, slots=slots, layers=[2], backend=Backend.TORCH)
+    scatter_blocks(back[2:], unique_ids, want, layout, kv_dim, slots=slots, layers=[2], backend=Kernels.TORCH)
     scatter_reference(back_want[2:], unique_ids, want, layout, kv_dim, slots=slots, layers=[2])
     assert_same_bytes(back, back_want)
 
@@ -264,12 +264,12 @@ def test_torch_path_on_strided_runs_equals_reference(case, dtype):
     ids, slots = random_ids(9, 11, seed=11, unique=False), random_ids(9, 12, seed=12, unique=True)
     got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
     want = torch.zeros_like(got)
-    gather_blocks(layers, ids, got, layout, None, slots=slots, backend=Backend.TORCH)
+    gather_blocks(layers, ids, got, layout, None, slots=slots, backend=Kernels.TORCH)
     gather_reference(layers, ids, want, layout, None, slots=slots)
     assert torch.equal(got, want) and got[slots].count_nonzero() > 0
     unique_ids = random_ids(9, 11, seed=13, unique=True)
     back, back_want = zeroed_like(layers), zeroed_like(layers)
-    scatter_blocks(back, unique_ids, got, layout, None, slots=slots, backend=Backend.TORCH)
+    scatter_blocks(back, unique_ids, got, layout, None, slots=slots, backend=Kernels.TORCH)
     scatter_reference(back_want, unique_ids, want, layout, None, slots=slots)
     for a, b in zip(back, back_want):  # whole storages: nothing outside the blocks was written
         assert torch.equal(storage_bytes(a), storage_bytes(b))
@@ -293,7 +293,7 @@ def test_bad_inputs_raise_and_write_nothing():
     with pytest.raises(GeometryError, match="contiguous"):
         gather_blocks([t.transpose(3, 4) for t in layers], [0, 1], blocks, layout, 0)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        gather_blocks(layers, [0, 1], blocks, layout, 0, backend=Backend.CUDA)
+        gather_blocks(layers, [0, 1], blocks, layout, 0, backend=Kernels.CUDA)
     assert blocks.count_nonzero() == 0
 
 
@@ -408,7 +408,7 @@ def test_kernels_on_cpu_equal_reference_on_strided_runs(emulator, case, num_laye
 # --- the CUDA kernels on a GPU ------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="Backend.CUDA needs cupy")
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="Kernels.CUDA needs cupy")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dim", KV_DIMS)
 def test_cuda_kernels_equal_reference(kv_dim, dtype):
@@ -419,7 +419,7 @@ def test_cuda_kernels_equal_reference(kv_dim, dtype):
         ids, slots = random_ids(9, 11, seed=8, unique=False), random_ids(9, 12, seed=9, unique=True)
         got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device="cuda")
         want = torch.zeros(12, layout.block_bytes, dtype=torch.uint8)
-        gather_blocks(device_layers, ids, got, layout, kv_dim, slots=slots, backend=Backend.CUDA)
+        gather_blocks(device_layers, ids, got, layout, kv_dim, slots=slots, backend=Kernels.CUDA)
         gather_reference(layers, ids, want, layout, kv_dim, slots=slots)
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want)
@@ -428,7 +428,7 @@ def test_cuda_kernels_equal_reference(kv_dim, dtype):
         back = zeroed_like(device_layers)
         back_want = [t.cpu() for t in back]
         scatter_blocks(back, torch.tensor(unique_ids, device="cuda"), got, layout, kv_dim, slots=slots,
-                       backend=Backend.CUDA)
+                       backend=Kernels.CUDA)
         scatter_reference(back_want, unique_ids, want, layout, kv_dim, slots=slots)
         torch.cuda.synchronize()
         assert_same_bytes(back, back_want)

@@ -28,7 +28,7 @@ from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
 from kvtier.integrations.vllm.settings import EngineFacts, read_settings
 from kvtier.integrations.vllm.transfers import WorkerSide, engine_block_view
 from kvtier.keys import block_keys
-from kvtier.native import Backend, gather_blocks, scatter_blocks
+from kvtier.native import Kernels, gather_blocks, scatter_blocks
 from kvtier.runtime import KVTier
 
 pytest.importorskip("vllm")
@@ -42,9 +42,9 @@ LAYOUTS = HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS
 CASES = [(layout, ratio) for layout in LAYOUTS for ratio in gpu_check.kernel_ratios(layout)]
 DTYPE_NAMES = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("float16", "fp16")}
 # On a GPU both copy paths run; the kernel's launches go through cupy.
-CUDA_BACKENDS = [pytest.param(Backend.CUDA, marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
-                                                                     reason="Backend.CUDA needs cupy")),
-                 Backend.TORCH]
+CUDA_BACKENDS = [pytest.param(Kernels.CUDA, marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                                                     reason="Kernels.CUDA needs cupy")),
+                 Kernels.TORCH]
 
 
 def vllm_caches(layout: str, ratio: int, dtype=torch.bfloat16, device="cpu",
@@ -179,7 +179,7 @@ def test_a_cache_that_disagrees_with_the_layout_is_refused(tmp_path, model_dir):
 # ---- the worker half through a real KVTier on disk --------------------------------------------------
 
 
-def round_trip(settings, caches, fresh, backend: Backend | None = None) -> None:
+def round_trip(settings, caches, fresh, backend: Kernels | None = None) -> None:
     """Stores blocks (7, 2, 5) of `caches` through WorkerSide, checks kvtier's bytes by meaning, loads them
     into blocks (1, 8, 4) of `fresh` and checks those, byte for byte, and that nothing else changed."""
     ratio = next(iter(caches.values())).shape[0] // NUM_BLOCKS

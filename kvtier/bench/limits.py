@@ -18,7 +18,6 @@ medium) from caller thread `t`; `fill(t, b)` moves it back.
 
 from __future__ import annotations
 
-import mmap
 import os
 import tempfile
 
@@ -27,19 +26,13 @@ import torch
 from kvtier.errors import TierIOError
 from kvtier.pool.client.api import byte_view
 from kvtier.tiers.base import copy_bytes
+from kvtier.tiers.dram import aligned_host_memory
 
-PAGE_BYTES = 4096
 
 
 def host_buffer(num_blocks: int, block_bytes: int, pinned: bool) -> torch.Tensor:
     """A zeroed, page-aligned `[num_blocks, block_bytes]` uint8 host tensor (pinned when asked)."""
-    n = num_blocks * block_bytes
-    if pinned:
-        raw = torch.zeros(n + PAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-        skip = (-raw.data_ptr()) % PAGE_BYTES
-        return raw[skip: skip + n].view(num_blocks, block_bytes)
-    region = mmap.mmap(-1, -(-n // PAGE_BYTES) * PAGE_BYTES)
-    return torch.frombuffer(region, dtype=torch.uint8, count=n).view(num_blocks, block_bytes)
+    return aligned_host_memory(num_blocks * block_bytes, pinned).view(num_blocks, block_bytes)
 
 
 def random_fill(t: torch.Tensor) -> torch.Tensor:

@@ -86,25 +86,8 @@ class ARCPolicy(EvictionPolicy):
         if self._t1.pop(key, _MISSING) is _MISSING:
             self._t2.pop(key, None)
 
-    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
-        """Chooses `n` victims by the ARC rule and moves them to the ghost lists.
-
-        Args:
-            n: number of victims wanted (>= 0).
-            protected: keys that must stay; they keep their place in their list.
-        Returns:
-            Exactly `n` victims in eviction order, or None (nothing changed) when fewer than
-            `n` unprotected keys are resident.
-        Raises:
-            ValueError: `n` is negative.
-            Exception: whatever `protected` raises; nothing has changed by then.
-        """
-        if n < 0:
-            raise ValueError(f"evict: n must be >= 0, got {n}")
-        if n == 0:
-            return []
-        if n > len(self):
-            return None
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses `n` victims by the ARC rule and moves them to the ghost lists."""
         plan = self._plan_one(protected) if n == 1 else self._plan(n, protected)
         if plan is None:
             return None

@@ -30,17 +30,30 @@ class EvictionPolicy(ABC):
     def remove(self, key: Hashable) -> None:
         """Forgets `key` (it left the tier for a reason other than eviction). Unknown keys are ignored."""
 
-    @abstractmethod
     def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
         """Chooses `n` victims, none for which `protected(key)` is true, and forgets them.
 
         Args:
             n: number of victims wanted (>= 0).
-            protected: keys that must stay (pinned, being read or written).
+            protected: keys that must stay (pinned, being read or written); they keep their place.
         Returns:
             Exactly `n` victims in eviction order, or None when fewer than `n` unprotected keys
             exist; on None the policy's state is unchanged.
+        Raises:
+            ValueError: `n` is negative.
+            Exception: whatever `protected` raises; the policy's state is unchanged by then.
         """
+        if n < 1:
+            if n < 0:
+                raise ValueError(f"evict: n must be >= 0, got {n}")
+            return []
+        if n > len(self):
+            return None
+        return self._evict(n, protected)
+
+    @abstractmethod
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """`evict` once its arguments are checked: 1 <= n <= len(self)."""
 
     @abstractmethod
     def __contains__(self, key: Hashable) -> bool: ...

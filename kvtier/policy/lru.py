@@ -42,31 +42,14 @@ class LRUPolicy(EvictionPolicy):
         """Forgets `key`. Unknown keys are ignored."""
         self._order.pop(key, None)
 
-    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
-        """Chooses the `n` least recent unprotected keys and forgets them.
-
-        Args:
-            n: number of victims wanted (>= 0).
-            protected: keys that must stay; they keep their place in the order.
-        Returns:
-            Exactly `n` victims, least recent first, or None (nothing changed) when fewer than
-            `n` unprotected keys are resident.
-        Raises:
-            ValueError: `n` is negative.
-            Exception: whatever `protected` raises; nothing has changed by then.
-        """
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses the `n` least recent unprotected keys and forgets them."""
         order = self._order
-        if n == 1:  # the hot path (one victim per block stored into a full tier): checked first
+        if n == 1:  # the hot path: one victim per block stored into a full tier
             for key in order:
                 if not protected(key):
                     del order[key]  # ends the loop: the iterator is not advanced again
                     return [key]
-            return None
-        if n < 0:
-            raise ValueError(f"evict: n must be >= 0, got {n}")
-        if n == 0:
-            return []
-        if n > len(order):
             return None
         victims = self._least_recent_unprotected(n, protected)
         if victims is None:

@@ -95,25 +95,8 @@ class S3FIFOPolicy(EvictionPolicy):
         if self._small.pop(key, _MISSING) is _MISSING:
             del self._main[key]
 
-    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
-        """Chooses `n` victims by the S3-FIFO rules and forgets them.
-
-        Args:
-            n: number of victims wanted (>= 0).
-            protected: keys that must stay; they keep their place in their queue.
-        Returns:
-            Exactly `n` victims in eviction order, or None (nothing changed) when fewer than
-            `n` unprotected keys are resident.
-        Raises:
-            ValueError: `n` is negative.
-            Exception: whatever `protected` raises, after undoing every step taken.
-        """
-        if n < 0:
-            raise ValueError(f"evict: n must be >= 0, got {n}")
-        if n == 0:
-            return []
-        if n > len(self._freq):
-            return None
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses `n` victims by the S3-FIFO rules and forgets them."""
         journal: list[tuple] = []
         aside_small: list[Hashable] = []
         aside_main: list[Hashable] = []

@@ -109,25 +109,8 @@ class BeladyPolicy(EvictionPolicy):
         """Forgets `key`. Unknown keys are ignored."""
         self._seq.pop(key, None)
 
-    def evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
-        """Chooses the `n` unprotected keys used farthest in the future and forgets them.
-
-        Args:
-            n: number of victims wanted (>= 0).
-            protected: keys that must stay.
-        Returns:
-            Exactly `n` victims, farthest next use first, or None (nothing changed) when fewer
-            than `n` unprotected keys are resident.
-        Raises:
-            ValueError: `n` is negative.
-            Exception: whatever `protected` raises; nothing has changed by then.
-        """
-        if n < 0:
-            raise ValueError(f"evict: n must be >= 0, got {n}")
-        if n == 0:
-            return []
-        if n > len(self._seq):
-            return None
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
+        """Chooses the `n` unprotected keys used farthest in the future and forgets them."""
         if n == 1:  # the hot path, one victim per store into a full tier: try the farthest first
             item = self._pop_live()
             if item is None:

@@ -11,13 +11,14 @@ import mmap
 
 import torch
 
-from kvtier.errors import ConfigError, TierIOError
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
+from kvtier.tiers.slab import SlabTier
 
 PAGE_BYTES = 4096
 
 
-class DRAMTier(Tier):
+class DRAMTier(SlabTier):
     """Host memory as `num_slots` slots of `slot_bytes`, one `[num_slots, slot_bytes]` uint8 tensor."""
 
     kind = TierKind.DRAM
@@ -34,31 +35,18 @@ class DRAMTier(Tier):
             CapacityError: capacity is below one slot.
             ConfigError: slot_bytes is not positive, or pin=True without CUDA.
         """
-        if slot_bytes <= 0:
-            raise ConfigError(f"DRAM tier: slot_bytes must be positive, got {slot_bytes}")
         if pin and not torch.cuda.is_available():
             raise ConfigError("DRAM tier: pin=True needs CUDA, which is not available")
-        self.slot_bytes = slot_bytes
-        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "dram")
+        super().__init__(capacity_bytes, slot_bytes)
         self._pinned = torch.cuda.is_available() if pin is None else pin
         total_bytes = self.num_slots * slot_bytes
-        flat = _pinned_aligned(total_bytes) if self._pinned else _mmap_aligned(total_bytes)
-        self._slab: torch.Tensor | None = flat.view(self.num_slots, slot_bytes)
+        flat = aligned_host_memory(total_bytes, self._pinned)
+        self._slab = flat.view(self.num_slots, slot_bytes)
         self._rows = self._slab.numpy()
 
     @property
     def pinned(self) -> bool:
         return self._pinned
-
-    def view(self, slot: int, offset: int, length: int) -> torch.Tensor:
-        """A zero-copy 1-D uint8 tensor over `[offset, offset + length)` of `slot`.
-
-        Raises:
-            IndexError: slot or range out of bounds.
-            TierIOError: the tier is closed.
-        """
-        self._check_range(slot, offset, length)
-        return self._open_slab()[slot, offset : offset + length]
 
     def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
         """Copies `src` into `slot` at `offset`; a CUDA `src` is copied synchronously.
@@ -100,14 +88,6 @@ class DRAMTier(Tier):
         facts["slots_aligned"] = bool(facts["aligned"]) and self.slot_bytes % PAGE_BYTES == 0
         return facts
 
-    def close(self) -> None:
-        """Drops the slab; the memory is freed once no caller's view refers to it. Idempotent."""
-        self._slab = None
-
-    def _open_slab(self) -> torch.Tensor:
-        if self._slab is None:
-            raise TierIOError("DRAM tier is closed")
-        return self._slab
 
 
 def _mmap_aligned(num_bytes: int) -> torch.Tensor:
@@ -122,6 +102,12 @@ def _mmap_aligned(num_bytes: int) -> torch.Tensor:
     flat = torch.frombuffer(region, dtype=torch.uint8, count=num_bytes)
     flat.zero_()  # a write per page: the kernel backs each one now (zero pages would fault again)
     return flat
+
+
+def aligned_host_memory(num_bytes: int, pinned: bool) -> torch.Tensor:
+    """A zeroed, 4 KiB-aligned 1-D uint8 host tensor whose pages are backed now; pinned when asked
+    (the DRAM slab, and the benches' host buffers, which must be the same kind of memory)."""
+    return _pinned_aligned(num_bytes) if pinned else _mmap_aligned(num_bytes)
 
 
 def _pinned_aligned(num_bytes: int) -> torch.Tensor:
@@ -139,4 +125,4 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-__all__ = ("DRAMTier", "PAGE_BYTES")
+__all__ = ("DRAMTier", "PAGE_BYTES", "aligned_host_memory")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.errors import CapacityError, ConfigError, TierIOError
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
+from kvtier.tiers.slab import SlabTier
 
 
-class HBMTier(Tier):
+class HBMTier(SlabTier):
     """GPU memory as `num_slots` slots of `slot_bytes`, one `[num_slots, slot_bytes]` uint8 tensor.
 
     Copies that cross host and device are issued with `non_blocking=True`. Without a `stream`
@@ -38,12 +39,9 @@ class HBMTier(Tier):
             CapacityError: capacity is below one slot, or the device is out of memory.
             ConfigError: slot_bytes is not positive, or a CUDA device was asked for without CUDA.
         """
-        if slot_bytes <= 0:
-            raise ConfigError(f"HBM tier: slot_bytes must be positive, got {slot_bytes}")
-        self.slot_bytes = slot_bytes
-        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "hbm")
+        super().__init__(capacity_bytes, slot_bytes)
         self._device, self._stand_in_reason = _pick_device(device)
-        self._slab: torch.Tensor | None = _allocate(self.num_slots, slot_bytes, self._device)
+        self._slab = _allocate(self.num_slots, slot_bytes, self._device)
 
     @property
     def device(self) -> torch.device:
@@ -59,16 +57,6 @@ class HBMTier(Tier):
     def is_stand_in(self) -> bool:
         """True when a CPU tensor stands in for GPU memory."""
         return self._device.type != "cuda"
-
-    def view(self, slot: int, offset: int, length: int) -> torch.Tensor:
-        """A zero-copy 1-D uint8 tensor over `[offset, offset + length)` of `slot`.
-
-        Raises:
-            IndexError: slot or range out of bounds.
-            TierIOError: the tier is closed.
-        """
-        self._check_range(slot, offset, length)
-        return self._open_slab()[slot, offset : offset + length]
 
     def write(
         self, slot: int, src: torch.Tensor, offset: int = 0, stream: torch.cuda.Stream | None = None
@@ -107,14 +95,8 @@ class HBMTier(Tier):
             facts["reason"] = self._stand_in_reason
         return facts
 
-    def close(self) -> None:
-        """Drops the slab (device memory returns to torch's caching allocator). Idempotent."""
-        self._slab = None
-
-    def _open_slab(self) -> torch.Tensor:
-        if self._slab is None:
-            raise TierIOError(f"HBM tier on {self._device} is closed")
-        return self._slab
+    def _label(self) -> str:
+        return f"HBM tier on {self._device}"
 
 
 def _pick_device(device: str | torch.device | None) -> tuple[torch.device, str]:

@@ -1,6 +1,6 @@
 """The connector's backends: what it needs from kvtier, how one is opened, and sharing them in a process.
 
-The worker side owns its rank's backend (`open_backend`: a `KVTier`, or a `PoolBackend` where the
+The worker side owns its rank's backend (`open_backend`: a `KVTier`, or a `PoolConnectorBackend` where the
 kvtier config has a pool tier); `SHARED` lets the scheduler side of the same process find it.
 """
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """What the connector needs from kvtier: blocks by key, layer-major (see `kvtier.layout`).
 
-    `KVTier` is one (a process-local runtime over HBM/DRAM/SSD). `vllm_pool.PoolBackend` is the
+    `KVTier` is one (a process-local runtime over HBM/DRAM/SSD). `pool.PoolConnectorBackend` is the
     other (lookups, loads and stores by key against `kvtier pool serve` nodes, which every process
     and server can see, with the local tiers in front): `open_backend` picks it when the kvtier
     config has a `pool` tier; nothing else changes.
@@ -69,7 +69,7 @@ class Backend(Protocol):
 def open_backend(settings: Settings) -> Backend:
     """The backend the kvtier config asks for.
 
-    Without a `pool` tier: an in-process `KVTier` over its tiers. With one: a `PoolBackend`
+    Without a `pool` tier: an in-process `KVTier` over its tiers. With one: a `PoolConnectorBackend`
     (`vllm_pool`) that keeps blocks on the pool nodes under their block keys, so that every
     engine reaching those nodes, in any process, sees them; the config's other tiers stay in front
     as a local `KVTier`. (The pool tier's `capacity` then does not apply: the nodes' own capacity
@@ -118,7 +118,7 @@ def _open(settings: Settings, config: KVTierConfig) -> Backend:
     pool = config.tier(TierKind.POOL)
     if pool is None:
         return KVTier(config, layout=settings.layout)
-    from kvtier.integrations.vllm.pool import PoolBackend
+    from kvtier.integrations.vllm.pool import PoolConnectorBackend
     from kvtier.pool.client.api import PoolClient
     from kvtier.pool.tenants import read_secret
 
@@ -131,7 +131,7 @@ def _open(settings: Settings, config: KVTierConfig) -> Backend:
     except BaseException:
         client.close()
         raise
-    return PoolBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared,
+    return PoolConnectorBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared,
                        cpus=config.transfer.cpus)
 
 

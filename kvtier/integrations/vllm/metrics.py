@@ -42,7 +42,7 @@ _CONNECTOR = {
 
 def rank_report(rank: int, backend: Any, stats: WorkerStats, num_stores_in_flight: int) -> dict[str, Any]:
     """One worker rank's report, JSON-ready: its backend's `snapshot()` and `describe()` (a `KVTier`
-    or a `PoolBackend`) and the connector's counters."""
+    or a `PoolConnectorBackend`) and the connector's counters."""
     return {"rank": rank, "snapshot": backend.snapshot(), "describe": backend.describe(),
             "connector": {**vars(stats), "num_stores_in_flight": num_stores_in_flight}}
 

@@ -38,7 +38,7 @@ from kvtier.stats import Stats
 log = logging.getLogger(__name__)
 
 
-class PoolBackend:
+class PoolConnectorBackend:
     """The connector's `Backend` over pool nodes, with an optional local `KVTier` in front.
 
     Args:
