@@ -13,7 +13,7 @@ Cases, on conversation_trace.jsonl (288,500 accesses) unless `--trace` says othe
 
 The replay drives the manager's synchronous verbs (`load_now` / `store_now`), which run the same
 decision code as the two-phase verbs and complete each move inside the call; see
-tests/test_simulate_fastpath.py for the proof that both decide alike.
+tests/simulate/test_simulate_fastpath.py for the proof that both decide alike.
 
 `--profile POLICY` runs one replay under cProfile instead (`--tiers 3` for the three-tier case);
 cProfile's per-call overhead inflates small functions, so confirm a finding with the timed cases.

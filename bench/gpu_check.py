@@ -269,7 +269,7 @@ def vllm_layout_caches(layout: str, num_layers: int, num_blocks: int, heads: int
 
     A copy of `get_kv_cache_config_from_groups` (layer and block strides), `allocate_kv_cache` (one
     int8 buffer) and `create_kv_cache_views` (a `[B * ratio, H, N / ratio, C]` view per layer, strides by
-    the layout's permutation, C = K then V); tests/test_vllm_layouts.py pins it to vLLM's own code.
+    the layout's permutation, C = K then V); tests/integrations/test_vllm_layouts.py pins it to vLLM's own code.
     The buffer holds `fill` bytes, else random ones.
     """
     size = torch.empty((), dtype=dtype).element_size()

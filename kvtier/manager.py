@@ -17,7 +17,7 @@ its per-block paths (evict, demote, release) are inlined into each other because
 them a few million times (bench/bench_simulate.py). Spreading the class over modules would
 scatter the invariants those paths keep in step (`_outgoing`, free lists, owners, `ready_tier`)
 without making any of them smaller; the hypothesis state machine (tests/test_manager.py) and the
-two-path equivalence test (tests/test_simulate_fastpath.py) guard them instead.
+two-path equivalence test (tests/simulate/test_simulate_fastpath.py) guard them instead.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def resolve_config(name_or_path: str | Path) -> tuple[str, dict[str, Any]]:
 # shared experts and the router), RMSNorm weights and an untied lm_head. Not counted: biases other
 # than Qwen2's q/k/v (and `attention_bias`), rotary buffers, and DeepSeek-V3's multi-token-prediction
 # layer, which engines load only for speculative decoding. Checked against the published totals of
-# every catalog model (tests/test_planner.py).
+# every catalog model (tests/sizing/test_planner.py).
 
 _UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "starcoder2", "phi", "opt", "falcon"})
 _QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"})

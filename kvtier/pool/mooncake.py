@@ -1,7 +1,7 @@
 """The pool tier on Mooncake Store: `MooncakeClient` (keyed blocks) and `MooncakeTier` (the slot adapter).
 
 Facts of `mooncake-transfer-engine-non-cuda==0.3.13.post1` this module relies on (checked against a
-real `mooncake_master` in tests/test_pool_mooncake.py):
+real `mooncake_master` in tests/pool/test_pool_mooncake.py):
 - `batch_put_from` on a key that exists returns 0 and *keeps the old value*; `batch_upsert_from`
   replaces it (a different size too). So every write here is an upsert.
 - `batch_get_into` returns, per key, the object's size, -704 (OBJECT_NOT_FOUND) for a missing key,

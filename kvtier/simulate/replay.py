@@ -10,7 +10,7 @@ the runtime's admission rules and watermarks, and the same verbs in the same ord
 
 `load_now` and `store_now` are the manager's `prepare_*` / `complete_*` pairs for transfers that
 all succeed at once: every move the manager plans (promotions, demotions) completes at once, in
-the order issued, and the moves that completions trigger follow (tests/test_simulate_fastpath.py
+the order issued, and the moves that completions trigger follow (tests/simulate/test_simulate_fastpath.py
 checks that this decides exactly as the two-phase verbs driven that way). Nothing is in flight
 between requests, and requests are served one at a time in trace order (timestamps only order them).
 

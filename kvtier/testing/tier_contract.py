@@ -1,6 +1,6 @@
 """The `Tier` contract: what every tier must do, as a pytest class any tier's tests can reuse.
 
-kvtier runs it against each of its tiers (tests/test_tier_contract.py); an out-of-tree tier runs it
+kvtier runs it against each of its tiers (tests/tiers/test_tier_contract.py); an out-of-tree tier runs it
 the same way, by subclassing and giving the factory:
 
     from kvtier.testing.tier_contract import TierContract

@@ -4,7 +4,7 @@ Attack: SGLang serves a model path with kvtier below it on a persistent SSD tier
 the model's weights file is rebuilt at that path and SGLang starts again with the same storage
 config. Before the namespace carried a fingerprint of the weights, the new server's
 `batch_exists` found the old server's pages and `batch_get` returned them as good. The real
-`HiCacheStorage` ABC from the sglang wheel (see tests/test_sglang_storage.py), real SSD files.
+`HiCacheStorage` ABC from the sglang wheel (see tests/integrations/test_sglang_storage.py), real SSD files.
 Cost: ~5 s.
 """
 

@@ -5,7 +5,7 @@ Attack (issue 9): an engine serves a local model path with kvtier on a persisten
 same config, tensor names, shapes and file sizes) and a fresh engine starts on the same tiers.
 Before the namespace carried a fingerprint of the weights, the fresh engine loaded the old
 weights' KV as good and generated from it, with no error. Each engine runs in its own process
-(tests/vllm_worker.py). Cost: ~1-2 minutes on 2 cores (four engine processes and a pool node).
+(tests/integrations/vllm_worker.py). Cost: ~1-2 minutes on 2 cores (four engine processes and a pool node).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
 
 
-WORKER = Path(__file__).parents[1] / "vllm_worker.py"
+WORKER = Path(__file__).parents[1] / "integrations" / "vllm_worker.py"
 BLOCK = 32  # the CPU attention backend wants a multiple of 32
 NUM_LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 32  # head_dim 32: the smallest the CPU backend runs
 SINGLE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -57,7 +57,7 @@ def pool_node():
 
 
 def run_engine(tmp_path: Path, name: str, spec: dict, timeout_s: float = 240) -> dict:
-    """Runs tests/vllm_worker.py on `spec`; returns its RESULT (or {"startup_error": message})."""
+    """Runs tests/integrations/vllm_worker.py on `spec`; returns its RESULT (or {"startup_error": message})."""
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, **spec.get("env", SINGLE_PROCESS), "PYTHONPATH": str(Path(__file__).parents[2])}

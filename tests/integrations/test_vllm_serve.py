@@ -36,7 +36,7 @@ from kvtier.integrations.hf.tiny_model import build_tiny_llama
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 300  # a safety net on a loaded machine, not a measurement
 PROMPT = [random.Random(7).randrange(3, 512) for _ in range(600)]  # 4 full blocks of 128 tokens
 

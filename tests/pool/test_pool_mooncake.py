@@ -186,7 +186,7 @@ def test_tenants_are_apart(master: MasterProcess, client: MooncakeClient) -> Non
         assert other.batch_get_outcomes([b"tenant-key"], [bytearray(32)]) == [Outcome.MISS]
 
 
-# ---- the Tier contract, as tests/test_tier_contract.py states it, on MooncakeTier ------------
+# ---- the Tier contract, as tests/tiers/test_tier_contract.py states it, on MooncakeTier ------------
 
 SLOT = 3 * 4096 + 1000
 

@@ -4,7 +4,7 @@ First without an engine, on real parts: per-rank settings and connectors built f
 `VllmConfig`s with tensor_parallel_size=2, real `KVTier` runtimes per rank (DRAM, or SSD files
 on disk), the scheduler's lookup across ranks both in-process and over the ranks' real lookup
 sockets, and the worker half agreeing on failed loads. Then real tensor-parallel engines (vLLM's
-CPU build, TP=2 over gloo, each engine in its own process via `tests/vllm_worker.py`) on the tiny
+CPU build, TP=2 over gloo, each engine in its own process via `tests/integrations/vllm_worker.py`) on the tiny
 random Llama (2 KV heads: one per rank), compared token for token with a TP=2 engine without
 the connector.
 

@@ -33,7 +33,7 @@ from kvtier.runtime import KVTier
 
 pytest.importorskip("vllm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_check
 
 BLOCK, KV_HEADS, HEAD_DIM, NUM_LAYERS, NUM_BLOCKS = 16, 2, 8, 3, 10

@@ -22,7 +22,7 @@ from kvtier.simulate.sweep import recommend, sweep
 from kvtier.simulate.trace import DEFAULT_TRACE_DIR, OnError, TraceError, load_trace
 from kvtier.tiers.base import TierKind
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ from kvtier.native import find_nvcc
 
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 TIMEOUT_S = 600  # a safety net against hangs, never a measurement
 
 

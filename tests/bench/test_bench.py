@@ -28,7 +28,7 @@ from kvtier.errors import TierIOError
 
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("hbm-dram", "dram-pool", "dram-ssd", "e2e-hbm-dram", "e2e-hbm-pool", "e2e-hbm-ssd")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -3,7 +3,7 @@
 First the parts without an engine: settings checked against the engine at start-up (including a
 real `VllmConfig` → connector construction), the scheduler half (keys, hits, load and store plans)
 and the worker half (layer-wise loads, failures, stores) over a real `KVTier`. Then real engines on
-a tiny random Llama, each in its own process (`tests/vllm_worker.py`), compared token for token
+a tiny random Llama, each in its own process (`tests/integrations/vllm_worker.py`), compared token for token
 with an engine that runs without the connector.
 
 Cost: 2-4 minutes on 2 cores (load-dependent), nearly all of it the nine engine processes (~10-20 s

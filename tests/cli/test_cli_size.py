@@ -1,6 +1,6 @@
 """`kvtier size`: the real command in a subprocess, and its pure `size_report`.
 
-The planner's arithmetic is tested by hand in tests/test_planner.py; here the command line end to end.
+The planner's arithmetic is tested by hand in tests/sizing/test_planner.py; here the command line end to end.
 Cost: about a second per subprocess test (each starts `python -m kvtier` once); the plot test imports
 matplotlib and writes one PNG under tmp_path.
 """
@@ -19,7 +19,7 @@ from kvtier.cli.size import format_bytes, size_report
 from kvtier.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def kvtier_size(*args: str) -> subprocess.CompletedProcess:

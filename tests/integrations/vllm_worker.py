@@ -1,6 +1,6 @@
-"""Runs one vLLM engine on a scenario and prints its results as JSON (helper of tests/test_vllm.py).
+"""Runs one vLLM engine on a scenario and prints its results as JSON (helper of tests/integrations/test_vllm.py).
 
-    python tests/vllm_worker.py SPEC.json
+    python tests/integrations/vllm_worker.py SPEC.json
 
 Each engine runs in its own process: vLLM keeps global state (distributed groups, the KV transfer
 group) that a second engine in one process would trip over. SPEC is a JSON object:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_serve  # noqa: E402
@@ -193,7 +193,7 @@ def test_the_kvtier_config_the_servers_get_is_one_kvtier_accepts(tmp_path):
 
 def test_the_transfer_config_is_the_readme_line_shape(tmp_path):
     got = json.loads(serve_procs.kv_transfer_config(tmp_path / "k.yaml"))
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = next(ln for ln in readme.splitlines() if ln.startswith("vllm serve ") and "--kv-transfer-config" in ln)
     shown = json.loads(line.split("--kv-transfer-config '", 1)[1].rstrip("'"))
     assert {k: v for k, v in got.items() if k != "kv_connector_extra_config"} == \
