@@ -2,7 +2,7 @@
 
 Policies are pure bookkeeping over opaque hashable keys: no I/O, no clocks, no knowledge of tiers.
 They are atomic: `evict(n, protected)` returns exactly `n` victims or None, and on None nothing
-changed. Every implementation passes `tests/policy/test_policy_contract.py` unchanged.
+changed. Every implementation passes `kvtier.testing.policy_contract` unchanged.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class RemoteIO:
 class Transport(ABC):
     """Moves bytes to and from one node's regions. Safe to call from several threads at once.
 
-    Contract (run by `tests/pool/test_pool_transport.py` against every implementation):
+    Contract (`kvtier.testing.transport_contract`, run against every implementation):
     - `read`/`write` return True when all bytes moved; False when the node reports the location
       stale (the slot no longer holds that allocation) — a miss, nothing partial is reported as
       moved. A transport that cannot detect staleness returns True; callers verify checksums.

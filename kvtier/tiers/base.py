@@ -2,7 +2,7 @@
 
 A tier is a slab of `num_slots` fixed-size slots of `slot_bytes` each. It knows nothing of keys,
 recency or free lists: the manager decides which slot holds what; a tier only reads and writes
-byte ranges of slots. Every implementation passes `tests/tiers/test_tier_contract.py` unchanged.
+byte ranges of slots. Every implementation passes `kvtier.testing.tier_contract` unchanged.
 
 Buffers are 1-D contiguous `torch.uint8` tensors. A memory tier (HBM, DRAM) also offers `view`, a
 zero-copy tensor over a slot range, which the transfer engine uses to copy without staging.

@@ -1,4 +1,5 @@
-"""The `EvictionPolicy` contract, run unchanged against every policy, plus each policy's own traits.
+"""The `EvictionPolicy` contract (`kvtier.testing.policy_contract`), run unchanged against every
+policy, plus each policy's own traits.
 
 Cost: 2-5 s on one CPU core, most of it hypothesis's stateful runs (3 policies x 60 examples
 x 60 steps). Pure in-memory bookkeeping: no files, sockets, threads or sleeps.
@@ -13,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtier.errors import ConfigError
 from kvtier.policy import (
@@ -28,40 +26,12 @@ from kvtier.policy import (
     S3FIFOPolicy,
     make_policy,
 )
-
-CAPACITY_HINT = 16
-
-
-def never(key: Hashable) -> bool:
-    """A `protected` callback that protects nothing."""
-    return False
-
-
-def drain(policy: EvictionPolicy) -> list[Hashable]:
-    """Evicts everything, one victim at a time, and returns the eviction order."""
-    order: list[Hashable] = []
-    while len(policy):
-        order += policy.evict(1, never)
-    return order
+from kvtier.testing.policy_contract import CAPACITY_HINT, MakePolicy, PolicyContract, drain, never, policy_machine
+from kvtier.testing.policy_contract import with_history as _with_history
 
 
 def with_history(kind: PolicyKind) -> EvictionPolicy:
-    """A policy taken through inserts, touches, evictions, removals and re-inserts of evicted keys,
-    so that every internal queue (S3-FIFO's main and ghost, ARC's T2, B1 and B2) holds keys."""
-    policy = make_policy(kind, CAPACITY_HINT)
-    evicted: list[Hashable] = []
-    for i in range(40):
-        if len(policy) >= CAPACITY_HINT - 2:
-            evicted += policy.evict(3, never)
-        policy.insert(i)
-        policy.touch(i // 2)
-        policy.touch(i // 3)
-        if i % 5 == 4 and evicted:
-            policy.remove(i - 1)
-            policy.insert(evicted.pop(0))
-    for key in range(34, 40):  # touched keys waiting in S3-FIFO's small queue / ARC's T1
-        policy.touch(key)
-    return policy
+    return _with_history(lambda hint: make_policy(kind, hint))
 
 
 @pytest.fixture(params=list(PolicyKind), ids=lambda kind: kind.value)
@@ -69,177 +39,17 @@ def kind(request: pytest.FixtureRequest) -> PolicyKind:
     return request.param
 
 
-# --- the contract ------------------------------------------------------------------------------
+class TestEveryPolicy(PolicyContract):
+    """The whole contract against each of kvtier's policies."""
+
+    @pytest.fixture
+    def new_policy(self, kind: PolicyKind) -> MakePolicy:
+        return lambda capacity_hint: make_policy(kind, capacity_hint)
 
 
-def test_insert_of_a_resident_key_raises_key_error_and_changes_nothing(kind: PolicyKind) -> None:
-    policy, twin = with_history(kind), with_history(kind)
-    resident = next(k for k in range(40) if k in policy)
-    with pytest.raises(KeyError):
-        policy.insert(resident)
-    assert len(policy) == len(twin)
-    assert drain(policy) == drain(twin)
-
-
-def test_touch_and_remove_of_unknown_keys_are_noops(kind: PolicyKind) -> None:
-    empty = make_policy(kind, CAPACITY_HINT)
-    empty.touch("nope")
-    empty.remove("nope")
-    assert len(empty) == 0
-    policy, twin = with_history(kind), with_history(kind)
-    policy.touch("nope")
-    policy.remove("nope")
-    assert "nope" not in policy
-    assert drain(policy) == drain(twin)
-
-
-def test_remove_forgets_a_resident_key(kind: PolicyKind) -> None:
-    policy = with_history(kind)
-    key = next(k for k in range(40) if k in policy)
-    size = len(policy)
-    policy.remove(key)
-    assert key not in policy
-    assert len(policy) == size - 1
-    assert key not in drain(policy)
-
-
-def test_evict_zero_returns_an_empty_list(kind: PolicyKind) -> None:
-    assert make_policy(kind, CAPACITY_HINT).evict(0, never) == []
-    policy = with_history(kind)
-    size = len(policy)
-    assert policy.evict(0, lambda key: True) == []
-    assert len(policy) == size
-
-
-def test_evict_of_a_negative_count_raises_value_error(kind: PolicyKind) -> None:
-    with pytest.raises(ValueError):
-        with_history(kind).evict(-1, never)
-
-
-@pytest.mark.parametrize("n", [1, 3, 7])
-def test_evict_returns_n_distinct_resident_unprotected_victims(kind: PolicyKind, n: int) -> None:
-    policy = with_history(kind)
-    before = {k for k in range(40) if k in policy}
-    protected = set(sorted(before)[::3])
-    victims = policy.evict(n, protected.__contains__)
-    assert victims is not None and len(victims) == n
-    assert len(set(victims)) == n
-    assert set(victims) <= before - protected
-    assert not any(v in policy for v in victims)
-    assert len(policy) == len(before) - n
-    assert all(k in policy for k in protected)
-
-
-@pytest.mark.parametrize("case", ["more_than_resident", "too_few_unprotected", "all_protected"])
-def test_evict_returns_none_and_changes_nothing_when_too_few(kind: PolicyKind, case: str) -> None:
-    policy, twin = with_history(kind), with_history(kind)
-    resident = [k for k in range(40) if k in policy]
-    protected = {
-        "more_than_resident": set(),
-        "too_few_unprotected": set(resident[2:]),
-        "all_protected": set(resident),
-    }[case]
-    n = len(resident) + 1 if case == "more_than_resident" else 3
-    assert policy.evict(n, protected.__contains__) is None
-    assert len(policy) == len(twin) == len(resident)
-    assert all(k in policy for k in resident)
-    assert drain(policy) == drain(twin)
-
-
-def test_an_exception_from_protected_propagates_and_changes_nothing(kind: PolicyKind) -> None:
-    policy, twin = with_history(kind), with_history(kind)
-    resident = [k for k in range(40) if k in policy]
-    calls = []
-
-    def explode_late(key: Hashable) -> bool:
-        calls.append(key)
-        if len(calls) > len(resident) // 2:
-            raise RuntimeError("protected failed")
-        return key in resident[::2]
-
-    with pytest.raises(RuntimeError, match="protected failed"):
-        policy.evict(len(resident) - 1, explode_late)
-    assert len(policy) == len(resident)
-    assert drain(policy) == drain(twin)
-
-
-# --- random histories against a model ----------------------------------------------------------
-
-KEYS = st.integers(0, 15)
-
-
-class PolicyMachine(RuleBasedStateMachine):
-    """Random insert/touch/remove/evict sequences checked against a model set and a twin policy.
-
-    The twin gets every call that succeeds and none that fails (KeyError, None), so at teardown a
-    failed call that changed anything shows up as a different eviction order.
-    """
-
-    kind: PolicyKind
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model: set[int] = set()
-
-    @initialize(capacity_hint=st.integers(1, 24))
-    def create(self, capacity_hint: int) -> None:
-        self.policy = make_policy(self.kind, capacity_hint)
-        self.twin = make_policy(self.kind, capacity_hint)
-
-    @rule(key=KEYS)
-    def insert(self, key: int) -> None:
-        if key in self.model:
-            with pytest.raises(KeyError):
-                self.policy.insert(key)
-            return
-        self.policy.insert(key)
-        self.twin.insert(key)
-        self.model.add(key)
-
-    @rule(key=KEYS)
-    def touch(self, key: int) -> None:
-        self.policy.touch(key)
-        self.twin.touch(key)
-
-    @rule(key=KEYS)
-    def remove(self, key: int) -> None:
-        self.policy.remove(key)
-        self.twin.remove(key)
-        self.model.discard(key)
-
-    @rule(n=st.integers(0, 6), protected=st.frozensets(KEYS))
-    def evict(self, n: int, protected: frozenset[int]) -> None:
-        victims = self.policy.evict(n, protected.__contains__)
-        if victims is None:
-            assert len(self.model - protected) < n
-            return
-        assert len(victims) == n == len(set(victims))
-        assert set(victims) <= self.model - protected
-        assert self.twin.evict(n, protected.__contains__) == victims
-        self.model -= set(victims)
-
-    @invariant()
-    def membership_matches_the_model(self) -> None:
-        policy = getattr(self, "policy", None)
-        if policy is not None:
-            assert len(policy) == len(self.model)
-            assert {k for k in range(16) if k in policy} == self.model
-
-    def teardown(self) -> None:
-        if getattr(self, "policy", None) is not None:
-            assert drain(self.policy) == drain(self.twin)
-
-
-def _machine_test(kind: PolicyKind) -> type:
-    machine = type(f"{kind.name}Machine", (PolicyMachine,), {"kind": kind})
-    test_case = machine.TestCase
-    test_case.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
-    return test_case
-
-
-TestLRUMachine = _machine_test(PolicyKind.LRU)
-TestS3FIFOMachine = _machine_test(PolicyKind.S3FIFO)
-TestARCMachine = _machine_test(PolicyKind.ARC)
+TestLRUMachine = policy_machine(lambda hint: make_policy(PolicyKind.LRU, hint), "LRU")
+TestS3FIFOMachine = policy_machine(lambda hint: make_policy(PolicyKind.S3FIFO, hint), "S3FIFO")
+TestARCMachine = policy_machine(lambda hint: make_policy(PolicyKind.ARC, hint), "ARC")
 
 
 # --- policy-specific behaviour -----------------------------------------------------------------
