@@ -8,7 +8,6 @@ environment.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,7 +19,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.pool.detect import TransportKind
-from kvtier.units import parse_address, parse_size
+from kvtier.units import check_number, parse_address, parse_size
 from kvtier.kinds import CacheMode, PoolBackend, TierKind
 from kvtier.yaml_strict import load_yaml
 
@@ -123,14 +122,7 @@ def _tier_kind(name: Any, where: str) -> TierKind:
 
 
 def _number(value: Any, where: str, cls: type, lo: float, hi: float | None = None) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (cls is int and not isinstance(value, int)):
-        raise ConfigError(f"{where}: expected {cls.__name__}, got {value!r}")
-    if not math.isfinite(value):  # NaN would pass both bound checks below
-        raise ConfigError(f"{where}: expected a finite number, got {value}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ConfigError(f"{where}: must be {bound}, got {value}")
-    return cls(value)
+    return cls(check_number(value, where, integral=cls is int, minimum=lo, maximum=hi))
 
 
 def _bool(value: Any, where: str) -> bool:

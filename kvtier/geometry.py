@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtier.errors import GeometryError
 from kvtier.layout import BlockLayout
+from kvtier.units import check_number
 
 
 class KVDtype(enum.Enum):
@@ -408,17 +409,16 @@ def _get(cfg: Mapping[str, Any], field: str, label: str, default: Any) -> Any:
 
 
 def _check_positive(field: str, value: Any, label: str | None = None) -> None:
-    _check_int(field, value, label, minimum=1, what="a positive")
+    _check_int(field, value, label, minimum=1)
 
 
 def _check_non_negative(field: str, value: Any, label: str | None = None) -> None:
-    _check_int(field, value, label, minimum=0, what="a non-negative")
+    _check_int(field, value, label, minimum=0)
 
 
-def _check_int(field: str, value: Any, label: str | None, minimum: int, what: str) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        prefix = f"{label}: " if label else ""
-        raise GeometryError(f"{prefix}{field} must be {what} integer, got {value!r}")
+def _check_int(field: str, value: Any, label: str | None, minimum: int) -> None:
+    check_number(value, f"{label}: {field}" if label else field, integral=True, positive=minimum == 1,
+                 minimum=minimum, error=GeometryError)
 
 
 def _check_divisible(label: str, num_heads: int, num_kv_heads: int) -> None:

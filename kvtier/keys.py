@@ -11,7 +11,6 @@ Changing this encoding invalidates every persisted block (SSD files, pool nodes)
 
 from __future__ import annotations
 
-import numbers
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.units import check_number
 
 BlockKey = NewType("BlockKey", bytes)
 """A 16-byte digest; cheap to hash and compare, printable with `.hex()`."""
@@ -67,8 +67,7 @@ class Namespace:
             if not isinstance(getattr(self, field), str):
                 raise ConfigError(f"Namespace.{field} must be a string, got {getattr(self, field)!r}")
         block_tokens = self.block_tokens
-        if not isinstance(block_tokens, numbers.Integral) or isinstance(block_tokens, bool) or block_tokens <= 0:
-            raise ConfigError(f"Namespace.block_tokens must be a positive integer, got {block_tokens!r}")
+        check_number(block_tokens, "Namespace.block_tokens", integral=True, positive=True)
         object.__setattr__(self, "block_tokens", int(block_tokens))
 
     @cached_property

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.errors import GeometryError
 from kvtier.geometry import KVDtype, ModelGeometry, from_hf_config, load_hf_config
+from kvtier.units import check_number
 
 _IGNORED_TAGS = frozenset({"hf", "chat", "instruct", "it", "base"})
 
@@ -291,6 +292,4 @@ def _positive(cfg: dict[str, Any], field: str, label: str, default: Any = None) 
     value = cfg.get(field, default)
     if value is None:
         raise GeometryError(f"{label}: config is missing {field!r}, needed to count the weights")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise GeometryError(f"{label}: {field} must be a positive integer, got {value!r}")
-    return value
+    return check_number(value, f"{label}: {field}", integral=True, positive=True, error=GeometryError)

@@ -20,6 +20,8 @@ default). Nothing here imports anything but `kvtier.errors`, so any layer may us
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from fractions import Fraction
 from typing import Any
@@ -67,6 +69,30 @@ def parse_size(value: Any, where: str, error: type[Exception] = ConfigError) -> 
         raise error(f"{where}: cannot read {value!r} as a size; write it like {EXAMPLES}")
     mantissa = Fraction(match.group(1)) * Fraction(10) ** int(match.group(2) or 0)
     return int(mantissa * _UNITS[unit])  # int() of a non-negative Fraction rounds down
+
+
+def check_number(value: Any, where: str, *, integral: bool = False, positive: bool = False,
+                 minimum: float | None = None, maximum: float | None = None,
+                 error: type[Exception] = ConfigError) -> Any:
+    """`value`, if it is a finite number (a whole one with `integral`; never a bool) within the bounds.
+
+    Args:
+        positive: it must be > 0. minimum, maximum: inclusive bounds (None: none).
+    Raises:
+        error: naming `where`, with what was expected and what came.
+    """
+    kinds = numbers.Integral if integral else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise error(f"{where}: expected {'a whole number' if integral else 'a number'}, got {value!r}")
+    if not math.isfinite(value):  # NaN would pass every bound check below
+        raise error(f"{where}: expected a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise error(f"{where}: must be a positive {'integer' if integral else 'number'}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bound = (f"in [{minimum}, {maximum}]" if minimum is not None and maximum is not None
+                 else f">= {minimum}" if minimum is not None else f"<= {maximum}")
+        raise error(f"{where}: must be {bound}, got {value!r}")
+    return value
 
 
 _TIME_UNITS = {"": 1, "s": 1, "ms": Fraction(1, 1000), "us": Fraction(1, 10**6), "m": 60, "min": 60}

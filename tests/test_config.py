@@ -343,3 +343,18 @@ def test_the_pool_verbs_provider_is_passed_in_and_a_bad_one_named() -> None:
         load_verbs("no_such_verbs")
     with pytest.raises(ConfigError, match="verbs provider 'json' lacks Context"):
         load_verbs("json")  # importable, but not verbs
+
+
+@pytest.mark.parametrize("value,kwargs,message", [
+    (True, {}, "expected a number"), ("3", {}, "expected a number"), (1.5, {"integral": True}, "expected a whole number"),
+    (float("nan"), {}, "expected a finite number"), (float("inf"), {"positive": True}, "expected a finite number"),
+    (0, {"integral": True, "positive": True}, "must be a positive integer"), (-0.5, {"positive": True}, "must be a positive number"),
+    (3, {"minimum": 4}, "must be >= 4"), (9, {"minimum": 0, "maximum": 8}, r"must be in \[0, 8\]"), (9, {"maximum": 8}, "must be <= 8"),
+])  # fmt: skip
+def test_numbers_are_checked_in_one_place_naming_the_field(value, kwargs, message) -> None:
+    from kvtier.units import check_number
+
+    with pytest.raises(ConfigError, match=rf"^the\.field: {message}"):
+        check_number(value, "the.field", **kwargs)
+    assert check_number(7, "the.field", integral=True, positive=True, minimum=1, maximum=8) == 7
+    assert check_number(0.25, "the.field", positive=True) == 0.25

@@ -27,6 +27,7 @@ from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAU
 from kvtier.simulate.sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
 from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
 from kvtier.kinds import TierKind
+from kvtier.units import check_number
 
 EXAMPLES = """examples:
   kvtier simulate --trace conversation --capacity hbm=18279
@@ -200,9 +201,7 @@ def _bandwidth(value: str, where: str) -> float:
 
 
 def _positive_int(value: int, option: str) -> int:
-    if value < 1:
-        raise ConfigError(f"{option} must be a positive integer, got {value}")
-    return value
+    return check_number(value, option, integral=True, positive=True)
 
 
 def _warn_skipped(trace: Trace) -> None:

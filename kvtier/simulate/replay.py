@@ -57,6 +57,7 @@ from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.trace import Trace
 from kvtier.kinds import TierKind
+from kvtier.units import check_number
 
 # The model the Mooncake paper's own simulations use (LLaMA2-70B geometry): 160 MiB per 512-token block.
 DEFAULT_MODEL = "Llama-2-70B"
@@ -363,6 +364,4 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _check_positive(field: str, value: object, *, integral: bool) -> None:
-    kinds = (int,) if integral else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < math.inf:
-        raise ConfigError(f"{field} must be a positive number, got {value!r}")
+    check_number(value, field, integral=integral, positive=True)

@@ -33,6 +33,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import LayerKind, ModelGeometry
+from kvtier.units import check_number
 
 DEFAULT_RESERVE_FRACTION = Fraction(1, 10)
 DEFAULT_TTFT_TARGET_S = Fraction(1)
@@ -291,8 +292,7 @@ def _context_entry(geometry: ModelGeometry, label: str, tokens: int, concurrency
 
 def check_positive(field: str, value: Any) -> None:
     """Raises ConfigError naming `field` unless `value` is an integer > 0."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{field} must be a positive integer, got {value!r}")
+    check_number(value, field, integral=True, positive=True)
 
 
 def check_non_negative(field: str, value: Any) -> None:

@@ -84,7 +84,7 @@ def test_unknown_model_exits_2_with_a_clear_message():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--context", "0"], "context must be a positive integer"),
+    [(["--context", "0"], "context: must be a positive integer"),
      (["--context", "16", "--concurrency", "-1"], "concurrency"),
      (["--context", "16", "--kv-dtype", "fp4"], "unknown kv_dtype 'fp4'")],
 )  # fmt: skip

@@ -240,7 +240,7 @@ def test_distribution_min_and_odd_midpoints():
     ("quantiles", "message"),
     [({"p50": 4096}, "give max="), ({"p50": 4096, "p90": 1024, "max": 8192}, "must be longer"),
      ({"p150": 1, "max": 8}, "unknown key 'p150'"), ({"median": 1, "max": 8}, "unknown key"),
-     ({"p50": 0, "max": 8}, "p50 must be a positive")],
+     ({"p50": 0, "max": 8}, "p50: must be a positive")],
 )  # fmt: skip
 def test_bad_distributions_are_refused(quantiles, message):
     with pytest.raises(ConfigError, match=message):
