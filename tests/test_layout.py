@@ -58,8 +58,18 @@ def test_the_layout_is_the_one_described():
     assert {"kvtier.cli", "kvtier.sizing", "kvtier.simulate", "kvtier.demo", "kvtier.bench", "kvtier.testing",
             "kvtier.integrations.vllm", "kvtier.integrations.hf", "kvtier.integrations.sglang",
             "kvtier.pool.node", "kvtier.pool.client", "kvtier.units", "kvtier.kinds"} <= set(MODULES)
-    # users' --kv-transfer-config lines name the connector's former module: it still resolves
-    assert "kvtier.integrations.vllm_connector" in MODULES
+    # users' --kv-transfer-config and SGLang storage lines name the former modules: they still resolve
+    assert {"kvtier.integrations.vllm_connector", "kvtier.integrations.sglang_storage"} <= set(MODULES)
+
+
+def test_the_former_engine_paths_still_give_the_same_classes():
+    pytest.importorskip("vllm")
+    from kvtier.integrations.hf import HFKVTier
+    from kvtier.integrations.hf.adapter import HFKVTier as moved
+    from kvtier.integrations.vllm.connector import KVTierConnector
+    from kvtier.integrations.vllm_connector import KVTierConnector as alias
+
+    assert HFKVTier is moved and alias is KVTierConnector
 
 
 def test_imports_flow_one_way_and_only_tests_import_the_test_doubles():

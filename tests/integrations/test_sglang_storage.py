@@ -309,3 +309,10 @@ def test_after_close_every_call_is_a_counted_miss(sgl, tmp_path):
     runtime.close()
     assert store.get("k", page(0)) is None and store.set("k", page(1)) is False and not store.exists("k")
     assert store.snapshot()["sglang_errors"] == {"not_attached": 2}
+
+
+def test_the_former_module_path_gives_the_same_backend(sgl):
+    """Existing `module_path: kvtier.integrations.sglang_storage` lines keep working."""
+    from support.sglang import FORMER_MODULE
+
+    assert importlib.import_module(FORMER_MODULE).KVTierHiCacheStorage is sgl.adapter.KVTierHiCacheStorage

@@ -15,6 +15,7 @@ WHEEL_DIR = Path(__file__).resolve().parents[2] / ".venv" / "wheels"
 SGLANG_FILES = ("sglang/srt/environ.py", "sglang/srt/mem_cache/hicache_storage.py",
                 "sglang/srt/mem_cache/storage/__init__.py", "sglang/srt/mem_cache/storage/backend_factory.py")
 MODULE = "kvtier.integrations.sglang.storage"
+FORMER_MODULE = "kvtier.integrations.sglang_storage"  # the alias existing configs name
 
 
 def find_wheel() -> Path | None:
@@ -43,7 +44,7 @@ def sgl(tmp_path_factory):
         yield type("SGLang", (), {"storage": storage, "factory": factory, "adapter": adapter})
     finally:
         sys.path.remove(str(root))
-        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.") or m == MODULE]:
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.") or m in (MODULE, FORMER_MODULE)]:
             del sys.modules[name]
 
 
