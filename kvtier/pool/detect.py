@@ -48,7 +48,10 @@ def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA,
         return TransportKind.TCP, "requested"
     devices = rdma_devices(sysfs, verbs)
     where = sysfs if verbs == "pyverbs" else f"verbs provider {verbs}"
-    why = f"no RDMA device ({where} is empty or missing)" if not devices else _verbs_problem(verbs)
+    if not devices:
+        why = f"no RDMA device ({where} is empty or missing)"
+    else:  # a provider other than pyverbs already opened and listed its devices in rdma_devices
+        why = _verbs_problem() if verbs == "pyverbs" else ""
     if why:
         if requested is TransportKind.RDMA:
             raise ConfigError(f"transport rdma: {why}; use --transport tcp or auto")
@@ -57,12 +60,12 @@ def choose_transport(requested: TransportKind, sysfs: Path = SYSFS_RDMA,
     return TransportKind.RDMA, f"{how}: RDMA device(s) {', '.join(devices)}"
 
 
-def _verbs_problem(verbs: str) -> str:
-    """Why the verbs library cannot be used here ("" when it can)."""
+def _verbs_problem() -> str:
+    """Why pyverbs cannot be used here although sysfs lists a device ("" when it can)."""
     from kvtier.pool.verbs import NoRDMADevice, device_names, load_verbs
 
     try:
-        device_names(load_verbs(verbs))
+        device_names(load_verbs("pyverbs"))
     except NoRDMADevice as e:
         return str(e)
     return ""
