@@ -12,14 +12,13 @@ from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConf
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
 from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
-from kvtier.tiers.base import Tier, TierKind
+from kvtier.tiers.base import Tier
 from kvtier.tiers.ssd import SSDTier
+from support.runtime import D, H, S, WAIT_S
 
 
-H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 BLOCK_TOKENS = 4
 NEW_TOKENS = 8
-WAIT_S = 30  # a safety net against hangs, never a measurement
 GEN = {"do_sample": False, "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS,
        "return_dict_in_generate": True, "output_logits": True}
 

@@ -7,11 +7,9 @@ from dataclasses import replace
 import torch
 
 from kvtier.runtime import KVTier
-from kvtier.tiers.base import TierKind
-from support.runtime import BLOCK, LAYOUT, WAIT_S, config
+from support.runtime import BLOCK, LAYOUT, WAIT_S, S, config
 
 
-S = TierKind.SSD
 KEYS = [bytes([i]) * 16 for i in range(1, 6)]  # 16-byte keys, as kvtier.keys.block_keys makes
 
 

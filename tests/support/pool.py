@@ -12,9 +12,8 @@ from kvtier.pool import wire
 from kvtier.pool.protocol import MsgType, encode
 from kvtier.pool.tenants import proof
 from kvtier.runtime import KVTier
-from support.runtime import blocks
+from support.runtime import WAIT_S, blocks
 
-WAIT_S = 30  # timeout of clients whose calls must succeed: a safety net on a loaded machine, never a measurement
 SECRETS = {"alice": b"alice-secret-0123456789", "bob": b"bob-secret-9876543210"}
 
 
