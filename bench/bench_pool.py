@@ -106,21 +106,18 @@ class RedisServer:
     def __init__(self) -> None:
         import redis
 
-        from kvtier.testing.mooncake_master import free_port as _free_port
+        from kvtier.testing.ports import start_on_picked_ports
 
-        port = _free_port("127.0.0.1")
-        self.proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL)
+        def start(ports):  # redis-server reads --port 0 as "no TCP": its port is picked, then checked
+            return subprocess.Popen(["redis-server", "--port", str(ports[0]), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--protected-mode", "no"], stdout=subprocess.DEVNULL)
+
+        try:
+            self.proc, (port,) = start_on_picked_ports(start, 1, timeout_s=10)
+        except RuntimeError as e:
+            raise RuntimeError(f"redis-server did not come up: {e}") from None
         self.client = redis.Redis(host="127.0.0.1", port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("redis-server did not come up") from None
-                time.sleep(0.02)  # polling a port: nothing to wait on
+        self.client.ping()
 
     def batch_put(self, keys: list[bytes], blocks: list[memoryview]) -> list[bool]:
         pipe = self.client.pipeline(transaction=False)

@@ -50,12 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from serve_procs import (  # noqa: E402
+    HOST,
     ModelSpec,
     Procs,
     StartError,
     build_model,
     child_env,
-    free_port,
     kv_transfer_config,
     start_pool_node,
     terminate_as_interrupt,
@@ -75,7 +75,6 @@ from serve_workloads import (  # noqa: E402
 from serve_report import machine_info, print_table, summarize_all, write_png  # noqa: E402
 
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
-HOST = "127.0.0.1"
 CONFIGS = {"plain": "plain vLLM", "dram": "kvtier DRAM", "dram+ssd": "DRAM + SSD (persist)",
            "dram+pool": "DRAM + pool node", "dram+pool+ssd": "DRAM + pool + SSD"}
 
@@ -188,8 +187,9 @@ class Bench:
             tiers["ssd"] = {"capacity": self.params.ssd, "path": str(run_dir / "ssd"), "persist": True}
         return tiers
 
-    def serve_cmd(self, port: int, kvtier_yaml: Path | None) -> list[str]:
-        cmd = [vllm_executable(), "serve", str(self.model), "--host", HOST, "--port", str(port),
+    def serve_cmd(self, kvtier_yaml: Path | None) -> list[str]:
+        """`vllm serve` on a port of its own choosing (0), which `wait_http_ready` reads back."""
+        cmd = [vllm_executable(), "serve", str(self.model), "--host", HOST, "--port", "0",
                "--dtype", "float32", "--block-size", str(BLOCK_TOKENS), "--enable-prefix-caching",
                "--num-gpu-blocks-override", str(self.params.gpu_blocks),
                "--max-model-len", str(self.params.max_model_len),
@@ -226,10 +226,9 @@ class Bench:
             if name != "plain":
                 kvtier_yaml = write_kvtier_config(run_dir / "kvtier.yaml", self.model, BLOCK_TOKENS,
                                                   self.tiers(name, run_dir, pool_address))
-            port = free_port()
-            server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(port, kvtier_yaml),
+            server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(kvtier_yaml),
                                       run_dir / "server.log", child_env())
-            record["startup_s"] = wait_http_ready(server, f"http://{HOST}:{port}/health", self.params.start_timeout_s)
+            port, record["startup_s"] = wait_http_ready(server, "/health", self.params.start_timeout_s)
             self.log(f"  {CONFIGS[name]}: ready in {record['startup_s']:.0f} s")
             self.workloads(record, port, round_index, run_dir, server)
             record["engine"] = engine_counters(port)

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.testing.ports import listening
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"  # every server listens here only
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.25  # how often a starting server is asked whether it is ready
 _PR_SET_PDEATHSIG = 1
@@ -138,12 +140,6 @@ def terminate_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def vllm_executable() -> str:
     beside = Path(sys.executable).with_name("vllm")
     found = str(beside) if beside.exists() else shutil.which("vllm")
@@ -170,20 +166,28 @@ def child_env(**extra: str) -> dict[str, str]:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": reserved, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def wait_http_ready(proc: Proc, url: str, timeout_s: float) -> float:
-    """Polls `url` until it answers 200; returns the seconds it took. Raises StartError."""
+def wait_http_ready(proc: Proc, path: str, timeout_s: float) -> tuple[int, float]:
+    """Waits until `proc`, started on port 0 (`vllm serve --port 0`), answers 200 at `path` on the port
+    it bound; returns that port and the seconds it took. Raises StartError.
+
+    The port is read from /proc, from the sockets the process itself listens on: no port is picked
+    here and bound there later, so no other process can take it in between.
+    """
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if proc.exited():
             cause = proc.root_cause()
             raise StartError(f"{proc.name} exited with status {proc.popen.returncode} before it was ready"
                              + (f": {cause}" if cause else ""), proc.log_tail())
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, OSError):
-            pass
+        for address, port in sorted(listening(proc.pid)):
+            if address not in (HOST, "0.0.0.0", "::"):
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        return port, time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
         time.sleep(POLL_S)
     raise StartError(f"{proc.name} not ready after {timeout_s:.0f} s", proc.log_tail())
 

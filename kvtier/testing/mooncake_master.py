@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-
-def free_port(host: str) -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from kvtier.testing.ports import start_on_picked_ports, stop
 
 
 class MasterProcess:
     """A `mooncake_master` subprocess on 127.0.0.1 with every port chosen here (tests, benches, trials).
 
-    Serves RPC on `rpc_port`, the HTTP metadata server on `http_port`, metrics on `metrics_port`;
-    ready once both RPC and HTTP accept connections.
+    Serves RPC on `rpc_port`, the HTTP metadata server on `http_port`, its admin/metrics server on
+    `metrics_port`; ready once its own process listens on all three.
 
     Raises:
         RuntimeError: the binary is missing, or the master did not come up within `timeout_s`.
@@ -34,20 +27,24 @@ class MasterProcess:
         binary = str(binary) if binary.exists() else shutil.which("mooncake_master")
         if binary is None:
             raise RuntimeError("mooncake_master not found next to python nor on PATH")
-        self.rpc_port, self.http_port, self.metrics_port = (free_port("127.0.0.1") for _ in range(3))
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([
-            binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
-            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false",
-            *extra], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        for port in (self.rpc_port, self.http_port):
-            while not _accepts(port):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"mooncake_master did not come up on port {port} (exit {self.proc.poll()})")
-                time.sleep(0.02)  # polling a port: there is nothing to wait on
+
+        def start(ports: Sequence[int]) -> subprocess.Popen:
+            rpc, http, metrics = ports
+            return subprocess.Popen([
+                binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+                "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--enable_metric_reporting=false",
+                *extra], stdout=self._log, stderr=subprocess.STDOUT)
+
+        # the master reads --rpc_port=0 as its default (50051): its ports are picked, and it is up once
+        # its own process listens on all three (its HTTP metadata server binds 0.0.0.0 whatever the host)
+        try:
+            self.proc, ports = start_on_picked_ports(start, 3, timeout_s=timeout_s)
+        except RuntimeError as e:
+            self._close_log()
+            raise RuntimeError(f"mooncake_master did not come up: {e}") from None
+        self.rpc_port, self.http_port, self.metrics_port = ports
 
     @property
     def address(self) -> str:
@@ -58,20 +55,9 @@ class MasterProcess:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop(self.proc)
+        self._close_log()
+
+    def _close_log(self) -> None:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
-
-
-def _accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
+from kvtier.testing.ports import listening
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -48,22 +49,21 @@ def readme_command() -> list[str]:
     return shlex.split(next(line for line in section.splitlines() if line.startswith("vllm serve ")))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout_s: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return response.read().decode()
 
 
-class Server:
-    """One `vllm serve` process (its own process group), its ports and its log file."""
+METRICS_LINE = re.compile(r"kvtier: metrics of \d+ worker rank\(s\) on http://127\.0\.0\.1:(\d+)/metrics")
 
-    def __init__(self, argv: list[str], api_port: int, metrics_port: int, log_path: Path, cwd: Path) -> None:
-        self.api_port, self.metrics_port, self.log_path = api_port, metrics_port, log_path
+
+class Server:
+    """One `vllm serve` process (its own process group), its log file, and the ports it bound itself:
+    the API's read from /proc once it listens, kvtier's metrics from the connector's log line."""
+
+    def __init__(self, argv: list[str], log_path: Path, cwd: Path) -> None:
+        self.api_port = self.metrics_port = 0
+        self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_COLOR": "0",
                "NO_COLOR": "1"}
         with open(log_path, "wb") as log:
@@ -79,11 +79,15 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"vllm serve exited with {self.proc.returncode} before it was healthy:\n{self.log()[-6000:]}")
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.api_port}/health", timeout=2).status == 200:
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            for port in sorted(p for a, p in listening(self.proc.pid) if a == "127.0.0.1"):
+                try:
+                    if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                        found = METRICS_LINE.findall(self.log())
+                        assert found, f"no kvtier metrics line in the log of a healthy server:\n{self.log()[-6000:]}"
+                        self.api_port, self.metrics_port = port, int(found[-1])
+                        return
+                except (urllib.error.URLError, ConnectionError, TimeoutError):
+                    pass
             try:
                 self.proc.wait(timeout=0.5)  # the poll interval: returns early if the server dies
             except subprocess.TimeoutExpired:
@@ -146,12 +150,11 @@ def _start(setup: dict, name: str) -> Server:
     assert "kv_load_failure_policy" not in transfer  # vLLM's default ('fail') must work
     extra = transfer["kv_connector_extra_config"]
     assert set(extra) == {"kvtier_config", "metrics_port"}
-    api_port, metrics_port = _free_port(), _free_port()
-    extra.update(kvtier_config=setup["config"], metrics_port=metrics_port)
+    extra.update(kvtier_config=setup["config"], metrics_port=0)  # 0: any free port, named in the log
     argv[i] = json.dumps(transfer)
-    argv += ["--host", "127.0.0.1", "--port", str(api_port), "--enforce-eager", "--max-model-len", "1024",
+    argv += ["--host", "127.0.0.1", "--port", "0", "--enforce-eager", "--max-model-len", "1024",
              "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching"]
-    server = Server(argv, api_port, metrics_port, setup["work"] / f"{name}.log", setup["work"])
+    server = Server(argv, setup["work"] / f"{name}.log", setup["work"])
     try:
         server.wait_healthy()
     except BaseException:
