@@ -49,6 +49,8 @@ class TierConfig:
     verbs: str = "pyverbs"  # POOL only: the verbs provider under RDMA (a stand-in's module name in tests)
     backend: PoolBackend = PoolBackend.KVTIER  # POOL only: mooncake takes nodes = [master HOST:PORT]
     metadata_server: str | None = None  # POOL mooncake only: http://HOST:PORT/metadata
+    shared: bool = True  # POOL only: blocks under their keys, found by every process of the tenant
+    negative_cache_s: float = 1.0  # POOL only: how long a key the pool lacked is not asked for again
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,7 @@ _TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_waterm
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
 _KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"},
                 TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport",
-                                 "verbs", "backend", "metadata_server"}}
+                                 "verbs", "backend", "metadata_server", "shared", "negative_cache_s"}}
 
 
 def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
@@ -202,7 +204,9 @@ def _pool_fields(raw: dict, where: str) -> dict[str, Any]:
             "timeout_s": _number(raw.get("timeout_s", 2.0), f"{where}.timeout_s", float, 0.001, 3600),
             "reconnect_s": _number(raw.get("reconnect_s", 1.0), f"{where}.reconnect_s", float, 0.0, 3600),
             "transport": _enum(TransportKind, raw.get("transport", "auto"), f"{where}.transport"),
-            "verbs": _verbs(raw.get("verbs", "pyverbs"), f"{where}.verbs")}
+            "verbs": _verbs(raw.get("verbs", "pyverbs"), f"{where}.verbs"),
+            "shared": _bool(raw.get("shared", True), f"{where}.shared"),
+            "negative_cache_s": _number(raw.get("negative_cache_s", 1.0), f"{where}.negative_cache_s", float, 0.0, 60)}
 
 
 def _verbs(value: Any, where: str) -> str:

@@ -228,6 +228,39 @@ class TierManager:
         self._slots[tier].take(taken)
         return len(taken)
 
+    def adopt_shared(self, tier: TierKind, keys: Iterable[Hashable]) -> tuple[list[tuple[Hashable, int]], tuple[Move, ...]]:
+        """Registers blocks that another process stored in a shared tier (the pool) as READY here.
+
+        Takes `keys` in order (the leading run of a lookup's misses that the tier reported holding)
+        and stops at the first that cannot be adopted: one already indexed but not ready, or no
+        slot to be had in `tier` (a slot here is this process's share of the tier, so a full tier
+        evicts its least recent block as a store would). The blocks carry no checksums: the tier
+        checks what it reads itself (`Tier.checks_reads`). Returns the (key, slot) pairs adopted and
+        the demotions that making room started.
+
+        Raises:
+            KVTierError: `tier` is not configured.
+        """
+        if tier not in self._tiers:
+            raise KVTierError(f"tier {tier.name} is not configured")
+        adopted: list[tuple[Hashable, int]] = []
+        if tier in self._down:
+            return adopted, ()
+        for key in keys:
+            if key in self.index:
+                break
+            slot = self._free_slot(tier, False, 0)
+            if slot is None:
+                break
+            entry = self.index.get_or_create(key)
+            entry.copies[tier] = Copy(slot, _READY)
+            entry.refresh()
+            self._owner[tier][slot] = key
+            self._policies[tier].insert(key)
+            adopted.append((key, slot))
+        self.stats.count_shared({"adopted": len(adopted)})
+        return adopted, self._drain()
+
     # ---- pins ----------------------------------------------------------------------------
 
     def pin(self, keys: Iterable[Hashable]) -> list[Hashable]:

@@ -75,6 +75,9 @@ class KVTier:
                 if cfg.kind not in self.tiers:
                     self.tiers[cfg.kind] = build_tier(cfg, self.layout.block_bytes)
             self._share_host_memory()
+            for tier in self.tiers.values():
+                if tier.shared:
+                    tier.stats = self.stats  # its counters (`Stats.shared`) beside the runtime's
         except BaseException:
             self._close_tiers()
             raise
@@ -99,6 +102,8 @@ class KVTier:
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
         self._move_handles: dict[int, TransferHandle] = {}
+        # The tier other processes store into too (the pool), asked for what the index lacks.
+        self._shared = next((k for k, t in self.tiers.items() if t.shared), None)
         self._metrics_server = None
         self._closed = False
 
@@ -109,9 +114,14 @@ class KVTier:
     # ---- the engine's verbs ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
-        """Number of leading `keys` whose blocks are stored and ready in some tier."""
+        """Number of leading `keys` whose blocks are stored and ready in some tier: this process's
+        own, then those a shared tier (the pool) holds from any process of the tenant, which are
+        adopted into the index so that `load` serves them (see `_find_shared`)."""
         with self._lock:
-            return self.manager.lookup(keys)
+            n = self.manager.lookup(keys)
+        if n < len(keys) and self._shared is not None:
+            n += self._find_shared(keys[n:])
+        return n
 
     def loadable(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` worth loading: stored and ready (as `lookup`), and, with
@@ -120,6 +130,9 @@ class KVTier:
         Blocks held but not worth loading are counted (`snapshot()["cost"]["skipped_blocks"]`)."""
         with self._lock:
             tiers = self.manager.serving_tiers(keys)
+        if len(tiers) < len(keys) and self._shared is not None and self._find_shared(keys[len(tiers):]):
+            with self._lock:
+                tiers = self.manager.serving_tiers(keys)
         if not self.config.transfer.skip_slow_loads:
             return len(tiers)
         return self.cost.worth_loading(tiers)
@@ -333,10 +346,34 @@ class KVTier:
     def _end(self, tier: TierKind, slot: int) -> Endpoint:
         return Endpoint(self.tiers[tier], slot)
 
+    def _find_shared(self, keys: Sequence[Hashable]) -> int:
+        """The leading run of `keys` the shared tier holds, adopted into the index (each bound to
+        the slot it got); returns how many. The tier is asked outside the lock (a network round
+        trip); a tier out of service is not asked."""
+        kind = self._shared
+        if kind in self.manager.unavailable:
+            return 0
+        try:
+            found = self.tiers[kind].find(keys)
+        except TierIOError as e:  # a closed or broken tier: its blocks are misses
+            log.debug("kvtier: %s lookup failed: %s", kind.name, e)
+            return 0
+        run = next((i for i, hit in enumerate(found) if not hit), len(found))
+        if not run:
+            return 0
+        with self._lock:
+            adopted, moves = self.manager.adopt_shared(kind, keys[:run])
+            for key, slot in adopted:
+                self.tiers[kind].bind(slot, key)
+            self._submit_moves(moves)
+            return len(adopted)
+
     def _verify(self, key: Hashable, tier: TierKind) -> tuple[int, ...] | None:
         if self.tiers[tier].medium not in _BELOW_DRAM:
             return None
         entry = self.manager.index.get(key)
+        if entry is not None and entry.checksums is None and self.tiers[tier].checks_reads:
+            return None  # adopted from a shared tier, which checks each block it reads
         if entry is None or entry.checksums is None:
             raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
         return entry.checksums

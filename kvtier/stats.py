@@ -73,6 +73,11 @@ class Stats:
     tier_failures: dict = field(default_factory=_per_tier)  # TierKind -> times taken out of the cascade
     tier_recoveries: dict = field(default_factory=_per_tier)  # TierKind -> times put back after a probe
     store_retries: int = 0  # blocks whose store failed in one tier and was tried again further down
+    # A shared tier (the pool): "adopted" (blocks another process stored, found by a lookup here),
+    # "asked" / "found" (keys sent to the tier's nodes by lookups, and found there), "negative_cached"
+    # (misses answered from the short negative cache, no node asked), "deduplicated" (writes of a
+    # block the pool already held: no bytes sent)
+    shared: Counter = field(default_factory=Counter)
     # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
     transfer_latency: dict = field(default_factory=dict)
     transfer_seconds: Counter = field(default_factory=Counter)  # (src, dst) -> summed seconds
@@ -82,6 +87,12 @@ class Stats:
     def add_bytes(self, src: str, dst: str, num_bytes: int) -> None:
         with self._lock:
             self.bytes_moved[(src, dst)] += num_bytes
+
+    def count_shared(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                if n:
+                    self.shared[name] += n
 
     def observe_transfer(self, src: str, dst: str, seconds: float, num_blocks: int = 1) -> None:
         """Records that `num_blocks` blocks took `seconds` from submission to landing."""
@@ -110,7 +121,7 @@ class Stats:
                 "promotions": pairs(self.promotions), "dropped": {k: v for k, v in self.dropped.items() if v},
                 "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
                 "tier_failures": tiers(self.tier_failures), "tier_recoveries": tiers(self.tier_recoveries),
-                "store_retries": self.store_retries,
+                "store_retries": self.store_retries, "shared": dict(sorted(self.shared.items())),
                 "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
                              "cancelled": self.prefetch_cancelled, "wasted": self.prefetch_wasted},
                 "bytes_moved": pairs(self.bytes_moved),

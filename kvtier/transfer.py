@@ -348,6 +348,8 @@ class TransferEngine:
         host = _host(src)
         if src is None:  # disk or remote: read into host memory (the destination itself if it can)
             host = _host(dst) if dst is not None and _host(dst) is not None else self._staging(length, 0)
+            if op.src.tier.shared:
+                op.src.tier.bind(op.src.slot, op.key)
             _stage(Stage.READ, op.src.tier.read, op.src.slot, host, offset)
         if op.verify is not None:
             self._verify(op, host, first, last)
@@ -356,6 +358,8 @@ class TransferEngine:
             self._cuda.copy(host, src, blocking=True, after=ready)
         checksums = self._checksums(host, op.key, first, last) if op.checksum else []
         if dst is None:
+            if op.dst.tier.shared:
+                op.dst.tier.bind(op.dst.slot, op.key)
             _stage(Stage.WRITE, op.dst.tier.write, op.dst.slot, host, offset)
         elif host is not dst:
             self._copy_tensor(dst, host if host is not None else src, host is not None and src is None, ready)

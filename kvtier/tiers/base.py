@@ -11,7 +11,7 @@ zero-copy tensor over a slot range, which the transfer engine uses to copy witho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +41,13 @@ class Tier(ABC):
     medium: Medium
     slot_bytes: int
     num_slots: int
+    # A shared tier (the pool) holds blocks under their keys, so that other processes find them:
+    # the transfer engine then names the block of every slot it reads or writes (`bind`), and the
+    # runtime asks it for blocks it does not index (`find`).
+    shared: bool = False
+    # Whether the tier checks the bytes it reads itself (the pool checks each block's key-seeded
+    # checksum), so that a block adopted from another process needs no checksums in the index.
+    checks_reads: bool = False
 
     @property
     def capacity_bytes(self) -> int:
@@ -89,6 +96,15 @@ class Tier(ABC):
         `read`/`write` often lie in it. A tier whose transport can use it directly (the pool
         over RDMA registers it once, then moves blocks without a staging copy) does; the
         default ignores it."""
+
+    def bind(self, slot: int, key: Hashable) -> None:
+        """A shared tier learns that `slot` holds (or is about to hold) block `key`; called by the
+        transfer engine before each read or write of the slot. The default ignores it."""
+
+    def find(self, keys: Sequence[Hashable]) -> list[bool]:
+        """Whether a shared tier holds each of `keys` (stored there by any process); never raises
+        for a node that is down (its keys are absent). The default holds nothing it does not index."""
+        return [False] * len(keys)
 
     def write_many(self, ios: Iterable[SlotIO]) -> None:
         """Batched `write`; the default writes one by one. Raises as `write` on the first failure."""

@@ -1,17 +1,29 @@
-"""`PoolTier`: the pool nodes as the manager's third tier — `num_slots` slots of `slot_bytes`.
+"""`PoolTier`: the pool nodes as the manager's pool tier — `num_slots` slots of `slot_bytes`, shared by key.
 
-The manager addresses slots, not keys, and writes a block layer by layer into a slot it chose.
-So each slot of this process is a *mutable* block on the pool under a key private to this tier
-instance (`xxh3_128(instance id, slot)`), allocated on the slot's first write (`alloc`), placed on
-its home node by rendezvous hashing, and thereafter read and written one-sided at byte ranges.
+The manager addresses slots; the transfer engine tells this tier which block each slot holds
+(`bind`). A block whose key is a `BlockKey` (16 bytes, naming model, weights, KV format, block
+size and tenant) is kept on the pool under that key, where every process and server of the tenant
+finds it (`find`, which `KVTier.lookup` asks for the keys it does not index):
 
-Trade-off: blocks stored through this adapter are not shared with other processes — the slot
-interface carries no block key, so another process cannot find them; sharing goes through
-`PoolClient.put/get` with real block keys. In exchange the manager's model holds exactly: its
-index, policies, watermarks and two-phase moves work unchanged, and per-layer loads are range
-reads. The pool may still drop a slot (recency eviction under pressure from other clients, a node
-restart): a read or write of it then raises `TierIOError`, which the transfer engine turns into a
-miss, and the next write allocates the slot afresh. Keep `capacity` within the tenant's quota.
+    write   the block's bytes, gathered until the whole block is in (spans of a store come layer
+            range by layer range), then one keyed put: PUT_BEGIN, the bytes, PUT_COMMIT with the
+            block's key-seeded checksum, so no process sees it before it is whole and checked.
+            A block this tier saw on the pool already (found, or put before) is asked for
+            instead (CONTAINS) and not sent again if the node still holds it: deduplicated.
+    read    a keyed get of the whole block, checked against its checksum by the client (a block
+            the node dropped or that fails its check is a `TierIOError`: a miss, never wrong
+            bytes); a read of part of a block keeps the block for the reads of its other parts.
+    find    one CONTAINS per node for the keys asked, behind a short negative cache, so a miss
+            asked again at once costs nothing.
+
+The node's recency eviction, leases and quotas stay the authority over shared blocks: this tier
+never deletes one (another process may be reading it), and one the node evicted is a miss here.
+
+A key of any other type cannot be found by another process; such blocks get a mutable block under
+a key private to this tier instance (`xxh3_128(instance id, slot)`), written and read one-sided at
+byte ranges, and deleted when the tier closes. Either way the pool may drop a block (recency
+eviction under pressure from other clients, a node restart): the read then raises `TierIOError`,
+which the transfer engine turns into a miss. Keep `capacity` within the tenant's quota.
 """
 
 from __future__ import annotations
@@ -19,43 +31,105 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 import torch
 import xxhash
 
 from kvtier.errors import TierIOError, TierUnavailable, TransferError
+from kvtier.keys import KEY_BYTES
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
+from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
 log = logging.getLogger(__name__)
 
 
+NEGATIVE_CACHE_S = 1.0  # how long a key the pool did not hold is answered "absent" without asking
+_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `read`)
+
+
 class PoolTier(Tier):
-    """`num_slots` slots on the pool nodes behind `client`.
+    """`num_slots` slots on the pool nodes behind `client`, shared by key (see the module docstring).
 
     Args:
         client: the pool client; closed with the tier when `owns_client`.
         capacity_bytes: this process's share of the pool; rounded down to whole slots.
         slot_bytes: bytes per slot (one block).
+        shared: keep `BlockKey` blocks under their keys, for every process of the tenant (False:
+            every block under a key private to this tier, as for other keys).
+        negative_cache_s: how long a key found absent is not asked for again.
+        stats: where the shared-tier counters go (`Stats.shared`); the runtime passes its own.
     Raises:
         CapacityError: capacity is below one slot.
     """
 
     kind = TierKind.POOL
     medium = Medium.REMOTE
+    checks_reads = True  # a keyed get checks the block's key-seeded checksum
 
-    def __init__(self, client: PoolClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False) -> None:
+    def __init__(self, client: PoolClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False,
+                 shared: bool = True, negative_cache_s: float = NEGATIVE_CACHE_S, stats: Stats | None = None) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = slots_needed(capacity_bytes, slot_bytes, "pool")
+        self.shared = shared
+        self.stats = stats or Stats()
         self._client, self._owns_client = client, owns_client
         self._instance = os.urandom(16)
-        self._slots: list[Slot | None] = [None] * self.num_slots
+        self._slots: list[Slot | None] = [None] * self.num_slots  # private mutable blocks
+        self._keys: list[bytes | None] = [None] * self.num_slots  # the shared key each slot holds, if any
+        self._gather: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # slot -> (key, bytes so far, count)
+        self._reads: OrderedDict[tuple[int, bytes], torch.Tensor] = OrderedDict()  # see `read`
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be on the pool (bounded)
+        self._absent: dict[bytes, float] = {}  # key -> when its "absent" answer expires
+        self._negative_cache_s = negative_cache_s
         self._lock = threading.Lock()
         self._closed = False
 
+    def bind(self, slot: int, key: Hashable) -> None:
+        """Slot `slot` holds block `key`: a `BlockKey` makes it a shared block, anything else a private one."""
+        shared = self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES
+        with self._lock:
+            self._keys[slot] = bytes(key) if shared else None
+
+    def find(self, keys: Sequence[Hashable]) -> list[bool]:
+        """Whether the pool holds each key (a node down: absent), one CONTAINS per node for the
+        keys not answered from the negative cache; keys that cannot be shared are absent."""
+        now = time.monotonic()
+        out = [False] * len(keys)
+        ask: list[int] = []
+        cached = 0
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                if not (self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES):
+                    continue
+                if self._absent.get(key, 0.0) > now:
+                    cached += 1
+                else:
+                    ask.append(i)
+        found = self._client.contains([bytes(keys[i]) for i in ask]) if ask else []
+        with self._lock:
+            expires = time.monotonic() + self._negative_cache_s
+            for i, hit in zip(ask, found):
+                key = bytes(keys[i])
+                out[i] = bool(hit)
+                if hit:
+                    self._absent.pop(key, None)
+                    self._note_held(key)
+                else:
+                    self._absent[key] = expires
+            if len(self._absent) > 4 * self.num_slots:  # forget expired answers once they pile up
+                self._absent = {k: t for k, t in self._absent.items() if t > now}
+        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": cached})
+        return out
+
     def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
-        """Writes `src` at `offset` of `slot`, allocating the slot on the pool on first use.
+        """Writes `src` at `offset` of `slot`: a shared block once all its bytes are in (see the
+        module docstring), a private one at once, allocated on the slot's first use.
 
         Raises:
             TypeError, IndexError: as the `Tier` contract.
@@ -66,6 +140,9 @@ class PoolTier(Tier):
         self._check_range(slot, offset, src.numel())
         if src.numel() == 0:
             return self._check_open()
+        key = self._key(slot)
+        if key is not None:
+            return self._write_shared(slot, key, _host(src), offset)
         handle = self._slot(slot, allocate=True)
         self._io(slot, handle, lambda: self._client.write_at(handle, offset, _host(src)), "write")
 
@@ -74,13 +151,16 @@ class PoolTier(Tier):
 
         Raises:
             TypeError, IndexError: as the `Tier` contract.
-            TierIOError: the slot was never written here, was dropped by the pool, or the pool is
-                unreachable.
+            TierIOError: the slot was never written here, was dropped by the pool, failed its
+                checksum, or the pool is unreachable.
         """
         dst = as_byte_buffer(dst, "pool read destination")
         self._check_range(slot, offset, dst.numel())
         if dst.numel() == 0:
             return self._check_open()
+        key = self._key(slot)
+        if key is not None:
+            return self._read_shared(slot, key, dst, offset)
         handle = self._slot(slot, allocate=False)
         if dst.is_cuda:
             host = torch.empty(dst.numel(), dtype=torch.uint8)
@@ -119,7 +199,7 @@ class PoolTier(Tier):
             transport = ", ".join(sorted({name for name, _ in facts}))
             reason = "; ".join(f"{node}: {name} ({why})" for node, (name, why) in zip(names, facts))
         facts = {**super().describe(), "nodes": names, "transport": transport, "transport_reason": reason,
-                 "tenant": self._client.tenant, "sharing": "per process (slot adapter)"}
+                 "tenant": self._client.tenant, "sharing": "by key, every process of the tenant" if self.shared else "per process"}
         rdma = [t for t in self._client.transports if t.name == "rdma"]
         if rdma:  # zero copy from the DRAM slab; its byte counters show which path blocks took
             errors = sorted({t.zero_copy_error for t in rdma if t.zero_copy_error})
@@ -129,20 +209,94 @@ class PoolTier(Tier):
         return facts
 
     def close(self) -> None:
-        """Frees this tier's blocks on the pool (best effort) and closes the client if owned. Idempotent."""
+        """Frees this tier's private blocks on the pool (best effort; shared blocks stay for the other
+        processes, the node evicts them by recency) and closes the client if owned. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             held = [s for s in self._slots if s is not None]
             self._slots = [None] * self.num_slots
+            self._gather.clear()
+            self._reads.clear()
         try:
             self._client.free(held)
         finally:
             if self._owns_client:
                 self._client.close()
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- internals: shared blocks --------------------------------------------------------------
+
+    def _key(self, slot: int) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            return self._keys[slot]
+
+    def _write_shared(self, slot: int, key: bytes, src: torch.Tensor, offset: int) -> None:
+        n = src.numel()
+        if offset != 0 or n != self.slot_bytes:  # one span of several: gather the block first
+            with self._lock:
+                held_key, block, count = self._gather.get(slot, (key, None, 0))
+                if block is None or held_key != key or offset == 0:
+                    block, count = torch.empty(self.slot_bytes, dtype=torch.uint8), 0
+                block[offset: offset + n].copy_(src)
+                count += n
+                if count < self.slot_bytes:
+                    self._gather[slot] = (key, block, count)
+                    return
+                self._gather.pop(slot, None)
+            src = block
+        with self._lock:
+            known = key in self._held
+        # A block seen on the pool is asked for (a few bytes) rather than sent: the node may have
+        # evicted it since, and a block written nowhere would be lost.
+        if known and self._client.contains([key])[0]:
+            self.stats.count_shared({"deduplicated": 1})
+            return
+        if not self._client.put(key, src):
+            raise self._error_for(key)(f"POOL slot {slot}: the pool did not take block {key.hex()[:16]} "
+                                       "(no room, quota spent, or its node is down)")
+        with self._lock:
+            self._note_held(key)
+
+    def _read_shared(self, slot: int, key: bytes, dst: torch.Tensor, offset: int) -> None:
+        n = dst.numel()
+        if offset == 0 and n == self.slot_bytes and not dst.is_cuda:
+            if not self._client.get(key, dst):
+                self._forget(key)
+                raise self._error_for(key)(f"POOL slot {slot}: block {key.hex()[:16]} is not on the pool any "
+                                           "more (evicted, node down or restarted) or failed its checksum")
+            return
+        with self._lock:
+            block = self._reads.pop((slot, key), None)
+        if block is None:
+            block = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self._read_shared(slot, key, block, 0)
+        dst.copy_(block[offset: offset + n])
+        if offset + n < self.slot_bytes:  # more of this block to come: keep it for those reads
+            with self._lock:
+                self._reads[(slot, key)] = block
+                while len(self._reads) > _READ_CACHE_BLOCKS:
+                    self._reads.popitem(last=False)
+
+    def _note_held(self, key: bytes) -> None:
+        """Under the lock: `key` is on the pool (a bounded memory of it: the node may evict it later,
+        which only makes a later write of the same block skip a put it needed; see `_forget`)."""
+        self._held[key] = None
+        self._held.move_to_end(key)
+        while len(self._held) > 4 * self.num_slots:
+            self._held.popitem(last=False)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._held.pop(key, None)
+
+    def _error_for(self, key: bytes) -> type[TierIOError]:
+        node = self._client.home(key)
+        return TierUnavailable if self._client.links[node].down and all(l.down for l in self._client.links) \
+            else TierIOError
+
+    # ---- internals: private blocks -------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -223,7 +377,8 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     except ConfigError as e:
         raise ConfigError(f"tiers.pool: {e}") from None
     try:
-        tier = PoolTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
+        tier = PoolTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True, shared=cfg.shared,
+                        negative_cache_s=cfg.negative_cache_s)
         for facts in client.stats():
             if "error" in facts:
                 log.warning("tiers.pool: node %s unreachable for now: %s", facts["address"], facts["error"])

@@ -1,0 +1,189 @@
+"""The pool shared by key through `KVTier` itself: a block one process stores (or demotes) into the
+pool is found and loaded by another process of the tenant, whole or layer range by layer range;
+lookups batch and remember misses briefly; a block the pool holds already is not sent again; one
+the node dropped is a counted miss, never wrong bytes; keys that are not `BlockKey`s stay private.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvtier.config import config_from_dict
+from kvtier.keys import Namespace, block_keys
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import running_node
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+from support.runtime import LAYOUT, WAIT_S
+
+P = TierKind.POOL
+SECRET, OTHER = "shared-secret-123456", "other-secret-654321"
+NAMESPACE = Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens)
+KEYS = block_keys(NAMESPACE, list(range(8 * LAYOUT.block_tokens)))  # 8 chained BlockKeys
+
+# Another process: a KVTier with a one-block DRAM tier over the pool; stores its blocks (bytes
+# derived from each key) and exits. argv: node address, YAML-ready config as JSON, how to store.
+WRITER = r"""
+import json, sys, torch
+from kvtier.config import config_from_dict
+from kvtier.layout import BlockLayout
+from kvtier.keys import Namespace, block_keys
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+layout = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)
+keys = block_keys(Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=4), list(range(32)))
+n, how = int(sys.argv[2]), sys.argv[3]
+with KVTier(config_from_dict(json.loads(sys.argv[1])), layout=layout) as kv:
+    data = torch.stack([torch.frombuffer(bytearray((k * (layout.block_bytes // 16 + 1))[:layout.block_bytes]),
+                                         dtype=torch.uint8) for k in keys[:n]])
+    batches = [(keys[:n], data)] if how == "pool" else [([k], data[i:i + 1]) for i, k in enumerate(keys[:n])]
+    for batch, rows in batches:  # "demoted": one by one into DRAM, each pushing the one before down
+        handle = kv.store(batch, rows, target=TierKind.POOL if how == "pool" else None)
+        assert handle.wait(30) and not handle.failed, handle.failed
+        kv.quiesce(30)
+    print(json.dumps({"where": [t.name if t else None for t in kv.where(keys[:n])], **kv.snapshot()}, default=str))
+"""
+
+
+def expected(key: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray((key * (LAYOUT.block_bytes // 16 + 1))[:LAYOUT.block_bytes]), dtype=torch.uint8)
+
+
+def config(address: str, **pool) -> dict:
+    return {"model": "kvtier-tiny", "transfer": pool.pop("transfer", {}), "tiers": {
+        "dram": {"capacity": LAYOUT.block_bytes, "high_watermark": 1.0, "low_watermark": 1.0},
+        "pool": {"capacity": 16 * LAYOUT.block_bytes, "nodes": [address], "tenant": "serving", "secret": SECRET,
+                 "timeout_s": WAIT_S, "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0, **pool}}}
+
+
+def write_from_another_process(address: str, n: int, how: str, **pool) -> dict:
+    done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(config(address, **pool)), str(n), how],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def load(kv: KVTier, keys) -> tuple[torch.Tensor, dict]:
+    out = torch.zeros(len(keys), LAYOUT.block_bytes, dtype=torch.uint8)
+    handle = kv.load(keys, out)
+    handle.wait(WAIT_S)  # False where a block failed: the caller looks at which
+    return out, handle.failed
+
+
+@pytest.fixture
+def node(tmp_path):
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n  - {{name: other, secret: {OTHER}}}\n")
+    with running_node(capacity="4MiB", region_size="256KiB", tenants=tenants,
+                      credentials=("serving", SECRET.encode())) as n:
+        yield n
+
+
+@pytest.mark.parametrize("how", ["pool", "demoted"])
+def test_blocks_another_process_stored_are_found_and_loaded(node, how) -> None:
+    wrote = write_from_another_process(node.address, 4, how)
+    if how == "demoted":  # a one-block DRAM tier: each store pushed the block before down to the pool
+        assert wrote["demotions"]["dram->pool"] >= 1 and wrote["where"].count("POOL") >= 3, wrote
+    with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
+        leading = next((i for i, w in enumerate(wrote["where"]) if w != "POOL"), 4)
+        assert kv.lookup(KEYS[:4]) == leading
+        pooled = [k for k, w in zip(KEYS[:4], wrote["where"]) if w == "POOL"]
+        assert kv.lookup(pooled) == len(pooled)
+        got, failed = load(kv, pooled)
+        assert not failed
+        for row, key in zip(got, pooled):
+            assert torch.equal(row, expected(key))
+        snap = kv.snapshot()
+        assert snap["hits"] == {"pool": len(pooled)}
+        assert snap["shared"]["adopted"] == len(pooled)
+
+
+def test_layer_ranges_are_gathered_on_store_and_served_from_one_get(node) -> None:
+    """chunk_bytes 0: every layer is its own span, so a store writes a block in four parts and a
+    load reads it in four; the pool still sees one whole, checked block each way."""
+    write_from_another_process(node.address, 4, "pool", transfer={"chunk_bytes": 0})
+    with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as client:
+        assert client.contains([bytes(k) for k in KEYS[:4]]) == [True] * 4
+        whole = bytearray(LAYOUT.block_bytes)
+        assert client.get(bytes(KEYS[2]), whole) and bytes(whole) == bytes(expected(KEYS[2]).numpy())
+    cfg = config(node.address, transfer={"chunk_bytes": 0})
+    with KVTier(config_from_dict(cfg), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:4]) == 4
+        got, failed = load(kv, KEYS[:4])
+        assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS[:4]))
+
+
+def test_misses_are_asked_once_per_node_then_remembered_briefly(node) -> None:
+    write_from_another_process(node.address, 2, "pool")
+    with KVTier(config_from_dict(config(node.address, negative_cache_s=60)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:6]) == 2  # asks for all six at once; 2 found, 4 absent
+        assert kv.snapshot()["shared"] == {"adopted": 2, "asked": 6, "found": 2}
+        assert kv.lookup(KEYS[:6]) == 2  # the two are indexed now; the four are not asked again
+        assert kv.snapshot()["shared"] == {"adopted": 2, "asked": 6, "found": 2, "negative_cached": 4}
+    with KVTier(config_from_dict(config(node.address, negative_cache_s=0)), layout=LAYOUT) as kv:
+        kv.lookup(KEYS[2:4])
+        kv.lookup(KEYS[2:4])
+        assert kv.snapshot()["shared"] == {"asked": 4}  # no cache: both misses asked both times
+
+
+def test_a_block_the_pool_holds_is_not_sent_again(node) -> None:
+    """Loading four adopted blocks through a one-block DRAM tier promotes them, and each promotion
+    demotes the block before it back to the pool: every such demotion finds the block there and
+    sends nothing."""
+    write_from_another_process(node.address, 4, "pool")
+    with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:4]) == 4
+        for key in KEYS[:4]:
+            got, failed = load(kv, [key])
+            assert not failed and torch.equal(got[0], expected(key))
+            kv.quiesce(WAIT_S)
+        snap = kv.snapshot()
+        demoted = snap["demotions"]["dram->pool"]
+        assert demoted >= 1 and snap["promotions"]["pool->dram"] >= demoted
+        assert snap["shared"]["deduplicated"] == demoted
+        assert kv.tiers[P]._client.counters.get("puts", 0) == 0  # not one block sent
+        assert kv.lookup(KEYS[:4]) == 4 and not load(kv, KEYS[:4])[1]
+
+
+def test_a_block_the_node_dropped_is_a_counted_miss_never_wrong_bytes(node) -> None:
+    write_from_another_process(node.address, 3, "pool")
+    with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:3]) == 3
+        with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as other:
+            assert other.delete([bytes(KEYS[1])]) == 1
+        got, failed = load(kv, KEYS[:3])
+        assert set(failed) == {KEYS[1]}
+        assert torch.equal(got[0], expected(KEYS[0])) and torch.equal(got[2], expected(KEYS[2]))
+        snap = kv.snapshot()
+        assert snap["io_errors"] == 1 and snap["dropped"] == {"read_io_error": 1}
+        assert kv.lookup(KEYS[:3]) == 1  # gone from the index too; asked again, absent
+
+
+def test_keys_that_are_not_block_keys_stay_private(node) -> None:
+    cfg = config(node.address)
+    with KVTier(config_from_dict(cfg), layout=LAYOUT) as a, KVTier(config_from_dict(cfg), layout=LAYOUT) as b:
+        own = ["plain-string-key", 7]
+        handle = a.store(own, torch.stack([expected(bytes(16))] * 2), target=P)
+        assert handle.wait(WAIT_S) and not handle.failed
+        assert a.lookup(own) == 2 and b.lookup(own) == 0
+        assert "asked" not in b.snapshot()["shared"]
+
+
+def test_sharing_off_keeps_every_block_private(node) -> None:
+    write_from_another_process(node.address, 2, "pool", shared=False)
+    with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as client:
+        assert client.contains([bytes(k) for k in KEYS[:2]]) == [False, False]
+    with KVTier(config_from_dict(config(node.address, shared=False)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:2]) == 0 and kv.snapshot()["shared"] == {}
+
+
+def test_another_tenant_finds_nothing(node) -> None:
+    write_from_another_process(node.address, 2, "pool")
+    with KVTier(config_from_dict(config(node.address, tenant="other", secret=OTHER)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:2]) == 0
+        assert kv.snapshot()["shared"] == {"asked": 2}
