@@ -33,9 +33,12 @@ covers the served model, a fingerprint of its weights (files rebuilt under the s
 give other keys: `kvtier.weights`), the page dtype, the page size, the host layout (two layouts
 order the same bytes differently), the tenant and the rank's shard (TP rank unless MLA, PP and CP).
 
-Limitations: pages live in this process's kvtier (its DRAM, SSD files and pool slots); they are not
-shared between SGLang processes, and outlive one only on a persistent SSD tier (`persist: true`;
-never across changed weights, which change the keys). So MLA with TP > 1 is refused: SGLang
+Sharing: with a pool tier, pages go to the pool under these keys, so every SGLang process of the
+tenant serving the same model and shard finds the pages any other backed up (`KVTier`'s shared pool
+tier). Without one, pages live in this process's kvtier (DRAM, SSD files) and outlive it only on a
+persistent SSD tier (`persist: true`; never across changed weights, which change the keys).
+
+Limitations: MLA with TP > 1 is refused: SGLang
 writes replicated MLA pages from one rank only and takes the minimum hit count over ranks. Sidecar
 pools of hybrid models (`*_v2` calls: Mamba, SWA, indexer) are not stored: they report misses, so
 those models recompute. `clear()` starts a new key epoch: old pages are unreachable at once and
