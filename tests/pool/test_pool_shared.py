@@ -16,7 +16,7 @@ import torch
 from kvtier.config import config_from_dict
 from kvtier.keys import Namespace, block_keys
 from kvtier.pool.client.api import PoolClient
-from kvtier.pool.node.process import running_node
+from kvtier.pool.node.process import NodeProcess, running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from support.runtime import LAYOUT, WAIT_S
@@ -187,3 +187,91 @@ def test_another_tenant_finds_nothing(node) -> None:
     with KVTier(config_from_dict(config(node.address, tenant="other", secret=OTHER)), layout=LAYOUT) as kv:
         assert kv.lookup(KEYS[:2]) == 0
         assert kv.snapshot()["shared"] == {"asked": 2}
+
+
+# ---- several nodes, a node lost and back, the tenant's quota -------------------------------------
+
+
+def many_nodes(address_list: list[str], **pool) -> dict:
+    cfg = config(address_list[0], **pool)
+    cfg["tiers"]["pool"]["nodes"] = list(address_list)
+    return cfg
+
+
+def test_blocks_spread_over_nodes_by_rendezvous_and_every_process_agrees(tmp_path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n")
+    nodes = [NodeProcess(capacity="4MiB", region_size="256KiB", tenants=tenants,
+                         credentials=("serving", SECRET.encode())) for _ in range(2)]
+    try:
+        addresses = [n.address for n in nodes]
+        done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(many_nodes(addresses)), "8", "pool"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        held = []
+        for address in addresses:
+            with PoolClient([address], tenant="serving", secret=SECRET.encode()) as one:
+                held.append(sum(one.contains([bytes(k) for k in KEYS])))
+        assert sum(held) == 8 and min(held) >= 1, held  # each node holds some, none holds a block twice
+        # the other process lists the nodes the other way round: placement does not depend on the order
+        with KVTier(config_from_dict(many_nodes(addresses[::-1])), layout=LAYOUT) as kv:
+            assert kv.lookup(KEYS) == 8
+            got, failed = load(kv, KEYS)
+            assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS))
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_lost_node_is_misses_within_the_timeout_and_a_restarted_one_rejoins(tmp_path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n")
+    nodes = [NodeProcess(capacity="4MiB", region_size="256KiB", tenants=tenants,
+                         credentials=("serving", SECRET.encode())) for _ in range(2)]
+    try:
+        addresses = [n.address for n in nodes]
+        fast = {"timeout_s": 1.0, "negative_cache_s": 0}
+        done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(many_nodes(addresses, **fast)), "8", "pool"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        with PoolClient([addresses[1]], tenant="serving", secret=SECRET.encode()) as one:
+            on_second = {k for k in KEYS if one.contains([bytes(k)])[0]}
+        assert 0 < len(on_second) < 8
+        with KVTier(config_from_dict(many_nodes(addresses, **fast)), layout=LAYOUT) as kv:
+            assert kv.lookup(KEYS) == 8
+            nodes[1].kill()
+            got, failed = load(kv, KEYS)  # the adopted blocks of the dead node: misses, the rest served
+            assert set(failed) == on_second
+            assert all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS) if k not in on_second)
+            survivors = [k for k in KEYS if k not in on_second]
+            assert kv.lookup(survivors) == len(survivors) and not load(kv, survivors)[1]
+            nodes[1].start()  # back on the same address, empty: it rejoins for new blocks
+            kv.recheck()
+            fresh = block_keys(NAMESPACE, list(range(1000, 1000 + 8 * LAYOUT.block_tokens)))
+            handle = kv.store(fresh, torch.stack([expected(k) for k in fresh]), target=P)
+            assert handle.wait(WAIT_S) and not handle.failed, handle.failed
+            with PoolClient([addresses[1]], tenant="serving", secret=SECRET.encode()) as one:
+                assert sum(one.contains([bytes(k) for k in fresh])) >= 1, "the restarted node takes blocks again"
+            assert kv.lookup(sorted(on_second)[:1]) == 0, "what it lost stays lost: a miss, not wrong bytes"
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_the_tenants_quota_holds_for_shared_blocks(tmp_path) -> None:
+    tenants = tmp_path / "tenants.yaml"
+    quota = 4 * LAYOUT.block_bytes
+    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}, quota: {quota}}}\n")
+    with running_node(capacity="4MiB", region_size="256KiB", tenants=tenants,
+                      credentials=("serving", SECRET.encode())) as node:
+        write_from_another_process(node.address, 8, "demoted")  # 8 blocks into a quota of 4
+        with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as one:
+            tenant = one.stats()[0]["tenant"]
+            assert tenant["used_bytes"] <= tenant["quota_bytes"] == quota
+            on_pool = one.contains([bytes(k) for k in KEYS])
+        assert 1 <= sum(on_pool) <= 4  # the node evicted the tenant's own older blocks
+        with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
+            found = [k for k, hit in zip(KEYS, on_pool) if hit]
+            assert kv.lookup(found[:1]) == 1
+            got, failed = load(kv, found[:1])
+            assert not failed and torch.equal(got[0], expected(found[0]))
