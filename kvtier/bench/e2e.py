@@ -20,13 +20,16 @@ The engine's device<->host leg has no limit of its own here; the hbm-dram path m
 from __future__ import annotations
 
 import faulthandler
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from kvtier.bench.limits import CopyLimit, DirectIOLimit, SocketLimit, random_fill
-from kvtier.bench.measure import Budget, Measured
+from kvtier.bench.measure import Budget, Measured, measure, paired_times, summarize
 from kvtier.bench.paths import BenchEnv, PathFn, record_facts, spill_and_fill
 from kvtier.errors import TransferError
 from kvtier.tiers.base import TierKind
@@ -68,10 +71,11 @@ class _Calls:
         self.src = random_fill(torch.empty((depth, kv.layout.block_bytes), dtype=torch.uint8, device=device))
         self.dst = torch.empty_like(self.src)
         self.batches: list[list[bytes]] = [[] for _ in range(num_calls)]  # the latest keys stored as call i
-        self._next_key = 0
+        # 16-byte keys are `BlockKey`s, shared on the pool: a salt per run keeps them this run's own
+        self._salt, self._next_key = os.urandom(8), 0
 
     def spill(self, t: int, call: int) -> None:
-        keys = [(self._next_key + j).to_bytes(16, "little") for j in range(self.depth)]
+        keys = [self._salt + (self._next_key + j).to_bytes(8, "little") for j in range(self.depth)]
         self._next_key += self.depth
         handle = self.kv.store(keys, self.src, target=TierKind.HBM, sync=True)
         self.kv.quiesce(TIMEOUT_S)
@@ -164,5 +168,95 @@ def e2e_path(lower: TierKind) -> PathFn:
     return run
 
 
-E2E_PATHS: dict[str, PathFn] = {f"e2e-hbm-{k.name.lower()}": e2e_path(k)
-                                for k in (TierKind.DRAM, TierKind.POOL, TierKind.SSD)}
+# The writer of the shared-pool row: its own process and KVTier (HBM over the pool, as the e2e
+# pool row's), storing `num_calls` batches of `depth` blocks whose bytes follow from their index.
+# argv: pool node, its timeout, device, block bytes, depth, num_calls, salt hex.
+_WRITER = r"""
+import sys, types, torch
+from kvtier.bench.e2e import NUM_LAYERS, TIMEOUT_S, runtime_config, shared_block, shared_keys
+from kvtier.layout import BlockLayout
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+env = types.SimpleNamespace(pool_address=sys.argv[1], pool_timeout_s=float(sys.argv[2]), device=sys.argv[3])
+block_bytes, depth, num_calls, salt = *map(int, sys.argv[4:7]), bytes.fromhex(sys.argv[7])
+layout = BlockLayout.uniform(16, NUM_LAYERS, block_bytes // NUM_LAYERS)
+config = runtime_config(env, TierKind.POOL, block_bytes, depth, num_calls * depth)
+with KVTier(config, layout=layout) as kv:
+    for call in range(num_calls):
+        keys = shared_keys(salt, call, depth)
+        handle = kv.store(keys, torch.stack([shared_block(k, block_bytes) for k in keys]), target=TierKind.HBM, sync=True)
+        kv.quiesce(TIMEOUT_S)
+        if handle.failed or set(kv.where(keys)) != {TierKind.POOL}:
+            sys.exit(f"batch {call}: failed {len(handle.failed)}, in {kv.where(keys)}")
+"""
+
+
+def shared_keys(salt: bytes, call: int, depth: int) -> list[bytes]:
+    return [salt + (call * depth + j).to_bytes(8, "little") for j in range(depth)]
+
+
+def shared_block(key: bytes, block_bytes: int) -> torch.Tensor:
+    """A block's bytes, derived from its key: the reading process checks them without being told."""
+    g = torch.Generator().manual_seed(int.from_bytes(key[8:], "little") ^ int.from_bytes(key[:8], "little"))
+    return torch.randint(0, 256, (block_bytes,), dtype=torch.uint8, generator=g)
+
+
+def shared_pool_path(env: BenchEnv, block_bytes: int, depth: int, num_blocks: int, budget: Budget) -> list[Measured]:
+    """Blocks another process stored, loaded through the pool (`e2e-pool-shared`).
+
+    A writer subprocess stores every batch through its own `KVTier` (HBM, demoted to the pool);
+    this process's `KVTier` over the same node, which never saw them, then
+      fill-first: `lookup(keys)` (one CONTAINS, the blocks adopted into its index) and
+                  `load(keys, device_buffer, sync=True)`, once per batch;
+      fill:       `load` again, as a later request reusing the prefix does.
+    Both against the raw socket's recv of the same bytes (`SocketLimit`), as the e2e pool row.
+    """
+    from kvtier.layout import BlockLayout
+    from kvtier.runtime import KVTier
+
+    num_calls = max(4, num_blocks // depth)  # fill-first takes one sample per batch
+    config = runtime_config(env, TierKind.POOL, block_bytes, depth, num_calls * depth)
+    salt = os.urandom(8)
+    writer = subprocess.run([sys.executable, "-c", _WRITER, env.pool_address, str(env.pool_timeout_s),
+                             str(env.device), *map(str, (block_bytes, depth, num_calls)), salt.hex()],
+                            capture_output=True, text=True, timeout=WATCHDOG_S)
+    if writer.returncode != 0:
+        raise TransferError(f"e2e-pool-shared: the writer process failed: {writer.stderr.strip()[-2000:]}")
+    layout = BlockLayout.uniform(16, NUM_LAYERS, block_bytes // NUM_LAYERS)
+    kv = KVTier(config, layout=layout)
+    record_facts(env, kv.tiers[TierKind.POOL])
+    dst = torch.empty((depth, block_bytes), dtype=torch.uint8, device=env.device)
+    batches = [shared_keys(salt, call, depth) for call in range(num_calls)]
+
+    def fill(t: int, call: int) -> None:
+        keys = batches[call]
+        if kv.lookup(keys) != depth:
+            raise TransferError(f"e2e-pool-shared: batch {call} not found on the pool")
+        handle = kv.load(keys, dst, sync=True)
+        if handle.failed:
+            raise TransferError(f"e2e-pool-shared: {len(handle.failed)} blocks failed: "
+                                f"{next(iter(handle.failed.values())).error}")
+
+    limit = _Parallel(SocketLimit(env.rawsock, num_calls * depth, block_bytes, depth), depth)
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    try:
+        per_op = depth * block_bytes
+        rows = [summarize("e2e-pool-shared", "fill-first", block_bytes, depth, per_op, 1, limit.fill_name,
+                          paired_times(num_calls, 1, fill, limit.fill))]
+        if kv.snapshot()["shared"].get("adopted", 0) != num_calls * depth:
+            raise TransferError("e2e-pool-shared: the reader did not adopt every block from the pool")
+        fill(0, 0)
+        if not all(torch.equal(dst[j].cpu(), shared_block(k, block_bytes)) for j, k in enumerate(batches[0])):
+            raise TransferError("e2e-pool-shared: blocks loaded differ from those the other process stored")
+        rows.append(summarize("e2e-pool-shared", "fill", block_bytes, depth, per_op, 1, limit.fill_name,
+                              measure(num_calls, 1, fill, limit.fill, budget)))
+        return rows
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        limit.close()
+        kv.close()
+
+
+E2E_PATHS: dict[str, PathFn] = {**{f"e2e-hbm-{k.name.lower()}": e2e_path(k)
+                                   for k in (TierKind.DRAM, TierKind.POOL, TierKind.SSD)},
+                                "e2e-pool-shared": shared_pool_path}

@@ -97,7 +97,8 @@ def write_plots(result: BenchResult, directory: Path) -> list[Path]:
 
 def _latency_cdf(plt, path: str, measured: list[Measured], directory: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, op in zip(axes, ("spill", "fill")):
+    ops = list(dict.fromkeys(m.row.op for m in measured))  # spill, fill; fill-first, fill for a shared row
+    for ax, op in zip(axes, ops):
         for m in (m for m in measured if m.row.op == op):
             xs = [s * 1e6 for s in m.latencies_s]
             ys = [(i + 1) / len(xs) for i in range(len(xs))]

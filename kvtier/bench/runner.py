@@ -29,7 +29,7 @@ from kvtier.errors import ConfigError, TransferError
 KIB, MIB = 1 << 10, 1 << 20
 ALL_PATHS = (*PATHS, *E2E_PATHS)
 GROUPS = {"e2e": tuple(E2E_PATHS)}  # names --tiers takes besides each path's own
-POOL_PATHS = ("dram-pool", "e2e-hbm-pool")
+POOL_PATHS = ("dram-pool", "e2e-hbm-pool", "e2e-pool-shared")
 SSD_PATHS = ("dram-ssd", "e2e-hbm-ssd")
 SLACK_BYTES = 16 * MIB  # headroom on the SSD filesystem beyond the bench's own files
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a ~20 s run: 64KiB and 1MiB blocks, short rows (explicit --sizes/--depths still win)")
     p.add_argument("--tiers", metavar="LIST", help="comma-separated paths: hbm-dram, dram-pool, dram-ssd, e2e "
-                   "(= e2e-hbm-dram, e2e-hbm-pool, e2e-hbm-ssd); default all")
+                   "(= e2e-hbm-dram, e2e-hbm-pool, e2e-hbm-ssd, e2e-pool-shared: blocks another process stored); default all")
     p.add_argument("--sizes", metavar="LIST", help="block sizes, multiples of 4KiB (default 64KiB,256KiB,1MiB,4MiB)")
     p.add_argument("--depths", metavar="LIST", help="queue depths (default 1,4)")
     p.add_argument("--ssd-dir", metavar="DIR", default=DEFAULT_SSD_DIR,

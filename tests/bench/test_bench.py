@@ -29,7 +29,8 @@ from kvtier.errors import TierIOError
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PATHS = ("hbm-dram", "dram-pool", "dram-ssd", "e2e-hbm-dram", "e2e-hbm-pool", "e2e-hbm-ssd")
+PATHS = ("hbm-dram", "dram-pool", "dram-ssd", "e2e-hbm-dram", "e2e-hbm-pool", "e2e-hbm-ssd", "e2e-pool-shared")
+OPS = {p: ("spill", "fill") for p in PATHS} | {"e2e-pool-shared": ("fill-first", "fill")}  # another process spilled
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -54,7 +55,7 @@ def quick_run(tmp_path_factory):
 def test_quick_run_has_sane_rows_for_every_path(quick_run):
     _, report, _ = quick_run
     rows = report["rows"]
-    assert {(r["path"], r["op"]) for r in rows} == {(p, op) for p in PATHS for op in ("spill", "fill")}
+    assert {(r["path"], r["op"]) for r in rows} == {(p, op) for p in PATHS for op in OPS[p]}
     for r in rows:
         where = f"{r['path']} {r['op']} {r['block_bytes']} qd {r['queue_depth']}"
         assert r["num_ops"] >= 4, where
