@@ -24,6 +24,7 @@ from support.hf import BLOCK_TOKENS, GEN, NEW_TOKENS, _layout, assert_same, defa
 from support.runtime import WAIT_S
 
 D, P = TierKind.DRAM, TierKind.POOL
+pytestmark = pytest.mark.slow  # seconds per test (node and writer subprocesses): kept out of `make test-fast`
 NS = Namespace(model="kvtier-test/tiny-llama", kv_dtype="fp32", block_tokens=BLOCK_TOKENS)
 
 # The first engine: its own process, its own KVTier over DRAM and the pool (stores written through

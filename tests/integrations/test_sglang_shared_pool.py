@@ -22,7 +22,8 @@ from kvtier.tiers.base import TierKind
 from support.runtime import WAIT_S
 from support.sglang import PAGE_BYTES, PAGE_TOKENS, FakeHostPool, find_wheel, keys, same_bytes, storage_config
 
-pytestmark = pytest.mark.skipif(find_wheel() is None, reason="no sglang-0.5.23 wheel: run `make venv`")
+pytestmark = [pytest.mark.slow,  # seconds per test: kept out of `make test-fast`
+              pytest.mark.skipif(find_wheel() is None, reason="no sglang-0.5.23 wheel: run `make venv`")]
 
 D, P = TierKind.DRAM, TierKind.POOL
 LAYOUT = BlockLayout(PAGE_TOKENS, (PAGE_BYTES,))

@@ -22,6 +22,7 @@ from kvtier.tiers.base import TierKind
 from support.runtime import LAYOUT, WAIT_S
 
 P = TierKind.POOL
+pytestmark = pytest.mark.slow  # seconds per test (node and writer subprocesses): kept out of `make test-fast`
 SECRET, OTHER = "shared-secret-123456", "other-secret-654321"
 NAMESPACE = Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens)
 KEYS = block_keys(NAMESPACE, list(range(8 * LAYOUT.block_tokens)))  # 8 chained BlockKeys
