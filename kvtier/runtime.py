@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.cost import LoadCost
-from kvtier.errors import ConfigError, KVTierError, TierIOError
+from kvtier.errors import ConfigError, KVTierError, TierIOError, TransferError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
@@ -355,8 +355,8 @@ class KVTier:
             return 0
         try:
             found = self.tiers[kind].find(keys)
-        except TierIOError as e:  # a closed or broken tier: its blocks are misses
-            log.debug("kvtier: %s lookup failed: %s", kind.name, e)
+        except (TierIOError, TransferError) as e:  # closed, broken, or refusing us now: misses
+            log.warning("kvtier: %s lookup failed, its blocks count as misses: %s", kind.name, e)
             return 0
         run = next((i for i, hit in enumerate(found) if not hit), len(found))
         if not run:

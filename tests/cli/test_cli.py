@@ -22,6 +22,8 @@ import pytest
 import torch
 import yaml
 
+pytestmark = pytest.mark.slow  # its module fixture runs three CLI processes (~15 s here): out of `make test-fast`
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 16 * 512  # kvtier-tiny: 16 tokens x 512 B/token
 SLOTS = {"hbm": 4, "dram": 8, "ssd": 64}  # SSD below its 0.95 high watermark even holding all 40

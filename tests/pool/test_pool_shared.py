@@ -276,3 +276,16 @@ def test_the_tenants_quota_holds_for_shared_blocks(tmp_path) -> None:
             assert kv.lookup(found[:1]) == 1
             got, failed = load(kv, found[:1])
             assert not failed and torch.equal(got[0], expected(found[0]))
+
+
+def test_a_lookup_the_pool_refuses_is_a_miss_not_an_error(node, monkeypatch) -> None:
+    """A node that refuses the tenant after start-up (its secret rotated): lookups miss, loudly."""
+    from kvtier.pool.client.connection import AuthFailed
+
+    write_from_another_process(node.address, 2, "pool")
+    with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
+        def refuse(keys):
+            raise AuthFailed("pool node: the tenant's credentials were refused")
+
+        monkeypatch.setattr(kv.tiers[P]._client, "contains", refuse)
+        assert kv.lookup(KEYS[:2]) == 0 and kv.loadable(KEYS[:2]) == 0
