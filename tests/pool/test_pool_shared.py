@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +64,11 @@ def config(address: str, **pool) -> dict:
 
 
 def write_from_another_process(address: str, n: int, how: str, **pool) -> dict:
-    done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(config(address, **pool)), str(n), how],
+    return run_writer(config(address, **pool), n, how)
+
+
+def run_writer(cfg: dict, n: int, how: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(cfg), str(n), how],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -76,13 +81,31 @@ def load(kv: KVTier, keys) -> tuple[torch.Tensor, dict]:
     return out, handle.failed
 
 
+NODE = {"capacity": "4MiB", "region_size": "256KiB", "credentials": ("serving", SECRET.encode())}
+
+
+def tenants_yaml(tmp_path, quota: int | None = None) -> Path:
+    path = tmp_path / "tenants.yaml"
+    limit = f", quota: {quota}" if quota else ""
+    path.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}{limit}}}\n  - {{name: other, secret: {OTHER}}}\n")
+    return path
+
+
 @pytest.fixture
 def node(tmp_path):
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n  - {{name: other, secret: {OTHER}}}\n")
-    with running_node(capacity="4MiB", region_size="256KiB", tenants=tenants,
-                      credentials=("serving", SECRET.encode())) as n:
+    with running_node(tenants=tenants_yaml(tmp_path), **NODE) as n:
         yield n
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    nodes = []
+    try:
+        nodes += [NodeProcess(tenants=tenants_yaml(tmp_path), **NODE) for _ in range(2)]
+        yield nodes
+    finally:
+        for n in nodes:
+            n.close()
 
 
 @pytest.mark.parametrize("how", ["pool", "demoted"])
@@ -199,72 +222,49 @@ def many_nodes(address_list: list[str], **pool) -> dict:
     return cfg
 
 
-def test_blocks_spread_over_nodes_by_rendezvous_and_every_process_agrees(tmp_path) -> None:
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n")
-    nodes = [NodeProcess(capacity="4MiB", region_size="256KiB", tenants=tenants,
-                         credentials=("serving", SECRET.encode())) for _ in range(2)]
-    try:
-        addresses = [n.address for n in nodes]
-        done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(many_nodes(addresses)), "8", "pool"],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        held = []
-        for address in addresses:
-            with PoolClient([address], tenant="serving", secret=SECRET.encode()) as one:
-                held.append(sum(one.contains([bytes(k) for k in KEYS])))
-        assert sum(held) == 8 and min(held) >= 1, held  # each node holds some, none holds a block twice
-        # the other process lists the nodes the other way round: placement does not depend on the order
-        with KVTier(config_from_dict(many_nodes(addresses[::-1])), layout=LAYOUT) as kv:
-            assert kv.lookup(KEYS) == 8
-            got, failed = load(kv, KEYS)
-            assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS))
-    finally:
-        for n in nodes:
-            n.close()
+def test_blocks_spread_over_nodes_by_rendezvous_and_every_process_agrees(two_nodes) -> None:
+    addresses = [n.address for n in two_nodes]
+    run_writer(many_nodes(addresses), 8, "pool")
+    held = []
+    for address in addresses:
+        with PoolClient([address], tenant="serving", secret=SECRET.encode()) as one:
+            held.append(sum(one.contains([bytes(k) for k in KEYS])))
+    assert sum(held) == 8 and min(held) >= 1, held  # each node holds some, none holds a block twice
+    # the other process lists the nodes the other way round: placement does not depend on the order
+    with KVTier(config_from_dict(many_nodes(addresses[::-1])), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS) == 8
+        got, failed = load(kv, KEYS)
+        assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS))
 
 
-def test_a_lost_node_is_misses_within_the_timeout_and_a_restarted_one_rejoins(tmp_path) -> None:
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}}}\n")
-    nodes = [NodeProcess(capacity="4MiB", region_size="256KiB", tenants=tenants,
-                         credentials=("serving", SECRET.encode())) for _ in range(2)]
-    try:
-        addresses = [n.address for n in nodes]
-        fast = {"timeout_s": 1.0, "negative_cache_s": 0}
-        done = subprocess.run([sys.executable, "-c", WRITER, json.dumps(many_nodes(addresses, **fast)), "8", "pool"],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
+def test_a_lost_node_is_misses_within_the_timeout_and_a_restarted_one_rejoins(two_nodes) -> None:
+    nodes, addresses = two_nodes, [n.address for n in two_nodes]
+    fast = {"timeout_s": 1.0, "negative_cache_s": 0}
+    run_writer(many_nodes(addresses, **fast), 8, "pool")
+    with PoolClient([addresses[1]], tenant="serving", secret=SECRET.encode()) as one:
+        on_second = {k for k in KEYS if one.contains([bytes(k)])[0]}
+    assert 0 < len(on_second) < 8
+    with KVTier(config_from_dict(many_nodes(addresses, **fast)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS) == 8
+        nodes[1].kill()
+        got, failed = load(kv, KEYS)  # the adopted blocks of the dead node: misses, the rest served
+        assert set(failed) == on_second
+        assert all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS) if k not in on_second)
+        survivors = [k for k in KEYS if k not in on_second]
+        assert kv.lookup(survivors) == len(survivors) and not load(kv, survivors)[1]
+        nodes[1].start()  # back on the same address, empty: it rejoins for new blocks
+        kv.recheck()
+        fresh = block_keys(NAMESPACE, list(range(1000, 1000 + 8 * LAYOUT.block_tokens)))
+        handle = kv.store(fresh, torch.stack([expected(k) for k in fresh]), target=P)
+        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
         with PoolClient([addresses[1]], tenant="serving", secret=SECRET.encode()) as one:
-            on_second = {k for k in KEYS if one.contains([bytes(k)])[0]}
-        assert 0 < len(on_second) < 8
-        with KVTier(config_from_dict(many_nodes(addresses, **fast)), layout=LAYOUT) as kv:
-            assert kv.lookup(KEYS) == 8
-            nodes[1].kill()
-            got, failed = load(kv, KEYS)  # the adopted blocks of the dead node: misses, the rest served
-            assert set(failed) == on_second
-            assert all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS) if k not in on_second)
-            survivors = [k for k in KEYS if k not in on_second]
-            assert kv.lookup(survivors) == len(survivors) and not load(kv, survivors)[1]
-            nodes[1].start()  # back on the same address, empty: it rejoins for new blocks
-            kv.recheck()
-            fresh = block_keys(NAMESPACE, list(range(1000, 1000 + 8 * LAYOUT.block_tokens)))
-            handle = kv.store(fresh, torch.stack([expected(k) for k in fresh]), target=P)
-            assert handle.wait(WAIT_S) and not handle.failed, handle.failed
-            with PoolClient([addresses[1]], tenant="serving", secret=SECRET.encode()) as one:
-                assert sum(one.contains([bytes(k) for k in fresh])) >= 1, "the restarted node takes blocks again"
-            assert kv.lookup(sorted(on_second)[:1]) == 0, "what it lost stays lost: a miss, not wrong bytes"
-    finally:
-        for n in nodes:
-            n.close()
+            assert sum(one.contains([bytes(k) for k in fresh])) >= 1, "the restarted node takes blocks again"
+        assert kv.lookup(sorted(on_second)[:1]) == 0, "what it lost stays lost: a miss, not wrong bytes"
 
 
 def test_the_tenants_quota_holds_for_shared_blocks(tmp_path) -> None:
-    tenants = tmp_path / "tenants.yaml"
     quota = 4 * LAYOUT.block_bytes
-    tenants.write_text(f"tenants:\n  - {{name: serving, secret: {SECRET}, quota: {quota}}}\n")
-    with running_node(capacity="4MiB", region_size="256KiB", tenants=tenants,
-                      credentials=("serving", SECRET.encode())) as node:
+    with running_node(tenants=tenants_yaml(tmp_path, quota), **NODE) as node:
         write_from_another_process(node.address, 8, "demoted")  # 8 blocks into a quota of 4
         with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as one:
             tenant = one.stats()[0]["tenant"]
