@@ -34,6 +34,11 @@ class TierConfig:
     admission: AdmissionRule = AdmissionRule(AdmissionKind.ALL)
     high_watermark: float = 0.95
     low_watermark: float = 0.85
+    # Every store also places a copy here, in exclusive mode too (inclusive mode writes through to
+    # every tier anyway), so the block is in this tier as soon as it is stored. None: a shared
+    # pool tier takes the blocks it shares (BlockKeys: other processes then find a block at once,
+    # not once it is demoted); the others take none.
+    write_through: bool | None = None
     path: Path | None = None  # SSD only: directory holding the slab files
     num_files: int = 4  # SSD only
     o_direct: bool | None = None  # SSD only: None tries O_DIRECT and falls back with a warning
@@ -161,7 +166,7 @@ def _admission(raw: Any, where: str) -> AdmissionRule:
                          _bool(raw.get("allow_demoted", False), f"{where}.allow_demoted"))
 
 
-_TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark"}
+_TIER_FIELDS = {"capacity", "policy", "admission", "high_watermark", "low_watermark", "write_through"}
 # Fields only one kind of tier reads; elsewhere they would be silently ignored, so they are refused.
 _KIND_FIELDS = {TierKind.HBM: {"device"}, TierKind.SSD: {"path", "num_files", "o_direct", "persist"},
                 TierKind.POOL: {"nodes", "tenant", "secret", "secret_file", "timeout_s", "reconnect_s", "transport",
@@ -242,6 +247,8 @@ def _tier(name: str, raw: Any) -> TierConfig:
         admission=_admission(raw.get("admission", "all"), f"{where}.admission"),
         high_watermark=high,
         low_watermark=low,
+        write_through=None if raw.get("write_through") is None else _bool(raw["write_through"],
+                                                                           f"{where}.write_through"),
         path=Path(path).expanduser() if path else None,
         num_files=_number(raw.get("num_files", 4), f"{where}.num_files", int, 1),
         o_direct=None if o_direct in ("auto", None) else bool(o_direct),

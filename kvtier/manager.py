@@ -41,6 +41,10 @@ _ADMIT_ALL = AdmissionKind.ALL
 _EXCLUSIVE = CacheMode.EXCLUSIVE
 
 
+def _always(key: Hashable) -> bool:
+    return True
+
+
 _DEMOTE, _PREFETCH = MoveReason.DEMOTE, MoveReason.PREFETCH  # see _READY above
 _EVICTED = DropReason.EVICTED
 
@@ -89,6 +93,9 @@ class TierManager:
         self._down: frozenset[TierKind] = frozenset()  # tiers out of the cascade (see `set_available`)
         self._derive_cascade()
         self._admits_all = {k: t.admission.kind is _ADMIT_ALL for k, t in self._tiers.items()}
+        # Per tier, the stores that place a copy there too (`TierSlots.write_through`); inclusive: all.
+        self._write_through = {k: t.write_through if mode is _EXCLUSIVE else _always
+                               for k, t in self._tiers.items() if t.write_through or mode is not _EXCLUSIVE}
         self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
         self._policies = {k: t.policy for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
@@ -170,6 +177,39 @@ class TierManager:
                 break
             tiers.append(tier)
         return tiers
+
+    def held_here(self, keys: Iterable[Hashable]) -> list[TierKind | bool | None]:
+        """Per key, up to the first that is indexed but cannot be served now (being stored, or
+        only in a tier that is down), which is None and ends the list: the tier that serves it
+        now (as `lookup`), or False where it is not indexed at all (what a shared tier may hold
+        from another process). Compare with `is`: `TierKind.HBM` is 0."""
+        out: list[TierKind | bool | None] = []
+        get = self.index.get
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                out.append(False)
+                continue
+            tier = self._serving(entry) if entry.ready_tier is not None else None
+            out.append(tier)
+            if tier is None:
+                break
+        return out
+
+    def forget_shared(self, tier: TierKind, keys: Iterable[Hashable]) -> int:
+        """Drops the copies of `keys` in shared tier `tier` that the tier said it no longer holds
+        (its node evicted them under other clients' pressure, restarted, or does not answer):
+        a block found again later is adopted afresh. Returns how many copies were dropped; a
+        block left with no copy is counted under `DropReason.SHARED_GONE`."""
+        dropped = 0
+        get = self.index.get
+        for key in keys:
+            entry = get(key)
+            copy = entry.copies.get(tier) if entry is not None else None
+            if copy is not None and copy.state is _READY:
+                self._retire(entry, tier, DropReason.SHARED_GONE)
+                dropped += 1
+        return dropped
 
     def _serving(self, entry: BlockEntry) -> TierKind | None:
         """The fastest READY copy of `entry` in a tier in service (`ready_tier` when none is down)."""
@@ -660,6 +700,10 @@ class TierManager:
         """
         claimed = False
         for tier in tiers:
+            if claimed:  # exclusive mode: one copy, plus those the write-through tiers take
+                through = self._write_through.get(tier)
+                if through is None or not through(key):
+                    continue
             if entry is not None and tier in entry.copies:
                 continue  # a copy of an earlier life is still leaving this tier
             slot = self._free_slot(tier, False, 0)
@@ -669,7 +713,7 @@ class TierManager:
             self._claim(entry, tier, slot)
             placed.append((entry, tier, slot))
             claimed = True
-            if self.mode is _EXCLUSIVE:
+            if self.mode is _EXCLUSIVE and not self._write_through:
                 break
         return claimed
 

@@ -7,7 +7,7 @@ back to the manager with the matching `complete_*` verb.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
@@ -31,6 +31,9 @@ class TierSlots:
     admission: AdmissionRule = AdmissionRule(AdmissionKind.ALL)
     high_watermark: float = 1.0
     low_watermark: float = 1.0
+    # Which stores place a copy here too, whatever the mode: a predicate of the key (a shared pool
+    # takes the blocks it can share), or None (only inclusive mode writes through).
+    write_through: Callable[[Hashable], bool] | None = None
 
 
 # Placement, Move and LoadSource are plain (not frozen) slots dataclasses: a frozen one's __init__

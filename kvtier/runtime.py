@@ -115,24 +115,21 @@ class KVTier:
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` whose blocks are stored and ready in some tier: this process's
-        own, then those a shared tier (the pool) holds from any process of the tenant, which are
+        own, and those a shared tier (the pool) holds from any process of the tenant, which are
         adopted into the index so that `load` serves them (see `_find_shared`)."""
-        with self._lock:
-            n = self.manager.lookup(keys)
-        if n < len(keys) and self._shared is not None:
-            n += self._find_shared(keys[n:])
-        return n
+        if self._shared is None:
+            with self._lock:
+                return self.manager.lookup(keys)
+        return self._find_shared(keys)
 
     def loadable(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` worth loading: stored and ready (as `lookup`), and, with
         `transfer.skip_slow_loads`, no slower to load from where they are than to recompute per
         the online estimates (`kvtier.cost`; the engine reports its compute with `note_compute`).
         Blocks held but not worth loading are counted (`snapshot()["cost"]["skipped_blocks"]`)."""
+        held = self._find_shared(keys) if self._shared is not None else len(keys)
         with self._lock:
-            tiers = self.manager.serving_tiers(keys)
-        if len(tiers) < len(keys) and self._shared is not None and self._find_shared(keys[len(tiers):]):
-            with self._lock:
-                tiers = self.manager.serving_tiers(keys)
+            tiers = self.manager.serving_tiers(keys[:held])
         if not self.config.transfer.skip_slow_loads:
             return len(tiers)
         return self.cost.worth_loading(tiers)
@@ -169,23 +166,23 @@ class KVTier:
         buffers = self._check_blocks(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
-            plan = self.manager.prepare_store(taken, target)
-            ops = [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
-                          checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
+            plan, through = _split_through(self.manager.prepare_store(taken, target))
+            ops = self._store_ops(plan, buffers)
             self._submit_moves(plan.moves)
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.rejected:
                 handle.fail(key, Stage.WRITE, 0, "no tier had room for the block")
             for key in over:
                 handle.fail(key, Stage.WRITE, 0, "the store backlog is full: dropped rather than waited for")
-            backlog = len(ops) * self.layout.block_bytes
+            backlog = (len(ops) + sum(len(t.placements) for t in through)) * self.layout.block_bytes
             self._backlog_bytes += backlog
 
             def on_done(h: TransferHandle) -> None:
-                self._store_done(plan, h, buffers, backlog)
+                self._store_done(plan, through, h, buffers, backlog)
 
-            if not sync:
-                return self.engine.submit(ops, on_done, handle=handle, background=background, inline=not background)
+            if not sync:  # a write-through copy (the pool) is never written in the caller's thread
+                return self.engine.submit(ops, on_done, handle=handle, background=background,
+                                          inline=not background and not through)
         # Outside the lock, as a worker would run it: the plan holds the slots until it completes.
         return self.engine.run_now(ops, handle, on_done)
 
@@ -281,8 +278,13 @@ class KVTier:
     def snapshot(self) -> dict[str, object]:
         """Usage, every counter, and the tiers out of service now (`unavailable`, with why)."""
         with self._lock:
-            return {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
+            snap = {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
                     "store_backlog_bytes": self._backlog_bytes, "cost": self.cost.facts().as_dict()}
+        pool = self.tiers.get(TierKind.POOL)
+        client = pool.client_counters() if pool is not None else None
+        if client is not None:
+            snap["pool_client"] = client
+        return snap
 
     def describe(self) -> dict[str, object]:
         return {"block_bytes": self.layout.block_bytes, "block_tokens": self.layout.block_tokens,
@@ -340,33 +342,58 @@ class KVTier:
 
     def _slots(self, cfg: TierConfig) -> TierSlots:
         tier = self.tiers[cfg.kind]
+        write_through = (tier.can_share if tier.shared else None) if cfg.write_through is None \
+            else (lambda key: True) if cfg.write_through else None
         return TierSlots(cfg.kind, tier.num_slots, make_policy(cfg.policy, tier.num_slots),
-                         cfg.admission, cfg.high_watermark, cfg.low_watermark)
+                         cfg.admission, cfg.high_watermark, cfg.low_watermark, write_through)
 
     def _end(self, tier: TierKind, slot: int) -> Endpoint:
         return Endpoint(self.tiers[tier], slot)
 
     def _find_shared(self, keys: Sequence[Hashable]) -> int:
-        """The leading run of `keys` the shared tier holds, adopted into the index (each bound to
-        the slot it got); returns how many. The tier is asked outside the lock (a network round
-        trip); a tier out of service is not asked."""
+        """The leading run of `keys` that this process's tiers serve or the shared tier holds.
+
+        The shared tier is asked (one round trip, outside the lock; `Tier.find`) for the keys
+        not indexed here and for those only it serves here: the node evicts by its own recency
+        and may have dropped a block this index still lists, which would otherwise be a hit at
+        lookup and a failed load after it (for an engine, a forward pass computed and thrown
+        away). Blocks found are adopted into the index (each bound to the slot it got); copies
+        it no longer holds are forgotten (`forget_shared`). A block indexed but not servable now
+        (being stored) ends the run; a tier out of service is not asked."""
         kind = self._shared
+        with self._lock:
+            here = self.manager.held_here(keys)
+        end = len(here) if here and here[-1] is not None else len(here) - 1
+        tier = self.tiers[kind]
+        # Blocks it cannot share (private keys) are this process's own there: never asked for.
+        ask = [i for i in range(end) if (here[i] is False or here[i] is kind) and tier.can_share(keys[i])]
+        first_absent = next((i for i in range(end) if here[i] is False), end)
+        if not ask or ask[0] > first_absent:
+            return first_absent
         if kind in self.manager.unavailable:
-            return 0
+            return ask[0]
         try:
-            found = self.tiers[kind].find(keys)
+            found = tier.find([keys[i] for i in ask])
         except (TierIOError, TransferError) as e:  # closed, broken, or refusing us now: misses
             log.warning("kvtier: %s lookup failed, its blocks count as misses: %s", kind.name, e)
-            return 0
-        run = next((i for i, hit in enumerate(found) if not hit), len(found))
-        if not run:
-            return 0
+            return ask[0]
+        gone = [keys[i] for i, hit in zip(ask, found) if not hit and here[i] is kind]
+        run = min(next((i for i, hit in zip(ask, found) if not hit), end),
+                  next((i for i in range(end) if here[i] is False and not tier.can_share(keys[i])), end))
+        wanted = [i for i, hit in zip(ask, found) if hit and here[i] is False and i < run]
+        if not gone and not wanted:
+            return run
         with self._lock:
-            adopted, moves = self.manager.adopt_shared(kind, keys[:run])
+            if gone:
+                self.stats.count_shared({"forgotten": self.manager.forget_shared(kind, gone)})
+            if not wanted:
+                return run
+            adopted, moves = self.manager.adopt_shared(kind, [keys[i] for i in wanted])
             for key, slot in adopted:
-                self.tiers[kind].bind(slot, key)
+                tier.bind(slot, key)
             self._submit_moves(moves)
-            return len(adopted)
+        # Adoption stops at the first key it cannot take (no slot, or indexed meanwhile): so does the run.
+        return run if len(adopted) == len(wanted) else wanted[len(adopted)]
 
     def _verify(self, key: Hashable, tier: TierKind) -> tuple[int, ...] | None:
         if self.tiers[tier].medium not in _BELOW_DRAM:
@@ -407,13 +434,29 @@ class KVTier:
         self.stats.dropped[DropReason.BACKLOG] += len(keys) - fits
         return keys[:fits], keys[fits:]
 
-    def _store_done(self, plan: StorePlan, h: TransferHandle, buffers: Mapping[Hashable, torch.Tensor],
-                    backlog: int) -> None:
+    def _store_done(self, plan: StorePlan, through: Sequence[StorePlan], h: TransferHandle,
+                    buffers: Mapping[Hashable, torch.Tensor], backlog: int) -> None:
+        """Applies a store once its first copies landed; first writes its write-through copies
+        (`_split_through`), in this thread, while the caller's buffers are still its to read."""
         try:
+            stored_through: set[Hashable] = set()
+            for copies in through:
+                t = TransferHandle([p.key for p in copies.placements], self.layout.num_layers)
+                with self._lock:
+                    ops = self._store_ops(copies, buffers)
+                self.engine.run_now(ops, t)
+                self._on_stored(copies, t, t, buffers)  # a failed copy here fails that copy only
+                stored_through.update(p.key for p in copies.placements if p.key not in t.failed)
             self._on_stored(plan, h, h, buffers)
+            for key in stored_through:  # its first copy failed, its write-through copy stands: stored
+                h.failed.pop(key, None)
         finally:
             with self._lock:
                 self._backlog_bytes -= backlog
+
+    def _store_ops(self, plan: StorePlan, buffers: Mapping[Hashable, torch.Tensor]) -> list[CopyOp]:
+        return [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
+                       checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
 
     def _on_stored(self, plan: StorePlan, h: TransferHandle, caller: TransferHandle,
                    buffers: Mapping[Hashable, torch.Tensor]) -> None:
@@ -459,8 +502,7 @@ class KVTier:
     def _store_again(self, plan: StorePlan, caller: TransferHandle, buffers: Mapping[Hashable, torch.Tensor]) -> None:
         """Runs a retry plan in this thread; the caller's handle learns each block's outcome."""
         with self._lock:
-            ops = [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
-                          checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
+            ops = self._store_ops(plan, buffers)
         retry = TransferHandle([p.key for p in plan.placements], self.layout.num_layers)
         self.engine.run_now(ops, retry)
         for p in plan.placements:  # before applying it: a retry of the retry has the last word
@@ -572,6 +614,28 @@ class KVTier:
         the caller sees, so a tier that also fails to close is only logged."""
         for name, e in _run_all(self._tier_closers()):
             log.warning("closing the %s after a failed start: %s", name, e)
+
+
+def _split_through(plan: StorePlan) -> tuple[StorePlan, tuple[StorePlan, ...]]:
+    """`plan` as its first copy of each block (with the plan's moves and outcomes), and the
+    further copies the write-through tiers take (inclusive mode, `TierConfig.write_through`),
+    one plan per tier.
+
+    Each is written and applied apart: a transfer reports failures per block, so a failed copy
+    in one tier would otherwise count as failed in all, and a block stored in DRAM would be lost
+    because the pool could not take it."""
+    seen: set[Hashable] = set()
+    first, more = [], {}
+    for p in plan.placements:
+        if p.key in seen:
+            more.setdefault(p.tier, []).append(p)
+        else:
+            first.append(p)
+            seen.add(p.key)
+    if not more:
+        return plan, ()
+    return (StorePlan(tuple(first), plan.present, plan.rejected, plan.moves),
+            tuple(StorePlan(tuple(ps), (), (), ()) for _, ps in sorted(more.items())))
 
 
 def _failure_reason(failure: Failure, otherwise: str) -> str:

@@ -30,6 +30,7 @@ class DropReason:
     CHECKSUM = "checksum_error"
     READ_FAILED = "read_io_error"
     MOVE_ABORTED = "move_aborted"  # a cancelled move whose source had meanwhile been discarded
+    SHARED_GONE = "shared_tier_lost_it"  # a lookup found the shared tier (the pool) no longer holding it
     # A failure reason, never a drop: the copy is in a tier that is down; it is kept for the tier's return.
     TIER_DOWN = "tier_unavailable"
 
@@ -76,7 +77,10 @@ class Stats:
     # A shared tier (the pool): "adopted" (blocks another process stored, found by a lookup here),
     # "asked" / "found" (keys sent to the tier's nodes by lookups, and found there), "negative_cached"
     # (misses answered from the short negative cache, no node asked), "deduplicated" (writes of a
-    # block the pool already held: no bytes sent)
+    # block the pool already held: no bytes sent), "awaited_peer" (a write another process was
+    # making of the same block at once, waited for instead), "left_to_peer" (writes a peer process
+    # makes instead: `PoolTier.writes_shared`), "forgotten" (blocks the index listed on the shared
+    # tier that a lookup found gone from it: evicted by the node, or its node lost)
     shared: Counter = field(default_factory=Counter)
     # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
     transfer_latency: dict = field(default_factory=dict)

@@ -70,6 +70,22 @@ def test_inclusive_mode_writes_through(tmp_path):
         assert handle.failed == {} and torch.equal(out, blocks([1, 2, 3]))
 
 
+def test_a_write_through_copy_that_fails_costs_that_copy_only(tmp_path, ssd):
+    """Inclusive mode: the SSD's copy fails (a full disk); the block stands in HBM and DRAM, is
+    not reported failed, and loads identical. (A transfer reports failures per block: before the
+    write-through copies ran apart, the SSD's failure failed the block in every tier.)"""
+    with runtime(tmp_path, ssd_tier=ssd, mode=CacheMode.INCLUSIVE) as kv:
+        ssd.fail_writes = OSError(errno.ENOSPC, "No space left on device")
+        handle = kv.store([1, 2], blocks([1, 2]))
+        assert handle.wait(WAIT_S) and not handle.failed
+        kv.quiesce(WAIT_S)
+        assert kv.where([1, 2]) == [H, H] and kv.usage()["ssd"]["used"] == 0
+        snap = kv.snapshot()
+        assert snap["dropped"] == {} and snap["stores"] == {"hbm": 2, "dram": 2}
+        out, handle = load(kv, [1, 2])
+        assert handle.failed == {} and torch.equal(out, blocks([1, 2]))
+
+
 def test_missing_blocks_are_reported_not_served(tmp_path):
     with runtime(tmp_path) as kv:
         store(kv, [1])

@@ -48,6 +48,10 @@ class Tier(ABC):
     # Whether the tier checks the bytes it reads itself (the pool checks each block's key-seeded
     # checksum), so that a block adopted from another process needs no checksums in the index.
     checks_reads: bool = False
+    # False in a process whose shared blocks another process sends (a tensor-parallel rank whose
+    # KV slice another rank replicates, under the same keys): the tier's writes of shared blocks
+    # then send nothing, and its reads find the peer's copy (or miss, never wrong bytes).
+    writes_shared: bool = True
 
     @property
     def capacity_bytes(self) -> int:
@@ -101,6 +105,12 @@ class Tier(ABC):
         """A shared tier learns that `slot` holds (or is about to hold) block `key`; called by the
         transfer engine before each read or write of the slot. The default ignores it."""
 
+    def can_share(self, key: Hashable) -> bool:
+        """Whether a shared tier keeps block `key` where other processes find it (the pool: a
+        16-byte `BlockKey`); a shared tier takes every store of such a block by default (its
+        `write_through`). False for the others."""
+        return False
+
     def find(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether a shared tier holds each of `keys` (stored there by any process); never raises
         for a node that is down (its keys are absent). The default holds nothing it does not index."""
@@ -115,6 +125,11 @@ class Tier(ABC):
         """Batched `read`; the default reads one by one. Raises as `read` on the first failure."""
         for io in ios:
             self.read(io.slot, io.buffer, io.offset)
+
+    def client_counters(self) -> dict[str, int] | None:
+        """A remote tier's client counters (hits, misses, stale, node errors...), for
+        `KVTier.snapshot()["pool_client"]`; None (the default) where there is no client."""
+        return None
 
     def describe(self) -> dict[str, object]:
         """Facts for `kvtier info`: kind, medium, capacity, and anything a user should know."""

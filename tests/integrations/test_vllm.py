@@ -536,30 +536,39 @@ def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):
     assert side.stats.num_blocks_not_stored == 2
 
 
-# ---- the pool backend (cross-process hits) -------------------------------------------------------
+# ---- the pool tier (cross-process hits) ----------------------------------------------------------
 
 
-
-
-def test_pool_backend_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_path, tiny_model, pool_node):
+def test_the_pool_tier_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_path, tiny_model, pool_node):
     path = _yaml(tmp_path / "pool.yaml", tiny_model,
                  {"dram": {"capacity": "1MiB"}, "pool": {"capacity": "8MiB", "nodes": [pool_node.address]}})
     settings = read_settings({"kvtier_config": str(path)}, _facts())
     writer, reader = open_backend(settings), open_backend(settings)  # two processes' worth of state
     try:
+        assert isinstance(writer, KVTier)  # one path for every engine: the core runtime, its pool tier
         keys = block_keys(settings.namespace, P1)
         blocks = torch.randint(0, 256, (len(keys), settings.layout.block_bytes), dtype=torch.uint8)
         assert writer.store(keys, blocks).wait(10)
+        writer.quiesce(10)
+        assert writer.where(keys) == [TierKind.DRAM] * len(keys)  # served from DRAM, written through to the pool
         assert writer.lookup(keys) == reader.lookup(keys) == len(keys)  # the reader's DRAM is empty
+        assert reader.snapshot()["shared"]["adopted"] == len(keys)
         into = torch.zeros_like(blocks)
         handle = reader.load(keys, into)
         handle.wait_layer(0, 10)
         assert handle.wait(10) and torch.equal(into, blocks)
+        assert reader.snapshot()["pool_client"]["hits"] == len(keys)
+        assert reader.where(keys) == [TierKind.DRAM] * len(keys)  # promoted on the way
+        later = block_keys(settings.namespace, P2)[2:]  # P2's own blocks: adopted, then the node dies
+        assert writer.store(later, blocks[: len(later)]).wait(10)
+        assert reader.lookup(later) == len(later)
         pool_node.kill()
-        assert reader.lookup(keys) == 0
-        handle = reader.load(keys[:2], into[:2])
-        assert not handle.wait(10) and set(handle.failed) == set(keys[:2])
-        assert writer.lookup(keys) == len(keys)  # its own DRAM still serves
+        handle = reader.load(later, into[: len(later)])  # adopted, but on a node now gone: misses
+        assert not handle.wait(10) and set(handle.failed) == set(later)
+        assert reader.lookup(later) == 0  # the pool is out of service until a probe finds it back
+        handle = reader.load(keys, into)  # what it promoted still serves, and so does the writer's DRAM
+        assert handle.wait(10) and torch.equal(into, blocks)
+        assert writer.lookup(keys) == len(keys)
     finally:
         writer.close()
         reader.close()
@@ -647,12 +656,12 @@ def test_engine_recomputes_blocks_that_fail_to_load(tmp_path, tiny_model, refere
 
 def test_a_fresh_engine_process_hits_what_another_computed_on_ssd_and_pool(tmp_path, tiny_model, reference,
                                                                           pool_node):
-    # Engine A computes P1 and P2 into a persistent SSD tier and the pool, and exits. B, a fresh
-    # process on the SSD alone, hits P1 there; C, on the pool alone, hits P2 there; then the node
-    # dies and C misses and recomputes.
+    # Engine A computes P1 and P2 into the pool and, written through, a persistent SSD tier (the
+    # pool comes first in the cascade), and exits. B, a fresh process on the SSD alone, hits P1
+    # there; C, on the pool alone, hits P2 there; then the node dies and C misses and recomputes.
     ssd = {"capacity": "8MiB", "path": str(tmp_path / "ssd"), "persist": True}
     pool = {"capacity": "8MiB", "nodes": [pool_node.address]}
-    both = _yaml(tmp_path / "both.yaml", tiny_model, {"ssd": ssd, "pool": pool})
+    both = _yaml(tmp_path / "both.yaml", tiny_model, {"ssd": {**ssd, "write_through": True}, "pool": pool})
     ssd_only = _yaml(tmp_path / "ssd.yaml", tiny_model, {"ssd": ssd})
     pool_only = _yaml(tmp_path / "pool.yaml", tiny_model, {"pool": pool})
     (computed,) = run_engine(tmp_path, "a", _spec(tiny_model, both, [{"prompts": [P1, P2]}]))["phases"]

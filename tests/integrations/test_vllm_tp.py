@@ -38,6 +38,7 @@ from kvtier.integrations.vllm.settings import (
     read_settings,
 )
 from kvtier.integrations.vllm.shards import Sharding
+from kvtier.tiers.base import TierKind
 from kvtier.integrations.vllm.transfers import WorkerSide
 from kvtier.keys import block_keys
 
@@ -103,7 +104,7 @@ def test_replicated_kv_goes_to_the_pool_once_and_every_rank_hits_it(tmp_path, ti
         ranks = [read_settings({"kvtier_config": str(path)}, _facts(r, num_shards=1)) for r in (0, 1)]
         backends = [open_backend(s) for s in ranks]
         try:
-            assert [b.write_pool for b in backends] == [True, False]
+            assert [b.tiers[TierKind.POOL].writes_shared for b in backends] == [True, False]
             keys = ranks[0].sharding.keys(block_keys(ranks[0].namespace, P1))
             assert ranks[1].sharding.keys(block_keys(ranks[1].namespace, P1)) == keys  # one slice: shared keys
             blocks = torch.randint(0, 256, (len(keys), ranks[0].layout.block_bytes), dtype=torch.uint8)
@@ -113,6 +114,7 @@ def test_replicated_kv_goes_to_the_pool_once_and_every_rank_hits_it(tmp_path, ti
                     on_pool = sum(probe.contains([bytes(k) for k in keys]))
                     bytes_in = probe.stats()[0]["bytes_in"]
                 assert on_pool == (len(keys) if backend is backends[0] else 0)
+            assert backends[1].snapshot()["shared"]["left_to_peer"] == len(keys)
             assert bytes_in == len(keys) * ranks[0].layout.block_bytes, "each block crossed to the pool once"
             fresh = open_backend(ranks[1])  # rank 1 of a new engine: nothing local, hits the writer's copy
             try:

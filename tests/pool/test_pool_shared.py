@@ -44,7 +44,7 @@ with KVTier(config_from_dict(json.loads(sys.argv[1])), layout=layout) as kv:
     data = torch.stack([torch.frombuffer(bytearray((k * (layout.block_bytes // 16 + 1))[:layout.block_bytes]),
                                          dtype=torch.uint8) for k in keys[:n]])
     batches = [(keys[:n], data)] if how == "pool" else [([k], data[i:i + 1]) for i, k in enumerate(keys[:n])]
-    for batch, rows in batches:  # "demoted": one by one into DRAM, each pushing the one before down
+    for batch, rows in batches:  # "dram": one by one into DRAM, each pushing the one before down
         handle = kv.store(batch, rows, target=TierKind.POOL if how == "pool" else None)
         assert handle.wait(30) and not handle.failed, handle.failed
         kv.quiesce(30)
@@ -108,11 +108,18 @@ def two_nodes(tmp_path):
             n.close()
 
 
-@pytest.mark.parametrize("how", ["pool", "demoted"])
+@pytest.mark.parametrize("how", ["pool", "through", "demoted"])
 def test_blocks_another_process_stored_are_found_and_loaded(node, how) -> None:
-    wrote = write_from_another_process(node.address, 4, how)
+    """Stored straight into the pool; stored into DRAM and written through to the pool (the
+    default for blocks the pool shares); or stored into DRAM alone, reaching the pool as demoted."""
+    pool = {"write_through": False} if how == "demoted" else {}
+    wrote = write_from_another_process(node.address, 4, "pool" if how == "pool" else "dram", **pool)
     if how == "demoted":  # a one-block DRAM tier: each store pushed the block before down to the pool
         assert wrote["demotions"]["dram->pool"] >= 1 and wrote["where"].count("POOL") >= 3, wrote
+    if how == "through":  # every block is on the pool at once, with no demotion; the last stays in DRAM too
+        assert "dram->pool" not in wrote["demotions"] and wrote["where"][-1] == "DRAM", wrote
+        assert wrote["stores"] == {"dram": 4, "pool": 4}, wrote
+        wrote["where"] = ["POOL"] * 4
     with KVTier(config_from_dict(config(node.address)), layout=LAYOUT) as kv:
         leading = next((i for i, w in enumerate(wrote["where"]) if w != "POOL"), 4)
         assert kv.lookup(KEYS[:4]) == leading
@@ -147,8 +154,8 @@ def test_misses_are_asked_once_per_node_then_remembered_briefly(node) -> None:
     with KVTier(config_from_dict(config(node.address, negative_cache_s=60)), layout=LAYOUT) as kv:
         assert kv.lookup(KEYS[:6]) == 2  # asks for all six at once; 2 found, 4 absent
         assert kv.snapshot()["shared"] == {"adopted": 2, "asked": 6, "found": 2}
-        assert kv.lookup(KEYS[:6]) == 2  # the two are indexed now; the four are not asked again
-        assert kv.snapshot()["shared"] == {"adopted": 2, "asked": 6, "found": 2, "negative_cached": 4}
+        assert kv.lookup(KEYS[:6]) == 2  # the two adopted are asked again (still there?); the four are not
+        assert kv.snapshot()["shared"] == {"adopted": 2, "asked": 8, "found": 4, "negative_cached": 4}
     with KVTier(config_from_dict(config(node.address, negative_cache_s=0)), layout=LAYOUT) as kv:
         kv.lookup(KEYS[2:4])
         kv.lookup(KEYS[2:4])

@@ -1,7 +1,7 @@
 """The connector's backends: what it needs from kvtier, how one is opened, and sharing them in a process.
 
-The worker side owns its rank's backend (`open_backend`: a `KVTier`, or a `PoolConnectorBackend` where the
-kvtier config has a pool tier); `SHARED` lets the scheduler side of the same process find it.
+The worker side owns its rank's backend (`open_backend`: a `KVTier` over the config's tiers, the
+pool among them); `SHARED` lets the scheduler side of the same process find it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ log = logging.getLogger(__name__)
 class Backend(Protocol):
     """What the connector needs from kvtier: blocks by key, layer-major (see `kvtier.layout`).
 
-    `KVTier` is one (a process-local runtime over HBM/DRAM/SSD). `pool.PoolConnectorBackend` is the
-    other (lookups, loads and stores by key against `kvtier pool serve` nodes, which every process
-    and server can see, with the local tiers in front): `open_backend` picks it when the kvtier
-    config has a `pool` tier; nothing else changes.
+    `KVTier` is the one in use: this process's tiers (HBM, DRAM, SSD) and, where the config has
+    one, the pool, whose blocks every engine of the tenant finds, in any process or server (the
+    connector's block keys name model, weights, KV format, block size and tenant).
 
     Contract:
         lookup(keys) -> the number of leading keys stored and ready; never raises on a miss.
@@ -67,17 +66,18 @@ class Backend(Protocol):
 
 
 def open_backend(settings: Settings) -> Backend:
-    """The backend the kvtier config asks for.
+    """The backend the kvtier config asks for: a `KVTier` over its tiers.
 
-    Without a `pool` tier: an in-process `KVTier` over its tiers. With one: a `PoolConnectorBackend`
-    (`vllm_pool`) that keeps blocks on the pool nodes under their block keys, so that every
-    engine reaching those nodes, in any process, sees them; the config's other tiers stay in front
-    as a local `KVTier`. (The pool tier's `capacity` then does not apply: the nodes' own capacity
-    and the tenant's quota bound what the pool holds.)
+    A `pool` tier shares blocks by key with every process of the tenant, and (by default, its
+    `write_through`) every store is written to it as well as to the top tier, so another engine
+    finds a prefix as soon as it is stored. Under tensor parallelism with replicated KV (MLA, or
+    fewer KV heads than ranks), ranks holding the same slice share its pool keys: only the first
+    of them sends the slice to the pool (`Sharding.writes_shared`); the others keep their own
+    local copies and read the first one's from the pool.
 
     Raises:
         KVTierError: a tier cannot be built (e.g. an SSD directory that cannot be created).
-        ConfigError: the pool tier's secret cannot be read.
+        ConfigError: the pool tier's secret cannot be read, or a node refused the tenant.
     Logs one INFO line of what it opened (`vllm_log.backend_summary`).
     """
     from kvtier.integrations.vllm.log import backend_summary
@@ -115,33 +115,11 @@ def with_transfer_cpus(config: KVTierConfig) -> KVTierConfig:
 def _open(settings: Settings, config: KVTierConfig) -> Backend:
     from kvtier.runtime import KVTier
 
-    pool = config.tier(TierKind.POOL)
-    if pool is None:
-        return KVTier(config, layout=settings.layout)
-    from kvtier.integrations.vllm.pool import PoolConnectorBackend
-    from kvtier.pool.client.api import PoolClient
-    from kvtier.pool.tenants import read_secret
-
-    secret = read_secret(pool.secret, str(pool.secret_file) if pool.secret_file else None, "tiers.pool")
-    client = PoolClient(pool.nodes, tenant=pool.tenant, secret=secret, timeout_s=pool.timeout_s,
-                        reconnect_s=pool.reconnect_s)
-    others = tuple(t for t in config.tiers if t.kind is not TierKind.POOL)
-    try:
-        local = KVTier(_without_pool(config, others), layout=settings.layout) if others else None
-    except BaseException:
-        client.close()
-        raise
-    return PoolConnectorBackend(client, settings.layout, local, write_pool=settings.sharding.writes_shared,
-                       cpus=config.transfer.cpus)
-
-
-def _without_pool(config: KVTierConfig, tiers: tuple) -> KVTierConfig:
-    """`config` over `tiers` only: loads no longer promote into the pool, prefetches go to the top tier."""
-    promote_to = None if config.promote_to is TierKind.POOL else config.promote_to
-    prefetch = config.prefetch
-    if prefetch.target is TierKind.POOL:
-        prefetch = replace(prefetch, target=tiers[0].kind)
-    return replace(config, tiers=tiers, promote_to=promote_to, prefetch=prefetch)
+    backend = KVTier(config, layout=settings.layout)
+    pool = backend.tiers.get(TierKind.POOL)
+    if pool is not None and pool.shared and not settings.sharding.writes_shared:
+        pool.writes_shared = False  # another rank of this engine sends this slice (see `Tier.writes_shared`)
+    return backend
 
 
 class SharedBackends:

@@ -58,8 +58,9 @@ How the two halves divide the work (the scheduler and worker may live in differe
     recomputes them (the scheduler-side connector sets `kv_load_failure_policy="recompute"`).
 Across processes: blocks on a `persist: true` SSD tier outlive the process (the backend is closed
 at shutdown, or at interpreter exit, so stores in flight land and the journal is flushed); with a
-`pool` tier in the kvtier config, blocks are kept on the pool nodes under their block keys
-(`vllm_pool`), so every engine that reaches those nodes hits what any other computed.
+`pool` tier in the kvtier config, every block stored is written to the pool nodes under its block
+key (the pool tier's `write_through`), so every engine of the tenant that reaches those nodes hits
+what any other computed: `KVTier.lookup` asks the pool for what this process lacks.
 A broken or unreachable backend is a miss at lookup, a failed load at load time, a dropped store
 at store time: a request never crashes and never gets another prefix's KV.
 

@@ -41,8 +41,8 @@ _CONNECTOR = {
 
 
 def rank_report(rank: int, backend: Any, stats: WorkerStats, num_stores_in_flight: int) -> dict[str, Any]:
-    """One worker rank's report, JSON-ready: its backend's `snapshot()` and `describe()` (a `KVTier`
-    or a `PoolConnectorBackend`) and the connector's counters."""
+    """One worker rank's report, JSON-ready: its backend's (`KVTier`) `snapshot()` and `describe()`,
+    and the connector's counters."""
     return {"rank": rank, "snapshot": backend.snapshot(), "describe": backend.describe(),
             "connector": {**vars(stats), "num_stores_in_flight": num_stores_in_flight}}
 

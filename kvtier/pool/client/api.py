@@ -128,8 +128,15 @@ class PoolClient:
     def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
         """Stores each block under its key. True: stored now or already there. False: not stored
         (the node is full of leased blocks, the quota is spent, the node is unreachable...)."""
+        return [status in _STORED for status in self.batch_put_status(keys, blocks)]
+
+    def batch_put_status(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[GrantStatus | None]:
+        """As `batch_put`, with each block's outcome: GRANTED (stored now), EXISTS (stored already),
+        BUSY (another client is writing that key now), the node's refusal (FULL, QUOTA, LIMIT,
+        TOO_LARGE), or None (the node did not answer, or the write did not go through)."""
         views = [byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
-        return self._per_node(keys, lambda i, ks, js: self._put_on(i, ks, [views[j] for j in js]))
+        out = self._per_node(keys, lambda i, ks, js: self._put_on(i, ks, [views[j] for j in js]))
+        return [status if status is not False else None for status in out]
 
     def batch_get(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[bool]:
         """Copies each stored block into its buffer, which must be the block's exact size.
@@ -283,25 +290,28 @@ class PoolClient:
             log.debug("%s", e)
             return [False] * len(keys)
 
-    def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[GrantStatus | None]:
         if self._data_plane(node).inline:
             return self._put_inline(node, keys, views)
         with self.links[node].connection() as conn:  # the write leases are this connection's: see _get_on
             return self._put_leased(node, conn, keys, views)
 
-    def _put_leased(self, node: int, conn: NodeConnection, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_leased(self, node: int, conn: NodeConnection, keys: list[bytes],
+                    views: list[memoryview]) -> list[GrantStatus | None]:
         """PUT_BEGIN, one-sided writes and PUT_COMMIT (or PUT_ABORT) on `conn`, which holds the leases."""
         sums: list[int] = []
         grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
                                                           "lease_s": self.put_lease_s}),
                               overlap=lambda: sums.extend(map(block_checksum, keys, views)))["grants"]
-        out = [g[0] == GrantStatus.EXISTS for g in grants]
+        out: list[GrantStatus | None] = [_status(g[0]) for g in grants]
         todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
-        counts = {"put_exists": sum(out)}
+        counts = {"put_exists": out.count(GrantStatus.EXISTS)}
         for g in grants:
             if g[0] not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
                 counts[_rejection(g[0])] = counts.get(_rejection(g[0]), 0) + 1
         self._count_all(counts)
+        for j in todo:
+            out[j] = None  # until written and committed
         if not todo:
             return out
         transport = self.transports[node]
@@ -317,11 +327,11 @@ class PoolClient:
                                                 "checksums": [sums[j] for j in done]})["ok"]
             done = [j for j, committed in zip(done, ok) if committed]
         for j in done:
-            out[j] = True
+            out[j] = GrantStatus.GRANTED
         self._count("puts", len(done))
         return out
 
-    def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[GrantStatus | None]:
         """A PUT frame per block, pipelined: one round trip for the batch instead of two. The price: a
         block the node holds already is sent anyway (the node drains it, answers EXISTS and counts
         the bytes in its `duplicate_put_bytes`; see `PoolNode._put`)."""
@@ -331,14 +341,14 @@ class PoolClient:
                                                             "checksum": block_checksum(keys[j], views[j])},
                                               payload=views[j]) for j in sent])
         statuses = [int(GrantStatus.TOO_LARGE)] * len(keys)
-        out = [False] * len(keys)
+        out: list[GrantStatus | None] = [GrantStatus.TOO_LARGE] * len(keys)
         for j, reply in zip(sent, replies):
             if isinstance(reply, RemoteError):
                 raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
             statuses[j] = reply["status"]
-            out[j] = reply["stored"] or reply["status"] == GrantStatus.EXISTS
-        counts = {"put_exists": statuses.count(GrantStatus.EXISTS),
-                  "puts": sum(o and s == GrantStatus.GRANTED for o, s in zip(out, statuses))}
+            granted = reply["status"] == GrantStatus.GRANTED
+            out[j] = GrantStatus.GRANTED if reply["stored"] else None if granted else _status(reply["status"])
+        counts = {"put_exists": statuses.count(GrantStatus.EXISTS), "puts": out.count(GrantStatus.GRANTED)}
         for s in statuses:
             if s not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
                 counts[_rejection(s)] = counts.get(_rejection(s), 0) + 1
@@ -446,6 +456,14 @@ class PoolClient:
         with self._lock:
             for name, n in counts.items():
                 self._counters[name] += n
+
+
+_STORED = (GrantStatus.GRANTED, GrantStatus.EXISTS)
+
+
+def _status(status: int) -> GrantStatus | None:
+    """A node's grant status as the enum; None for one this client does not know (a newer node)."""
+    return GrantStatus(status) if status in GrantStatus._value2member_map_ else None
 
 
 def _rejection(status: int) -> str:

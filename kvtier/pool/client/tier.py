@@ -42,6 +42,7 @@ from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.keys import KEY_BYTES
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
+from kvtier.pool.protocol import GrantStatus
 from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
@@ -63,6 +64,9 @@ class PoolTier(Tier):
             every block under a key private to this tier, as for other keys).
         negative_cache_s: how long a key found absent is not asked for again.
         stats: where the shared-tier counters go (`Stats.shared`); the runtime passes its own.
+
+    Set `writes_shared` (see `Tier`) False where a peer process sends the shared blocks: writes of
+    them are then counted `left_to_peer` and send nothing.
     Raises:
         CapacityError: capacity is below one slot.
     """
@@ -89,9 +93,12 @@ class PoolTier(Tier):
         self._lock = threading.Lock()
         self._closed = False
 
+    def can_share(self, key: Hashable) -> bool:
+        return self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES
+
     def bind(self, slot: int, key: Hashable) -> None:
         """Slot `slot` holds block `key`: a `BlockKey` makes it a shared block, anything else a private one."""
-        shared = self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES
+        shared = self.can_share(key)
         with self._lock:
             self._keys[slot] = bytes(key) if shared else None
 
@@ -105,7 +112,7 @@ class PoolTier(Tier):
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
-                if not (self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES):
+                if not self.can_share(key):
                     continue
                 if self._absent.get(key, 0.0) > now:
                     cached += 1
@@ -188,6 +195,9 @@ class PoolTier(Tier):
             raise TierUnavailable("POOL tier: no node answers: " + "; ".join(f"{f['address']}: {f['error']}"
                                                                               for f in facts))
 
+    def client_counters(self) -> dict[str, int]:
+        return self._client.counters
+
     def describe(self) -> dict[str, object]:
         """The base facts plus nodes, tenant, and the data plane in use with its reason (per node
         when the nodes differ)."""
@@ -246,6 +256,9 @@ class PoolTier(Tier):
                     return
                 self._gather.pop(slot, None)
             src = block
+        if not self.writes_shared:  # a peer process sends this block (see the class docstring)
+            self.stats.count_shared({"left_to_peer": 1})
+            return
         with self._lock:
             known = key in self._held
         # A block seen on the pool is asked for (a few bytes) rather than sent: the node may have
@@ -253,11 +266,30 @@ class PoolTier(Tier):
         if known and self._client.contains([key])[0]:
             self.stats.count_shared({"deduplicated": 1})
             return
-        if not self._client.put(key, src):
-            raise self._error_for(key)(f"POOL slot {slot}: the pool did not take block {key.hex()[:16]} "
-                                       "(no room, quota spent, or its node is down)")
+        status = self._client.batch_put_status([key], [src])[0]
+        if status is GrantStatus.BUSY and self._await_peer(key):
+            self.stats.count_shared({"awaited_peer": 1})
+        elif status not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
+            why = "its node did not answer" if status is None else {
+                GrantStatus.BUSY: "another process was writing it and did not finish in time",
+                GrantStatus.FULL: "no room: every block there is being read",
+                GrantStatus.QUOTA: "the tenant's quota is spent"}.get(status, status.name)
+            raise self._error_for(key)(f"POOL slot {slot}: the pool did not take block {key.hex()[:16]} ({why})")
         with self._lock:
             self._note_held(key)
+
+    def _await_peer(self, key: bytes) -> bool:
+        """Whether the block another client is writing now (a put answered BUSY: the same prefix
+        stored by two engines at once) becomes visible within the client's timeout: then nothing
+        needs sending from here. Polls CONTAINS, backing off from 1 ms."""
+        deadline, pause = time.monotonic() + self._client.timeout_s, 0.001
+        while True:
+            if self._client.contains([key])[0]:
+                return True
+            if time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def _read_shared(self, slot: int, key: bytes, dst: torch.Tensor, offset: int) -> None:
         n = dst.numel()
