@@ -19,13 +19,14 @@ it (`find`, which `KVTier.lookup` asks for the keys it does not index):
             again at once costs nothing; a master that does not answer makes every key absent.
 
 Where a shared block lives: Mooncake places each object in the segment some client lends
-(`segment_bytes`; `random` placement by default), and a segment goes with its client. So a block
-outlives the process that stored it only while the process whose segment holds it stays: when
-that one closes, its blocks are misses at once; when it is killed, their reads fail (a miss here)
-until the master's `--client_ttl` lapses and they are gone. Blocks meant to outlive the serving
-processes need a process that only lends memory (Mooncake's `mooncake_client`, a store server).
-This tier never deletes a shared block (another process may be reading it): the master's eviction
-and the segments' lifetimes stay the authority, as a pool node's index is for `PoolTier`.
+(`segment_bytes`, which `build_mooncake_tier` sets to the tier's capacity; the master's `random`
+placement by default), and a segment goes with its client. So a block outlives the process that
+stored it only while the process whose segment holds it stays: when that one closes, its blocks
+are misses at once (-704); when it is killed, their reads fail (-800, a miss here) until the
+master's `--client_ttl` lapses and they are gone (tests/pool/test_pool_mooncake_shared.py). Never
+wrong bytes: a get checks the key-seeded trailer. This tier never deletes a shared block (another
+process may be reading it): the master's eviction and the segments' lifetimes stay the authority,
+as a pool node's index is for `PoolTier`.
 
 A key of any other type cannot be found by another process: such a block goes under a key private
 to this tier instance (`xxh3_128(instance id, slot)`); a write of part of it reads, patches and
