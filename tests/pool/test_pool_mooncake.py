@@ -1,8 +1,9 @@
 """The Mooncake Store backend against a real `mooncake_master` subprocess (every port set here).
 
 Also pins the facts of mooncake 0.3.13.post1 the backend relies on (put keeps, upsert replaces,
--704 for a missing key). Cost: about 15 s, most of it the store's ~10 s `close()` once the master
-is gone (the failed-transfer test) and a second client process.
+-704 for a missing key), and `MooncakeTier` shared by key between two tiers of one client. Cost:
+about 45 s, most of it the failed-transfer test (with the master gone, calls after the first few
+wait ~4 s each on Mooncake's reconnect, and `close()` ~15 s) and a second client process.
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ def test_failed_transfer_is_not_a_miss() -> None:
         assert c.put(b"k2", b"w" * 64) is False
         assert c.counters["get_errors"] == 1 and c.counters["put_errors"] == 1
         assert c.counters.get("misses", 0) == 0
+        tier = MooncakeTier(c, 2 * 64, 64)  # the shared tier's view of a master that is gone:
+        key = os.urandom(16)
+        tier.bind(0, key)
+        assert tier.find([key, os.urandom(16)]) == [False, False]  # absent, never raised
+        with pytest.raises(TierIOError, match="mooncake answered failed"):
+            tier.read(0, torch.empty(64, dtype=torch.uint8))
         c.close()
     finally:
         own.close()
@@ -270,3 +277,114 @@ def test_config_backend_builds_the_mooncake_tier(master: MasterProcess) -> None:
                        ({"metadata_server": "http://x:1/metadata"}, "metadata_server")):
         with pytest.raises(ConfigError, match=f"tiers.pool.{field}"):
             _tier("pool", {"capacity": "1MiB", "nodes": [master.address], **raw})
+
+
+# ---- MooncakeTier shared by key (two tiers on one client stand for two processes here; the
+# ---- processes themselves are in test_pool_mooncake_shared.py) ---------------------------------
+
+
+def shared_tier(client: MooncakeClient, **kw) -> MooncakeTier:
+    return MooncakeTier(client, 4 * SLOT, SLOT, **kw)
+
+
+def test_shared_block_is_gathered_then_put_once_and_found_by_another_tier(client: MooncakeClient) -> None:
+    a, b = shared_tier(client), shared_tier(client)
+    key, block = os.urandom(16), rand(SLOT, 11)
+    puts = client.counters.get("puts", 0)
+    a.bind(1, key)
+    a.write(1, block[:5000].clone())
+    a.write(1, block[5000:9000].clone(), offset=5000)
+    assert client.counters.get("puts", 0) == puts and client.contains([key]) == [False]  # not whole yet
+    a.write(1, block[9000:].clone(), offset=9000)
+    assert client.counters["puts"] == puts + 1
+    whole = bytearray(SLOT)  # one object under the key itself, the whole block, checked
+    assert client.get(key, whole) and bytes(whole) == block.numpy().tobytes()
+    assert b.find([key, os.urandom(16), "not-a-block-key", 7]) == [True, False, False, False]
+    assert dict(b.stats.shared) == {"asked": 2, "found": 1}  # keys that cannot be shared are not asked
+    hits = client.counters["hits"]
+    b.bind(3, key)
+    got = torch.empty(SLOT, dtype=torch.uint8)
+    for at in range(0, SLOT, 4096):  # layer range by layer range: one get, the rest from its cache
+        b.read(3, got[at: at + 4096], offset=at)
+    assert torch.equal(got, block) and client.counters["hits"] == hits + 1
+    a.close()
+    b.close()
+
+
+def test_a_block_known_held_is_not_sent_again(client: MooncakeClient) -> None:
+    a, b = shared_tier(client), shared_tier(client)
+    key, block = os.urandom(16), rand(SLOT, 12)
+    a.bind(0, key)
+    a.write(0, block)
+    puts = client.counters["puts"]
+    a.write(0, block)  # its own put: known held
+    assert b.find([key]) == [True]
+    b.bind(2, key)
+    b.write(2, block)  # found by b: known held
+    assert client.counters["puts"] == puts
+    assert a.stats.shared["deduplicated"] == 1 and b.stats.shared["deduplicated"] == 1
+    client.delete([key])  # the store dropped it: the next write asks, finds it gone, and puts again
+    b.write(2, block)
+    assert client.counters["puts"] == puts + 1 and b.stats.shared["deduplicated"] == 1
+    a.close()
+    b.close()
+
+
+def test_a_shared_put_keeps_the_object_the_key_names(client: MooncakeClient) -> None:
+    """`batch_put_from`, not an upsert: a reader elsewhere never sees a shared block replaced."""
+    key, first, second = os.urandom(16), rand(SLOT, 13), rand(SLOT, 14)
+    assert client.put(key, first)  # another process's block under the key
+    tier = shared_tier(client)
+    tier.bind(0, key)
+    tier.write(0, second)  # not known held here: put, which keeps what is there
+    got = torch.empty(SLOT, dtype=torch.uint8)
+    tier.read(0, got)
+    assert torch.equal(got, first)
+    tier.close()
+
+
+def test_misses_are_remembered_for_negative_cache_s(client: MooncakeClient) -> None:
+    key = os.urandom(16)
+    cached, uncached = shared_tier(client, negative_cache_s=60), shared_tier(client, negative_cache_s=0)
+    for tier in (cached, uncached):
+        assert tier.find([key]) == [False] and tier.find([key]) == [False]
+    assert dict(cached.stats.shared) == {"asked": 1, "negative_cached": 1}
+    assert dict(uncached.stats.shared) == {"asked": 2}
+    assert client.put(key, rand(SLOT, 15))
+    assert cached.find([key]) == [False] and uncached.find([key]) == [True]  # the cache answers till it expires
+    cached.close()
+    uncached.close()
+
+
+def test_close_keeps_shared_blocks_and_drops_private_ones(client: MooncakeClient) -> None:
+    tier = shared_tier(client)
+    key = os.urandom(16)
+    tier.bind(0, key)
+    tier.write(0, rand(SLOT, 16))
+    tier.bind(1, ("a", "tuple", "key"))  # not a BlockKey: private to this tier
+    tier.write(1, rand(SLOT, 17))
+    private = tier._private_key(1)
+    assert client.contains([key, private]) == [True, True]
+    tier.close()
+    assert client.contains([key, private]) == [True, False]
+
+
+def test_a_shared_block_not_in_the_store_is_a_miss(client: MooncakeClient) -> None:
+    tier = shared_tier(client)
+    tier.bind(0, os.urandom(16))
+    with pytest.raises(TierIOError, match="mooncake answered miss"):
+        tier.read(0, torch.empty(100, dtype=torch.uint8), offset=10)
+    tier.close()
+
+
+def test_sharing_off_keeps_block_keys_private(client: MooncakeClient) -> None:
+    tier = shared_tier(client, shared=False)
+    key, block = os.urandom(16), rand(SLOT, 18)
+    tier.bind(0, key)
+    tier.write(0, block)
+    assert client.contains([key]) == [False] and tier.find([key]) == [False]
+    got = torch.empty(SLOT, dtype=torch.uint8)
+    tier.read(0, got)
+    assert torch.equal(got, block) and not tier.stats.shared
+    assert tier.describe()["sharing"] == "per process"
+    tier.close()

@@ -1,11 +1,19 @@
-"""The pool tier on Mooncake Store: `MooncakeClient` (keyed blocks) and `MooncakeTier` (the slot adapter).
+"""`MooncakeClient`: keyed blocks in Mooncake Store, each checked on read.
 
 Facts of `mooncake-transfer-engine-non-cuda==0.3.13.post1` this module relies on (checked against a
-real `mooncake_master` in tests/pool/test_pool_mooncake.py):
+real `mooncake_master` in tests/pool/test_pool_mooncake.py and test_pool_mooncake_shared.py):
 - `batch_put_from` on a key that exists returns 0 and *keeps the old value*; `batch_upsert_from`
-  replaces it (a different size too). So every write here is an upsert.
+  replaces it (a different size too). A private, mutable block is upserted; a shared one is put
+  (`replace=False`), see `kvtier.pool.mooncake.tier`.
 - `batch_get_into` returns, per key, the object's size, -704 (OBJECT_NOT_FOUND) for a missing key,
-  -600 for a buffer smaller than the object, -900 (RPC_FAIL) when the master is gone.
+  -600 for a buffer smaller than the object, -900 (RPC_FAIL) when the master is gone, -800
+  (TRANSFER_FAIL) when the segment holding the object belongs to a process that died.
+- An object lives in the segment of whichever client the master placed it in (`random` by
+  default: any client's `segment_bytes`), not with the client that put it. A client that closes
+  (or exits through `close()`) unmounts its segment and every object in it is gone at once (a
+  get is -704, `batch_is_exist` 0). A client killed stays mounted until the master's
+  `--client_ttl` (10 s) lapses: its objects still exist, their gets are -800; then they are gone.
+  Either way a reader gets a miss or a failure, never bytes of another object.
 - `setup()` without a reachable master blocks for about 90 s, holding the GIL (so a thread with a
   deadline cannot bound it); `close()` after the master died takes about 10 s. Hence a TCP probe of
   the master and an HTTP probe of the metadata server, each with a timeout, before `setup()`.
@@ -13,7 +21,7 @@ real `mooncake_master` in tests/pool/test_pool_mooncake.py):
 Why a staging region: Mooncake moves bytes zero-copy only from and to memory registered with
 `register_buffer`, and registering each caller's buffer per call costs more than a memcpy. So each
 client registers one staging region once; a put copies the blocks in, appends each block's xxh3-64
-(an 8-byte trailer, verified on every read: a mismatch is a miss), and upserts them straight from
+(an 8-byte trailer, verified on every read: a mismatch is a miss), and puts them straight from
 there; a get lands in it and is copied out after the check. Calls of one client are serialised on
 that region.
 """
@@ -28,12 +36,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
-from kvtier.errors import ConfigError, TierIOError, TransferError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.buffers import block_checksum, byte_view
 from kvtier.units import parse_address
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +119,22 @@ class MooncakeClient:
     def key(self, key: bytes) -> str:
         return self._prefix + key.hex()
 
-    def put(self, key: bytes, data: Any) -> bool:
-        return self.batch_put([key], [data])[0]
+    def put(self, key: bytes, data: Any, *, replace: bool = True) -> bool:
+        return self.batch_put([key], [data], replace=replace)[0]
 
     def get(self, key: bytes, into: Any) -> bool:
         return self.batch_get([key], [into])[0]
 
-    def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
-        """Stores (upserts) each block under its key. True: stored. False: not stored (counted)."""
+    def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any], *, replace: bool = True) -> list[bool]:
+        """Stores each block under its key. True: stored (or, without `replace`, already there).
+        False: not stored (counted).
+
+        Args:
+            replace: upsert (`batch_upsert_from`): the block replaces what the key held. False:
+                `batch_put_from`, which keeps an object the key already names untouched.
+        """
         views = [byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
-        return [ok for chunk in self._chunks(views) for ok in self._put_chunk(keys, views, chunk)]
+        return [ok for chunk in self._chunks(views) for ok in self._put_chunk(keys, views, chunk, replace)]
 
     def batch_get(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[bool]:
         """As `batch_get_outcomes`, True for a HIT only."""
@@ -181,7 +192,7 @@ class MooncakeClient:
         """Positions grouped so that each group's blocks and trailers fit the staging region."""
         chunks, used = [[]], 0
         for j, v in enumerate(views):
-            need = _slot_bytes(len(v))
+            need = stored_bytes(len(v))
             if need > len(self._staging):
                 raise ValueError(f"mooncake: block {j} of {len(v)} bytes exceeds the staging region")
             if used + need > len(self._staging):
@@ -194,10 +205,11 @@ class MooncakeClient:
         offsets, at = [], 0
         for j in chunk:
             offsets.append(at)
-            at += _slot_bytes(len(views[j]))
+            at += stored_bytes(len(views[j]))
         return offsets
 
-    def _put_chunk(self, keys: Sequence[bytes], views: list[memoryview], chunk: list[int]) -> list[bool]:
+    def _put_chunk(self, keys: Sequence[bytes], views: list[memoryview], chunk: list[int],
+                   replace: bool) -> list[bool]:
         offsets = self._layout(views, chunk)
         sizes = [len(views[j]) + TRAILER_BYTES for j in chunk]
         with self._lock:
@@ -207,8 +219,8 @@ class MooncakeClient:
                 self._staging[at: at + n] = views[j]
                 self._staging[at + n: at + n + TRAILER_BYTES] = _np().frombuffer(
                     _trailer(keys[j], views[j]), dtype=_np().uint8)
-            codes = self._store.batch_upsert_from([self.key(keys[j]) for j in chunk],
-                                                  [self._base + at for at in offsets], sizes)
+            put = self._store.batch_upsert_from if replace else self._store.batch_put_from
+            codes = put([self.key(keys[j]) for j in chunk], [self._base + at for at in offsets], sizes)
             ok = [c == 0 for c in codes]
             self._counters["puts"] += sum(ok)
             self._counters["put_errors"] += len(ok) - sum(ok)
@@ -267,7 +279,8 @@ def _np():
     return numpy
 
 
-def _slot_bytes(n: int) -> int:
+def stored_bytes(n: int) -> int:
+    """Bytes a block of `n` takes in staging: itself and its trailer, rounded up to 64."""
     return -(-(n + TRAILER_BYTES) // _ALIGN) * _ALIGN
 
 
@@ -303,113 +316,6 @@ def _probe_metadata(url: str, timeout_s: float) -> None:
         return  # it speaks HTTP: 404 is the expected answer
     except OSError as e:
         raise TransferError(f"mooncake metadata server {url}: no HTTP answer within {timeout_s} s ({e})") from None
-
-
-class MooncakeTier(Tier):
-    """`num_slots` slots, each a Mooncake object under a key private to this tier instance.
-
-    Mooncake objects are written whole, so a write of part of a slot reads the block, patches it and
-    upserts it again (a whole-slot write is one upsert); a read fetches and checks the whole block.
-    The store may drop a block (eviction, its segment's owner left): a read then raises `TierIOError`,
-    which the transfer engine turns into a miss.
-
-    Args:
-        client: the Mooncake client; closed with the tier when `owns_client`.
-        capacity_bytes, slot_bytes: as every tier.
-    """
-
-    kind = TierKind.POOL
-    medium = Medium.REMOTE
-
-    def __init__(self, client: MooncakeClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False):
-        import os
-
-        self.slot_bytes = slot_bytes
-        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "pool")
-        self._client, self._owns_client = client, owns_client
-        self._instance = os.urandom(16)
-        self._written = [False] * self.num_slots
-        self._closed = False
-
-    def write(self, slot: int, src, offset: int = 0) -> None:
-        src = as_byte_buffer(src, "pool write source")
-        self._check_range(slot, offset, src.numel())
-        self._check_open()
-        if src.numel() == 0:
-            return
-        src = src.cpu() if src.is_cuda else src
-        if offset == 0 and src.numel() == self.slot_bytes:
-            block = src
-        else:
-            import torch
-
-            block = torch.zeros(self.slot_bytes, dtype=torch.uint8)
-            if self._written[slot]:
-                self._fetch(slot, block, "write")
-            block[offset: offset + src.numel()] = src
-        if not self._client.put(self._key(slot), block):
-            self._written[slot] = False
-            raise TierIOError(f"POOL slot {slot}: write to mooncake failed")
-        self._written[slot] = True
-
-    def read(self, slot: int, dst, offset: int = 0) -> None:
-        dst = as_byte_buffer(dst, "pool read destination")
-        self._check_range(slot, offset, dst.numel())
-        self._check_open()
-        if dst.numel() == 0:
-            return
-        import torch
-
-        block = torch.empty(self.slot_bytes, dtype=torch.uint8)
-        self._fetch(slot, block, "read")
-        dst.copy_(block[offset: offset + dst.numel()])
-
-    def describe(self) -> dict[str, object]:
-        return {**super().describe(), **self._client.describe(), "sharing": "per process (slot adapter)"}
-
-    def close(self) -> None:
-        """Drops this tier's blocks (best effort) and closes the client if owned. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._client.delete([self._key(s) for s, w in enumerate(self._written) if w])
-        except TransferError as e:
-            log.debug("mooncake tier close: %s", e)
-        finally:
-            if self._owns_client:
-                self._client.close()
-
-    def _fetch(self, slot: int, block, verb: str) -> None:
-        if not self._written[slot]:
-            raise TierIOError(f"POOL slot {slot}: holds no block (never written here)")
-        outcome = self._client.batch_get_outcomes([self._key(slot)], [block])[0]
-        if outcome is not Outcome.HIT:
-            self._written[slot] = False
-            raise TierIOError(f"POOL slot {slot}: {verb} failed: mooncake answered {outcome.value}")
-
-    def _key(self, slot: int) -> bytes:
-        return xxhash.xxh3_128_digest(self._instance + slot.to_bytes(8, "little"))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierIOError("POOL tier is closed")
-
-
-def build_mooncake_tier(cfg, slot_bytes: int) -> MooncakeTier:
-    """The tier a POOL `TierConfig` with `backend: mooncake` describes; this process lends the store
-    as much memory as its share of the tier (plus trailers).
-
-    Raises:
-        TransferError: the master or metadata server is unreachable, or `setup()` failed.
-        CapacityError: capacity below one slot.
-    """
-    num_slots = slots_needed(cfg.capacity_bytes, slot_bytes, "pool")
-    segment_bytes = -(-num_slots * _slot_bytes(slot_bytes) // (4 << 20)) * (4 << 20)  # setup() wants whole 4 MiB
-    client = MooncakeClient(cfg.nodes[0], cfg.metadata_server, segment_bytes=max(16 << 20, segment_bytes),
-                            staging_bytes=max(16 << 20, 4 * _slot_bytes(slot_bytes)), tenant=cfg.tenant,
-                            setup_timeout_s=cfg.timeout_s)
-    return MooncakeTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True)
 
 
 def _trailer(key: bytes, data) -> bytes:
