@@ -243,6 +243,10 @@ class PoolTier(Tier):
             return self._keys[slot]
 
     def _write_shared(self, slot: int, key: bytes, src: torch.Tensor, offset: int) -> None:
+        if not self.writes_shared:  # a peer process sends this block (`Tier.writes_shared`)
+            if offset + src.numel() == self.slot_bytes:
+                self.stats.count_shared({"left_to_peer": 1})
+            return
         n = src.numel()
         if offset != 0 or n != self.slot_bytes:  # one span of several: gather the block first
             with self._lock:
@@ -256,9 +260,6 @@ class PoolTier(Tier):
                     return
                 self._gather.pop(slot, None)
             src = block
-        if not self.writes_shared:  # a peer process sends this block (see the class docstring)
-            self.stats.count_shared({"left_to_peer": 1})
-            return
         with self._lock:
             known = key in self._held
         # A block seen on the pool is asked for (a few bytes) rather than sent: the node may have

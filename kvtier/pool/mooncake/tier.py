@@ -96,7 +96,7 @@ class MooncakeTier(Tier):
     def bind(self, slot: int, key: Hashable) -> None:
         """Slot `slot` holds block `key`: a `BlockKey` makes it a shared block, anything else a private one."""
         with self._lock:
-            self._keys[slot] = bytes(key) if self._shareable(key) else None
+            self._keys[slot] = bytes(key) if self.can_share(key) else None
 
     def find(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether the store holds each key (the master not answering: absent), one `batch_is_exist`
@@ -108,7 +108,7 @@ class MooncakeTier(Tier):
         now = time.monotonic()
         with self._lock:
             self._check_open()
-            candidates = [i for i, key in enumerate(keys) if self._shareable(key)]
+            candidates = [i for i, key in enumerate(keys) if self.can_share(key)]
             ask = [i for i in candidates if self._absent.get(bytes(keys[i]), 0.0) <= now]
         found = self._contains([bytes(keys[i]) for i in ask]) if ask else []
         out = [False] * len(keys)
@@ -190,7 +190,7 @@ class MooncakeTier(Tier):
 
     # ---- internals: shared blocks --------------------------------------------------------------
 
-    def _shareable(self, key: Hashable) -> bool:
+    def can_share(self, key: Hashable) -> bool:
         return self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES
 
     def _key(self, slot: int) -> bytes | None:
@@ -207,6 +207,10 @@ class MooncakeTier(Tier):
             return [False] * len(keys)
 
     def _write_shared(self, slot: int, key: bytes, src: torch.Tensor, offset: int) -> None:
+        if not self.writes_shared:  # a peer process sends this block (`Tier.writes_shared`)
+            if offset + src.numel() == self.slot_bytes:
+                self.stats.count_shared({"left_to_peer": 1})
+            return
         n = src.numel()
         if offset != 0 or n != self.slot_bytes:  # one span of several: gather the block first
             with self._lock:
