@@ -19,8 +19,10 @@ Disk and remote routes run on the I/O worker pool so the blocks of one layer are
 together (queue depth = workers); a shared tier (the pool) is told each slot's key (`bind`)
 before it is read or written.
 
-Bytes read from a tier below DRAM are checked against their per-layer checksums (xxh3-64) before
-they are delivered; bytes written below DRAM get their checksums computed on the way. A checksum
+Every route checks the bytes it reads against the per-layer checksums (xxh3-64) a copy carries
+(`CopyOp.verify`: the runtime gives them for every read from below DRAM) before the layer is
+reported done, and computes them on the way where the copy asks (`CopyOp.checksum`: every write
+below DRAM whose block has none yet). A checksum
 is seeded with the block's key and the layer's index (`block_seed`), so it binds the bytes to the
 block and the place they belong: a record whose key was moved (a misdirected write, an offset bug,
 a swapped journal entry) or a layer read from another layer's offset fails the check and is a
