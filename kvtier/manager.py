@@ -246,6 +246,15 @@ class TierManager:
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
 
+    def cancellable(self, moves: Iterable[Move]) -> list[Hashable]:
+        """The keys of the prefetches among `moves` that a cancel may still stop: in flight, and
+        joined by no load (a load reading the copy on its way up holds its destination)."""
+        keys = []
+        for m in moves:
+            if m.reason is _PREFETCH and m.id in self._moves and self.index.get(m.key).copies[m.dst].readers == 0:
+                keys.append(m.key)
+        return keys
+
     def adopt(self, tier: TierKind, blocks: Iterable[tuple[Hashable, int, tuple[int, ...]]]) -> int:
         """Registers blocks already stored in `tier` (found on disk at start-up) as READY.
 
@@ -850,11 +859,11 @@ class TierManager:
                 move = self._start_move(entry, tier, up, slot, MoveReason.PROMOTE)
                 copy.readers -= 1  # the move holds its own lease
                 return self._lease_inbound(entry, move)
-        return LoadSource(entry.key, tier, copy.slot)
+        return LoadSource(entry.key, tier, copy.slot, None, entry.checksums)
 
     def _lease_inbound(self, entry: BlockEntry, move: Move) -> LoadSource:
         entry.copies[move.dst].readers += 1
-        return LoadSource(entry.key, move.dst, move.dst_slot, after_move=move.id)
+        return LoadSource(entry.key, move.dst, move.dst_slot, move.id, entry.checksums)
 
     def _start_move(self, entry: BlockEntry, src: TierKind, dst: TierKind, slot: int, reason: MoveReason) -> Move:
         """Claims `slot` of `dst` and leases the source copy for a move; returns the move.
@@ -866,7 +875,7 @@ class TierManager:
         if dst in copies:  # `_claim`'s check, inlined with the rest: a move starts per block moved
             raise KVTierError(f"block {_short(key)} already has a copy in {dst.name}")
         source = copies[src]
-        move = Move(next(self._ids), key, src, source.slot, dst, slot, reason)
+        move = Move(next(self._ids), key, src, source.slot, dst, slot, reason, entry.checksums)
         source.readers += 1
         copies[dst] = Copy(slot)
         self._owner[dst][slot] = key

@@ -1,7 +1,14 @@
 """The plain data the manager hands out: where to write, what to move, where to read from.
 
 Plans carry slot numbers, never bytes; the transfer engine executes them and the runtime reports
-back to the manager with the matching `complete_*` verb.
+back to the manager with the matching `complete_*` verb. A plan is the whole interface between
+the two: what the runtime needs to execute one (the checksums a read is checked against, whether
+a move's destination must compute them) travels in it, copied from the index under the manager's
+lock when the plan is made, so the runtime never reads the index. A value so copied stays valid
+for the plan's life: a block's checksums are set once, when its first checksummed copy lands, and
+a plan's sources are leased (`Copy.readers`), so the copy they describe cannot leave meanwhile.
+What may change after the plan is made (whether a prefetch may still be cancelled) is asked of
+the manager when needed (`TierManager.cancellable`).
 """
 
 from __future__ import annotations
@@ -50,7 +57,11 @@ class Placement:
 
 @dataclass(slots=True)
 class Move:
-    """Copy block `key` from one tier's slot to another's; `id` names it while in flight."""
+    """Copy block `key` from one tier's slot to another's; `id` names it while in flight.
+
+    `checksums`: the block's per-layer checksums when the move started, what a source below DRAM
+    is checked against; None where none are known yet, so a destination below DRAM computes them.
+    """
 
     id: int
     key: Hashable
@@ -59,16 +70,22 @@ class Move:
     dst: TierKind
     dst_slot: int
     reason: MoveReason
+    checksums: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
 class LoadSource:
-    """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands."""
+    """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands.
+
+    `checksums`: the block's per-layer checksums (None: none known, as for a block adopted from a
+    shared tier), what a read from below DRAM is checked against before delivery.
+    """
 
     key: Hashable
     tier: TierKind
     slot: int
     after_move: int | None = None
+    checksums: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

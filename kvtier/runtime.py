@@ -3,6 +3,13 @@
 The engine sees four verbs (see DESIGN.md): `lookup`, `load`, `store`, `prefetch`. Each asks the
 manager for a plan under one lock, hands the plan to the transfer engine, and applies the
 completion when the transfer reports back. The lock is never held while bytes move.
+
+The plans are the whole interface to the manager: the runtime turns each into copies (`CopyOp`)
+from what the plan carries (slots, and the checksums a read from below DRAM is checked against)
+and what it knows itself (which tier is which medium), and never reads the manager's index. What
+only the manager can answer later, under the lock (may this prefetch still be cancelled, is this
+slot still the block's), it asks through the manager's methods. How the bytes go from one medium
+to another is the transfer engine's choice (its route table), not the runtime's.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from kvtier.errors import ConfigError, KVTierError, TierIOError, TransferError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
-from kvtier.manager import LoadPlan, Move, MoveReason, StorePlan, TierManager, TierSlots
+from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -201,7 +208,7 @@ class KVTier:
             plan = self.manager.prepare_load(keys)
             self._submit_moves(plan.moves, background=False)
             ops = [CopyOp(s.key, self._end(s.tier, s.slot), Endpoint(buffer=buffers[s.key]),
-                          verify=self._verify(s.key, s.tier),
+                          verify=self._expected(s.key, s.tier, s.checksums),
                           after=self._move_handles.get(s.after_move)) for s in plan.sources]
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
@@ -395,24 +402,25 @@ class KVTier:
         # Adoption stops at the first key it cannot take (no slot, or indexed meanwhile): so does the run.
         return run if len(adopted) == len(wanted) else wanted[len(adopted)]
 
-    def _verify(self, key: Hashable, tier: TierKind) -> tuple[int, ...] | None:
+    def _expected(self, key: Hashable, tier: TierKind, checksums: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """What a read of `key` from `tier` is checked against: the `checksums` its plan carries
+        where the tier is below DRAM; None where the read is not checked."""
         if self.tiers[tier].medium not in _BELOW_DRAM:
             return None
-        entry = self.manager.index.get(key)
-        if entry is not None and entry.checksums is None and self.tiers[tier].checks_reads:
+        if checksums is None and self.tiers[tier].checks_reads:
             return None  # adopted from a shared tier, which checks each block it reads
-        if entry is None or entry.checksums is None:
+        if checksums is None:
             raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
-        return entry.checksums
+        return checksums
 
     def _submit_moves(self, moves: Sequence[Move], background: bool = True) -> TransferHandle:
         """Starts `moves` as one batch, on the background workers unless a caller waits on them
         (`background=False`: the promotions a load reads from); caller holds the lock."""
         ops = []
-        for m in moves:
-            needs_sum = self.tiers[m.dst].medium in _BELOW_DRAM and self.manager.index.get(m.key).checksums is None
+        for m in moves:  # a destination below DRAM computes the checksums the plan does not carry
+            needs_sum = m.checksums is None and self.tiers[m.dst].medium in _BELOW_DRAM
             ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), self._end(m.dst, m.dst_slot),
-                              verify=self._verify(m.key, m.src), checksum=needs_sum))
+                              verify=self._expected(m.key, m.src, m.checksums), checksum=needs_sum))
         if not ops:
             return self._done
         handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
@@ -477,7 +485,8 @@ class KVTier:
             again = {key: tiers[0] for key, tiers in failed_in.items()  # stored nowhere else, and room below
                      if self.manager.below(tiers[0]) and not self.manager.held_elsewhere(key, tiers)}
             self._submit_moves(self.manager.complete_store(plan, failed, sums, retrying=again))
-            self._journal_landed((p.key, p.tier, p.slot) for p in plan.placements if p.key not in h.failed)
+            self._journal_landed((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
+                                 if p.key not in h.failed)
             retries = self._plan_retries(again, caller)
         for retry in retries:
             self._store_again(retry, caller, buffers)
@@ -549,7 +558,8 @@ class KVTier:
                     self.stats.prefetch_cancelled += 1
                 sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
                 follow += self.manager.complete_move(m.id, f is None, sums, failure)
-            self._journal_landed((m.key, m.dst, m.dst_slot) for m in moves if m.key not in h.failed)
+            self._journal_landed((m.key, m.dst, m.dst_slot, m.checksums or _computed(h, m.key))
+                                 for m in moves if m.key not in h.failed)
             self._submit_moves(follow)
 
     def _set_available(self, tier: TierKind, available: bool) -> None:
@@ -573,21 +583,20 @@ class KVTier:
         return journal
 
     def _journal_landed(self, landed) -> None:
-        """Records blocks that just became READY on the persistent SSD tier; caller holds the lock."""
+        """Records blocks that just became READY on the persistent SSD tier, given as (key, tier,
+        slot, checksums: those the plan carried or the write computed); caller holds the lock.
+        A copy the completion already freed (its slot owned by another block, or by none) is
+        not recorded."""
         if self._journal is None:
             return
-        for key, tier, slot in landed:
-            entry = self.manager.index.get(key)
-            copy = entry.copies.get(tier) if entry else None
-            if tier is TierKind.SSD and copy is not None and copy.slot == slot and isinstance(key, bytes) \
-                    and len(key) == 16 and entry.checksums is not None:
-                self._journal.record(slot, key, entry.checksums)
+        for key, tier, slot, checksums in landed:
+            if tier is TierKind.SSD and checksums is not None and isinstance(key, bytes) and len(key) == 16 \
+                    and self.manager.owner(tier, slot) == key:
+                self._journal.record(slot, key, checksums)
 
     def _cancel_prefetch(self, prefetch: Prefetch) -> None:
-        with self._lock:
-            idle = [m.key for m in prefetch.moves if m.reason is MoveReason.PREFETCH
-                    and m.id in self._move_handles and self.manager.index.get(m.key).copies[m.dst].readers == 0]
-            prefetch.handle.cancel(idle)
+        with self._lock:  # asked now, not when the prefetch started: a load may have joined since
+            prefetch.handle.cancel(self.manager.cancellable(prefetch.moves))
 
     def _check_blocks(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, torch.Tensor]:
         n = self.layout.block_bytes
@@ -636,6 +645,12 @@ def _split_through(plan: StorePlan) -> tuple[StorePlan, tuple[StorePlan, ...]]:
         return plan, ()
     return (StorePlan(tuple(first), plan.present, plan.rejected, plan.moves),
             tuple(StorePlan(tuple(ps), (), (), ()) for _, ps in sorted(more.items())))
+
+
+def _computed(h: TransferHandle, key: Hashable) -> tuple[int, ...] | None:
+    """The checksums transfer `h` computed for `key`, if it did."""
+    sums = h.checksums.get(key)
+    return tuple(sums) if sums is not None else None
 
 
 def _failure_reason(failure: Failure, otherwise: str) -> str:

@@ -54,6 +54,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _queue_moves(self, moves):
         for mv in moves:
             assert mv.dst not in self.m.unavailable, "a move into a tier out of service"
+            assert mv.checksums == self.m.index.get(mv.key).checksums, "a move carries stale checksums"
         self.pending += [("move", mv) for mv in moves]
 
     @rule(tier=st.sampled_from([H, D, S]), available=st.booleans())
@@ -74,6 +75,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def load(self, keys):
         plan = self.m.prepare_load(keys)
         assert set(plan.missing) | {s.key for s in plan.sources} == set(keys)
+        for s in plan.sources:
+            assert s.checksums == self.m.index.get(s.key).checksums, "a load source carries stale checksums"
         self.pending.append(("load", plan))
         self._queue_moves(plan.moves)
 
@@ -169,6 +172,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 failed[s.key] = "dependency"  # the move it joined failed: a miss, nothing read
                 continue
             assert copy is not None and copy.slot == s.slot and copy.readers > 0, "a leased copy was evicted"
+            if s.checksums is not None:
+                assert entry.checksums == s.checksums, "checksums changed under a lease"
             assert copy.state is CopyState.READY or copy.state is CopyState.FREEING
             assert self.data.get((s.tier, s.slot)) == s.key, "load served bytes of another block"
         if not ok and plan.sources:
@@ -310,6 +315,33 @@ def test_load_joins_prefetch_in_flight():
     load = m.prepare_load([5])
     assert load.moves == () and load.sources[0].after_move == moves[0].id
     assert m.stats.prefetch_used == 1
+
+
+def test_plans_carry_the_checksums_reads_are_checked_against():
+    m = make_manager((1, 2, 4))
+    plan = m.prepare_store([5], S)
+    m.complete_store(plan, checksums={5: (11, 12)})
+    load = m.prepare_load([5])  # from SSD, promoted to DRAM on the way
+    assert load.moves[0].checksums == (11, 12), "the promotion's read from SSD is checked against them"
+    assert load.sources[0].checksums == (11, 12) and load.sources[0].after_move == load.moves[0].id
+    plan = m.prepare_store([6], D)
+    m.complete_store(plan)  # memory: no checksums
+    [demotion] = m.prepare_store([7, 8], D).moves  # DRAM full: 6 goes down
+    assert (demotion.key, demotion.dst, demotion.checksums) == (6, S, None), "its destination must compute them"
+
+
+def test_cancellable_names_the_prefetches_no_load_has_joined():
+    m = make_manager((1, 4, 4))
+    _finish(m, _store_ready(m, [5, 6, 7], S)[1])
+    moves = m.prepare_prefetch([5, 6], D, budget_blocks=2)
+    assert m.cancellable(moves) == [5, 6]
+    joined = m.prepare_load([5])
+    assert joined.sources[0].after_move == moves[0].id
+    assert m.cancellable(moves) == [6], "a load reads 5 on its way up: no longer cancellable"
+    m.complete_move(moves[1].id, True)
+    assert m.cancellable(moves) == [], "6 landed"
+    promotion = m.prepare_load([7]).moves
+    assert promotion[0].reason is MoveReason.PROMOTE and m.cancellable(promotion) == []
 
 
 def test_prefetch_never_evicts_pinned_blocks():

@@ -1,0 +1,133 @@
+"""The transfer engine's route table: a copy takes the entry for its (source, destination) media,
+a new medium is an entry away, and a pair without one is refused (cost: ~1 s).
+
+The new medium is a tape: a real tier of host bytes without views, so that every copy to or from
+it goes through its route, and counts its calls.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import pytest
+import torch
+
+from kvtier.errors import TransferError
+from kvtier.handle import Stage
+from kvtier.tiers.base import Medium, Tier, TierKind
+from kvtier.transfer import CopyOp, Endpoint, Route, TransferEngine, layer_checksum, block_seed
+
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
+
+
+class Tape(enum.Enum):
+    TAPE = "tape"
+
+
+class TapeTier(Tier):
+    """Slots of host bytes with no `view`: reads and writes only, each recorded (after its `bind`)."""
+
+    kind = TierKind.SSD
+    medium = Tape.TAPE
+
+    def __init__(self, num_slots: int, shared: bool = False) -> None:
+        self.slot_bytes, self.num_slots, self.shared = BLOCK, num_slots, shared
+        self.data = torch.zeros(num_slots, BLOCK, dtype=torch.uint8)
+        self.calls: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def bind(self, slot, key):
+        with self._lock:
+            self.calls.append(("bind", slot, key))
+
+    def read(self, slot, dst, offset=0):
+        with self._lock:
+            self.calls.append(("read", slot, offset))
+        dst.copy_(self.data[slot, offset: offset + dst.numel()])
+
+    def write(self, slot, src, offset=0):
+        with self._lock:
+            self.calls.append(("write", slot, offset))
+        self.data[slot, offset: offset + src.numel()] = src
+
+
+@pytest.fixture
+def engine():
+    engine = TransferEngine(LAYOUT, io_workers=2)
+    yield engine
+    engine.close()
+
+
+def _sums(key, block):
+    return [layer_checksum(block[LAYOUT.offsets[l]: LAYOUT.offsets[l + 1]], block_seed(key), l)
+            for l in range(LAYOUT.num_layers)]
+
+
+def test_a_new_medium_is_one_entry_per_direction_and_keeps_checksums_and_binds(engine):
+    tape = TapeTier(2, shared=True)
+    engine.add_route(Tape.TAPE, Medium.HOST, engine.routes[Medium.DISK, Medium.HOST])  # as a disk is read
+    engine.add_route(Medium.HOST, Tape.TAPE, engine.routes[Medium.HOST, Medium.DISK])
+    data = blocks([7])
+    stored = engine.submit([CopyOp(7, Endpoint(buffer=data[0]), Endpoint(tape, 1), checksum=True)])
+    assert stored.wait(WAIT_S) and stored.failed == {}
+    assert torch.equal(tape.data[1], data[0]) and stored.checksums[7] == _sums(7, data[0])
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    loaded = engine.submit([CopyOp(7, Endpoint(tape, 1), Endpoint(buffer=out), verify=tuple(stored.checksums[7]))])
+    assert loaded.wait(WAIT_S) and loaded.failed == {} and torch.equal(out, data[0])
+    per_layer = [(op, 1, LAYOUT.offsets[l]) for op in ("write", "read") for l in range(LAYOUT.num_layers)]
+    assert tape.calls == [c for op, slot, off in per_layer for c in (("bind", slot, 7), (op, slot, off))], \
+        "a shared tier is told the key before each read and write"
+    assert engine.stats.bytes_moved[("buffer:cpu", "ssd")] == engine.stats.bytes_moved[("ssd", "buffer:cpu")] == BLOCK
+
+
+def test_a_read_through_a_new_route_is_still_verified_before_delivery(engine):
+    tape = TapeTier(1)
+    engine.add_route(Tape.TAPE, Medium.HOST, engine.routes[Medium.DISK, Medium.HOST])
+    data = blocks([3])
+    tape.data[0] = data[0]
+    tape.data[0, LAYOUT.offsets[2]] ^= 0xFF  # one bit of layer 2 flipped
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    handle = engine.submit([CopyOp(3, Endpoint(tape, 0), Endpoint(buffer=out), verify=tuple(_sums(3, data[0])))])
+    handle.wait(WAIT_S)
+    assert handle.failed[3].stage == Stage.VERIFY and handle.failed[3].layer == 2
+
+
+def test_an_entry_is_the_function_every_copy_between_its_media_runs(engine):
+    tape = TapeTier(2)
+    spans: list[tuple] = []
+
+    def copy(op, first, last, ready):
+        spans.append((op.key, first, last, ready))
+        offset, length = LAYOUT.offsets[first], LAYOUT.offsets[last + 1] - LAYOUT.offsets[first]
+        tape.read(op.src.slot, op.dst.view(offset, length), offset)
+        return [first * 100 + op.key]
+
+    engine.add_route(Tape.TAPE, Medium.HOST, Route(copy, io=True))
+    tape.data[:] = blocks([0, 1])
+    out = torch.zeros(2, BLOCK, dtype=torch.uint8)
+    handle = engine.submit([CopyOp(k, Endpoint(tape, k), Endpoint(buffer=out[k])) for k in (0, 1)])
+    assert handle.wait(WAIT_S) and torch.equal(out, blocks([0, 1]))
+    assert sorted(spans) == sorted((k, l, l, None) for k in (0, 1) for l in range(LAYOUT.num_layers))
+    assert handle.checksums == {k: [l * 100 + k for l in range(LAYOUT.num_layers)] for k in (0, 1)}
+
+
+def test_a_copy_between_media_without_a_route_is_refused_naming_both(engine):
+    tape = TapeTier(1)
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    ok = CopyOp(1, Endpoint(buffer=blocks([1])[0]), Endpoint(buffer=out))
+    with pytest.raises(TransferError, match=r"Tape\.TAPE.*Medium\.HOST"):
+        engine.submit([ok, CopyOp(2, Endpoint(tape, 0), Endpoint(buffer=out))])
+    with pytest.raises(TransferError, match=r"Medium\.HOST.*Tape\.TAPE"):
+        engine.run_now([CopyOp(2, Endpoint(buffer=out), Endpoint(tape, 0))], handle=None)
+    assert tape.calls == [] and not out.any(), "nothing of a refused batch runs"
+    assert engine.submit([ok]).wait(WAIT_S) and torch.equal(out, blocks([1])[0])
+
+
+def test_add_route_takes_enum_media_and_a_route(engine):
+    route = engine.routes[Medium.HOST, Medium.HOST]
+    with pytest.raises(TypeError, match="enum"):
+        engine.add_route("tape", Medium.HOST, route)
+    with pytest.raises(TypeError, match="Route"):
+        engine.add_route(Tape.TAPE, Medium.HOST, route.copy)
+    assert (Tape.TAPE, Medium.HOST) not in engine.routes
