@@ -19,7 +19,7 @@ Buffers are flat, contiguous `memoryview`s of bytes (writable for reads).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -98,13 +98,22 @@ class Transport(ABC):
             TransferError: as `read`.
         """
 
-    def read_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
+    def read_many(self, ios: Sequence[RemoteIO], landed: Callable[[int], None] | None = None) -> list[bool]:
         """Batched `read`, one result per io in order; the default reads one by one.
 
+        Args:
+            landed: called with i once io i's bytes are in its buffer (in order, never for an io
+                that failed), so that a caller can use the first ranges of a block while the rest
+                is still moving; it must not raise.
         Raises:
             TransferError: as `read`; then no result of the batch is known.
         """
-        return [self.read(io.location, io.buffer) for io in ios]
+        out = []
+        for i, io in enumerate(ios):
+            out.append(self.read(io.location, io.buffer))
+            if out[-1] and landed is not None:
+                landed(i)
+        return out
 
     def write_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
         """Batched `write`; as `read_many`."""

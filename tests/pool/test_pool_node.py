@@ -166,9 +166,9 @@ class PausingTransport(Transport):
     def write(self, location: Location, src: memoryview) -> bool:
         return self.inner.write(location, src)
 
-    def read_many(self, ios):
+    def read_many(self, ios, landed=None):
         self.before()
-        return self.inner.read_many(ios)
+        return self.inner.read_many(ios, landed)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import torch
 from kvtier.config import config_from_dict
 from kvtier.keys import Namespace, block_keys
 from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.streamed import BlockFrame
 from kvtier.pool.node.process import NodeProcess, running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
@@ -134,19 +135,24 @@ def test_blocks_another_process_stored_are_found_and_loaded(node, how) -> None:
         assert snap["shared"]["adopted"] == len(pooled)
 
 
-def test_layer_ranges_are_gathered_on_store_and_served_from_one_get(node) -> None:
+def test_layer_ranges_are_gathered_on_store_and_streamed_from_one_get(node) -> None:
     """chunk_bytes 0: every layer is its own span, so a store writes a block in four parts and a
-    load reads it in four; the pool still sees one whole, checked block each way."""
+    load reads it in four; the pool still sees one whole, checked object each way: a header of
+    per-chunk checksums, then the block."""
     write_from_another_process(node.address, 4, "pool", transfer={"chunk_bytes": 0})
+    frame = BlockFrame(LAYOUT.block_bytes)
     with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as client:
         assert client.contains([bytes(k) for k in KEYS[:4]]) == [True] * 4
-        whole = bytearray(LAYOUT.block_bytes)
-        assert client.get(bytes(KEYS[2]), whole) and bytes(whole) == bytes(expected(KEYS[2]).numpy())
+        whole = torch.empty(frame.header_bytes + LAYOUT.block_bytes, dtype=torch.uint8)
+        assert client.get(bytes(KEYS[2]), whole)
+        assert frame.checksums(whole[: frame.header_bytes]) is not None
+        assert torch.equal(whole[frame.header_bytes:], expected(KEYS[2]))
     cfg = config(node.address, transfer={"chunk_bytes": 0})
     with KVTier(config_from_dict(cfg), layout=LAYOUT) as kv:
         assert kv.lookup(KEYS[:4]) == 4
         got, failed = load(kv, KEYS[:4])
         assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS[:4]))
+        assert kv.snapshot()["pool_client"]["hits"] == 4  # one get per block, for its four layer reads
 
 
 def test_misses_are_asked_once_per_node_then_remembered_briefly(node) -> None:

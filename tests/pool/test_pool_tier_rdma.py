@@ -6,6 +6,8 @@ and why. Cost: about 4 s (two node starts).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -109,3 +111,27 @@ def test_transport_rdma_without_a_device_here_is_a_config_error(tmp_path, monkey
     monkeypatch.delenv("KVTIER_FAKE_FABRIC", raising=False)  # the fake NIC is absent
     with pytest.raises(ConfigError, match=r"tiers\.pool: transport rdma: no RDMA device"):
         KVTier(config(tmp_path, "127.0.0.1:1", "rdma"), layout=LAYOUT)
+
+
+def test_shared_blocks_move_by_key_over_rdma_whole_and_layer_by_layer(tmp_path, fabric):
+    """BlockKeys on the RDMA data plane: a put of header and block as two one-sided WRITEs (no
+    copy to join them), a whole-block load, and a load read layer by layer (chunk_bytes 0: the
+    streamed get's parts read one-sided under one lease); the node's CPU moves none of it."""
+    from kvtier.keys import Namespace, block_keys
+
+    keys = block_keys(Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens),
+                      list(range(3 * LAYOUT.block_tokens)))
+    rows = torch.stack([blocks([i])[0] for i in range(3)])
+    with running_node(capacity="4MiB", region_size="256KiB", extra=["--transport", "rdma", "--verbs", FAKE_VERBS]) as node:
+        with KVTier(config(tmp_path, node.address, "rdma"), layout=LAYOUT) as writer:
+            handle = writer.store(keys, rows, target=P)
+            assert handle.wait(WAIT_S) and not handle.failed
+        for chunk_bytes in (1 << 20, 0):
+            cfg = config(tmp_path, node.address, "rdma")
+            cfg = replace(cfg, transfer=replace(cfg.transfer, chunk_bytes=chunk_bytes))
+            with KVTier(cfg, layout=LAYOUT) as reader:
+                assert reader.lookup(keys) == 3
+                out = torch.zeros_like(rows)
+                assert reader.load(keys, out).wait(WAIT_S) and torch.equal(out, rows)
+                assert reader.snapshot()["pool_client"]["hits"] == 3
+        assert node_bytes(node.address) == (0, 0)

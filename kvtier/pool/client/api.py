@@ -133,8 +133,12 @@ class PoolClient:
     def batch_put_status(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[GrantStatus | None]:
         """As `batch_put`, with each block's outcome: GRANTED (stored now), EXISTS (stored already),
         BUSY (another client is writing that key now), the node's refusal (FULL, QUOTA, LIMIT,
-        TOO_LARGE), or None (the node did not answer, or the write did not go through)."""
-        views = [byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
+        TOO_LARGE), or None (the node did not answer, or the write did not go through).
+
+        A block may be given as a tuple of buffers, stored as their concatenation (a header and
+        the block's bytes, with no copy to join them)."""
+        views = [tuple(byte_view(p, writable=False, what=f"block {i}") for p in b) if isinstance(b, tuple)
+                 else byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
         out = self._per_node(keys, lambda i, ks, js: self._put_on(i, ks, [views[j] for j in js]))
         return [status if status is not False else None for status in out]
 
@@ -147,6 +151,20 @@ class PoolClient:
         """
         views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
         return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, [views[j] for j in js]))
+
+    def get_streamed(self, key: bytes, parts: Sequence[Any], landed: Callable[[int], None] | None = None) -> bool:
+        """Reads one block into consecutive `parts` (their lengths add up to the stored block's),
+        calling `landed(j)` as soon as part j is in, in order: over TCP the parts of one inline
+        reply as they come off the socket, else one-sided reads of the parts' ranges under a
+        read lease. True: every part is in and the whole block matched its checksum. False: a
+        miss, a node down, a block of another length, or a checksum mismatch (counted as `get`
+        counts them); parts already reported landed are then not to be used.
+
+        `landed` runs on the receiving thread, between two parts; it must be quick and not raise.
+        """
+        views = [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(parts)]
+        node = self.home(key)
+        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, views, landed)], [key], [0])[0]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (a node that is down answers False)."""
@@ -300,9 +318,9 @@ class PoolClient:
                     views: list[memoryview]) -> list[GrantStatus | None]:
         """PUT_BEGIN, one-sided writes and PUT_COMMIT (or PUT_ABORT) on `conn`, which holds the leases."""
         sums: list[int] = []
-        grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [len(v) for v in views],
+        grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [_length(v) for v in views],
                                                           "lease_s": self.put_lease_s}),
-                              overlap=lambda: sums.extend(map(block_checksum, keys, views)))["grants"]
+                              overlap=lambda: sums.extend(map(_checksum, keys, views)))["grants"]
         out: list[GrantStatus | None] = [_status(g[0]) for g in grants]
         todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
         counts = {"put_exists": out.count(GrantStatus.EXISTS)}
@@ -315,11 +333,20 @@ class PoolClient:
         if not todo:
             return out
         transport = self.transports[node]
-        written = transport.write_many([
-            RemoteIO(Location(grants[j][1], grants[j][2], len(views[j]), grants[j][3]), views[j],
-                     sums[j] if transport.inline else None) for j in todo])
-        done = [j for j, ok in zip(todo, written) if ok]
-        lost = [j for j, ok in zip(todo, written) if not ok]
+        ios, owner = [], []  # one io per buffer; owner: the block each belongs to
+        for j in todo:
+            location, at = Location(grants[j][1], grants[j][2], _length(views[j]), grants[j][3]), 0
+            parts = views[j] if isinstance(views[j], tuple) else (views[j],)
+            if transport.inline and len(parts) > 1:
+                raise ValueError("a block of several buffers needs the put's own commit, not WRITE_COMMIT")
+            for part in parts:
+                ios.append(RemoteIO(location.sub(at, len(part)), part, sums[j] if transport.inline else None))
+                owner.append(j)
+                at += len(part)
+        written = transport.write_many(ios)
+        bad = {j for j, ok in zip(owner, written) if not ok}
+        done = [j for j in todo if j not in bad]
+        lost = [j for j in todo if j in bad]
         if lost:  # a write or commit that did not go through: free the slot now, not at lease expiry
             conn.call(MsgType.PUT_ABORT, {"keys": [keys[j] for j in lost], "gens": [grants[j][3] for j in lost]})
         if done and not transport.inline:
@@ -336,9 +363,9 @@ class PoolClient:
         block the node holds already is sent anyway (the node drains it, answers EXISTS and counts
         the bytes in its `duplicate_put_bytes`; see `PoolNode._put`)."""
         with self.links[node].connection() as conn:
-            sent = [j for j, v in enumerate(views) if len(v) <= conn.max_payload]
+            sent = [j for j, v in enumerate(views) if _length(v) <= conn.max_payload]
             replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
-                                                            "checksum": block_checksum(keys[j], views[j])},
+                                                            "checksum": _checksum(keys[j], views[j])},
                                               payload=views[j]) for j in sent])
         statuses = [int(GrantStatus.TOO_LARGE)] * len(keys)
         out: list[GrantStatus | None] = [GrantStatus.TOO_LARGE] * len(keys)
@@ -393,6 +420,60 @@ class PoolClient:
             corrupt += moved and not out[j]
         self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
         return out
+
+    def _get_streamed_on(self, node: int, key: bytes, views: list[memoryview],
+                         landed: Callable[[int], None] | None) -> bool:
+        transport = self._data_plane(node)
+        total = sum(map(len, views))
+        sized = [True]  # the inline hit has the parts' length (else it lands in scratch, unreported)
+
+        def inline_buffers(header: dict) -> list[memoryview]:
+            h = header["hits"][0] if header["hits"] else None
+            if not (h and h[0] and h[7]):
+                return []
+            sized[0] = h[3] == total
+            return views if sized[0] else [memoryview(bytearray(h[3]))]
+
+        def on_part(j: int) -> None:
+            if sized[0] and landed is not None:
+                landed(j)
+
+        request = Request(MsgType.GET, {"keys": [key], "lease_s": self.lease_s, "release": self._take_releases(node),
+                                        "inline": transport.inline}, into=inline_buffers,
+                          max_reply_payload=MAX_INLINE_BYTES, landed=on_part)
+        with self.links[node].connection() as conn:  # the lease is this connection's: see _get_on
+            try:
+                hits = conn.request(request)["hits"]
+            except RemoteError as e:
+                if e.code is not ErrorCode.LIMIT:
+                    raise
+                self._count_all({"misses": 1, "lease_limit": 1})
+                return False
+            if len(hits) != 1:
+                raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to 1 key")
+            h = hits[0]
+            if not h[0]:
+                self._count("misses")
+                return False
+            if not h[7]:
+                with self._lock:
+                    self._releases[node].append(h[6])
+            if h[3] != total:
+                self._count("wrong_size")
+                return False
+            if not h[7]:
+                location, ios, at = Location(*h[1:5]), [], 0
+                for view in views:
+                    ios.append(RemoteIO(location.sub(at, len(view)), view))
+                    at += len(view)
+                if not all(transport.read_many(ios, landed)):
+                    self._count("stale")
+                    return False
+        if _checksum(key, tuple(views)) != h[5]:
+            self._count("checksum_errors")
+            return False
+        self._count("hits")
+        return True
 
     def _read_leased(self, node: int, keys: list[bytes], views: list[memoryview], hits: list,
                      wrong_size: list[int]) -> tuple[list[int], dict[int, bool]]:
@@ -459,6 +540,20 @@ class PoolClient:
 
 
 _STORED = (GrantStatus.GRANTED, GrantStatus.EXISTS)
+
+
+def _length(block: memoryview | tuple[memoryview, ...]) -> int:
+    return sum(map(len, block)) if isinstance(block, tuple) else len(block)
+
+
+def _checksum(key: bytes, block: memoryview | tuple[memoryview, ...]) -> int:
+    """`block_checksum` of a block, given whole or as consecutive buffers."""
+    if not isinstance(block, tuple):
+        return block_checksum(key, block)
+    digest = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(key))
+    for part in block:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def _status(status: int) -> GrantStatus | None:

@@ -46,15 +46,19 @@ class RemoteError(Exception):
 
 @dataclass(slots=True)  # not frozen: every call builds one, and frozen construction costs 4x
 class Request:
-    """One request. `into` is where the reply's payload goes: a buffer of exactly its size (READ),
-    or (GET inline) a function from the reply header to the buffers, in order, that it fills;
-    `max_reply_payload` bounds what the node may send then."""
+    """One request. `payload`: the bytes sent after the header, one buffer or several in order.
+    `into` is where the reply's payload goes: a buffer of exactly its size (READ), or (GET inline)
+    a function from the reply header to the buffers, in order, that it fills; `max_reply_payload`
+    bounds what the node may send then. `landed(j)` is called as soon as buffer j of `into` is
+    filled (the bytes of a block arrive in order: a reader can use its first layers while the
+    rest is still on the wire); it must not raise."""
 
     msg: MsgType
     header: dict[str, Any]
-    payload: memoryview | None = None
+    payload: memoryview | tuple[memoryview, ...] | None = None
     into: memoryview | Callable[[dict[str, Any]], list[memoryview]] | None = None
     max_reply_payload: int = 0
+    landed: Callable[[int], None] | None = None
 
 
 class NodeConnection:
@@ -162,7 +166,8 @@ class NodeConnection:
         buffers: list = []
         for r in window:
             self._next_id += 1
-            buffers += self.frames.frame(r.msg, self._next_id, r.header, () if r.payload is None else (r.payload,))
+            payloads = () if r.payload is None else r.payload if isinstance(r.payload, tuple) else (r.payload,)
+            buffers += self.frames.frame(r.msg, self._next_id, r.header, payloads)
         self.frames.send_buffers(buffers, deadline)
 
     def _receive(self, r: Request, rid: int, deadline: float) -> dict[str, Any] | RemoteError:
@@ -187,8 +192,10 @@ class NodeConnection:
         if prefix.payload_len != expected:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply of {prefix.payload_len} bytes, "
                                                      f"expected {expected}")
-        for view in views:
+        for j, view in enumerate(views):
             self.frames.recv_into(view, deadline)
+            if r.landed is not None:
+                r.landed(j)
         return header
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,8 +69,10 @@ class RDMATransport(Transport):
     def write(self, location: Location, src: memoryview) -> bool:
         return self.write_many([RemoteIO(location, src)])[0]
 
-    def read_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
-        return self._run(ios, write=False)
+    def read_many(self, ios: Sequence[RemoteIO], landed: Callable[[int], None] | None = None) -> list[bool]:
+        """One-sided READs in chains of work requests; `landed(i)` once io i's chain completed (a
+        chain completes as a whole: the ranges of one block in one chain land together)."""
+        return self._run(ios, write=False, landed=landed)
 
     def write_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
         return self._run(ios, write=True)
@@ -157,7 +159,7 @@ class RDMATransport(Transport):
 
     # ---- batches ----------------------------------------------------------------------------
 
-    def _run(self, ios: Sequence[RemoteIO], write: bool) -> list[bool]:
+    def _run(self, ios: Sequence[RemoteIO], write: bool, landed: Callable[[int], None] | None = None) -> list[bool]:
         for io in ios:
             if len(io.buffer) != io.location.length:
                 raise ValueError(f"buffer of {len(io.buffer)} bytes for a location of {io.location.length}")
@@ -177,6 +179,8 @@ class RDMATransport(Transport):
                 ok = self._post(chunk, ios, targets, write)
                 for (i, _), good in zip(chunk, ok):
                     out[i] = good
+                    if good and landed is not None:
+                        landed(i)
             return out
 
     def _target(self, loc: Location) -> tuple[int, int] | None:

@@ -7,7 +7,7 @@ socket and its arena. A batch is pipelined on one connection, at most `PIPELINE_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.errors import TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
@@ -31,8 +31,11 @@ class TCPTransport(Transport):
     def write(self, location: Location, src: memoryview) -> bool:
         return self.write_many([RemoteIO(location, src)])[0]
 
-    def read_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
-        return self._run([Request(MsgType.READ, _where(io, length=True), into=_sized(io)) for io in ios])
+    def read_many(self, ios: Sequence[RemoteIO], landed: Callable[[int], None] | None = None) -> list[bool]:
+        """The READs pipelined on one connection; `landed(i)` as each reply's bytes are in."""
+        return self._run([Request(MsgType.READ, _where(io, length=True), into=_sized(io),
+                                  landed=None if landed is None else (lambda _, i=i: landed(i)))
+                          for i, io in enumerate(ios)])
 
     def write_many(self, ios: Sequence[RemoteIO]) -> list[bool]:
         return self._run([_write_request(io) for io in ios])

@@ -6,13 +6,18 @@ size and tenant) is kept on the pool under that key, where every process and ser
 finds it (`find`, which `KVTier.lookup` asks for the keys it does not index):
 
     write   the block's bytes, gathered until the whole block is in (spans of a store come layer
-            range by layer range), then one keyed put: PUT_BEGIN, the bytes, PUT_COMMIT with the
-            block's key-seeded checksum, so no process sees it before it is whole and checked.
+            range by layer range), then one keyed put of a header of per-chunk checksums and the
+            bytes (`streamed.BlockFrame`), committed by the node only against the object's
+            key-seeded checksum, so no process sees it before it is whole and checked. A put
+            answered BUSY (another process storing the same block now) waits for that one.
             A block this tier saw on the pool already (found, or put before) is asked for
             instead (CONTAINS) and not sent again if the node still holds it: deduplicated.
     read    a keyed get of the whole block, checked against its checksum by the client (a block
             the node dropped or that fails its check is a `TierIOError`: a miss, never wrong
-            bytes); a read of part of a block keeps the block for the reads of its other parts.
+            bytes). A read of part of a block (a layer range) starts one streamed get of the
+            whole block and returns as soon as its range is in and checked chunk by chunk
+            (`streamed.StreamedRead`): layer by layer from the pool; the other ranges' reads
+            take theirs from the same get.
     find    one CONTAINS per node for the keys asked, behind a short negative cache, so a miss
             asked again at once costs nothing.
 
@@ -34,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -42,6 +48,7 @@ from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.keys import KEY_BYTES
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
+from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.protocol import GrantStatus
 from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
@@ -50,7 +57,8 @@ log = logging.getLogger(__name__)
 
 
 NEGATIVE_CACHE_S = 1.0  # how long a key the pool did not hold is answered "absent" without asking
-_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `read`)
+_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `_read_shared`)
+_FETCH_THREADS = 8  # streamed reads at once (the transfer engine reads one range per block at a time)
 
 
 class PoolTier(Tier):
@@ -86,7 +94,12 @@ class PoolTier(Tier):
         self._slots: list[Slot | None] = [None] * self.num_slots  # private mutable blocks
         self._keys: list[bytes | None] = [None] * self.num_slots  # the shared key each slot holds, if any
         self._gather: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # slot -> (key, bytes so far, count)
-        self._reads: OrderedDict[tuple[int, bytes], torch.Tensor] = OrderedDict()  # see `read`
+        self._reads: OrderedDict[tuple[int, bytes], StreamedRead] = OrderedDict()  # see `_read_shared`
+        self._frame = BlockFrame(slot_bytes)
+        self._fetcher: ThreadPoolExecutor | None = None  # runs the streamed reads, started on first use
+        # A streamed read may queue behind others on the fetch threads; each of its calls has the
+        # client's timeout, so this only guards against a bug, never ends a slow read.
+        self._fetch_timeout_s = 60 + 10 * client.timeout_s
         self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be on the pool (bounded)
         self._absent: dict[bytes, float] = {}  # key -> when its "absent" answer expires
         self._negative_cache_s = negative_cache_s
@@ -229,6 +242,9 @@ class PoolTier(Tier):
             self._slots = [None] * self.num_slots
             self._gather.clear()
             self._reads.clear()
+            fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:  # each fetch ends within the client's timeouts
+            fetcher.shutdown(wait=True)
         try:
             self._client.free(held)
         finally:
@@ -267,7 +283,8 @@ class PoolTier(Tier):
         if known and self._client.contains([key])[0]:
             self.stats.count_shared({"deduplicated": 1})
             return
-        status = self._client.batch_put_status([key], [src])[0]
+        header = self._frame.header(key, src)  # per-chunk checksums, for readers that stream it
+        status = self._client.batch_put_status([key], [(memoryview(header), src.numpy())])[0]
         if status is GrantStatus.BUSY and self._await_peer(key):
             self.stats.count_shared({"awaited_peer": 1})
         elif status not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
@@ -293,24 +310,48 @@ class PoolTier(Tier):
             pause = min(2 * pause, 0.05)
 
     def _read_shared(self, slot: int, key: bytes, dst: torch.Tensor, offset: int) -> None:
+        """A whole block into host memory: one get into `dst` itself. A part of one (a layer range
+        of a load that reports layers as they land): the block is fetched once, on a fetch
+        thread, and this read returns as soon as its range is in and checked (`StreamedRead`),
+        so the first layers of a block are delivered while its last are still on the wire."""
         n = dst.numel()
         if offset == 0 and n == self.slot_bytes and not dst.is_cuda:
-            if not self._client.get(key, dst):
+            header = torch.empty(self._frame.header_bytes, dtype=torch.uint8)
+            if not (self._client.get_streamed(key, self._frame.parts(header, dst))
+                    and self._frame.checksums(header) is not None):
                 self._forget(key)
                 raise self._error_for(key)(f"POOL slot {slot}: block {key.hex()[:16]} is not on the pool any "
                                            "more (evicted, node down or restarted) or failed its checksum")
             return
-        with self._lock:
-            block = self._reads.pop((slot, key), None)
-        if block is None:
-            block = torch.empty(self.slot_bytes, dtype=torch.uint8)
-            self._read_shared(slot, key, block, 0)
-        dst.copy_(block[offset: offset + n])
-        if offset + n < self.slot_bytes:  # more of this block to come: keep it for those reads
+        fetch = self._streamed(slot, key)
+        try:
+            fetch.wait(offset + n, self._fetch_timeout_s)
+        except TierIOError as e:
             with self._lock:
-                self._reads[(slot, key)] = block
-                while len(self._reads) > _READ_CACHE_BLOCKS:
-                    self._reads.popitem(last=False)
+                if self._reads.get((slot, key)) is fetch:
+                    del self._reads[(slot, key)]
+            self._forget(key)
+            raise self._error_for(key)(f"POOL slot {slot}: {e}") from None
+        dst.copy_(fetch.block[offset: offset + n])
+        if offset + n == self.slot_bytes:  # the last range: the next load of this slot fetches afresh
+            with self._lock:
+                if self._reads.get((slot, key)) is fetch:
+                    del self._reads[(slot, key)]
+
+    def _streamed(self, slot: int, key: bytes) -> StreamedRead:
+        """The fetch of `slot`'s block in progress or done, else a new one started."""
+        with self._lock:
+            self._check_open()
+            fetch = self._reads.get((slot, key))
+            if fetch is not None and not fetch.failed:
+                return fetch
+            fetch = self._reads[(slot, key)] = StreamedRead(self._frame, key)
+            while len(self._reads) > _READ_CACHE_BLOCKS:
+                self._reads.popitem(last=False)
+            if self._fetcher is None:
+                self._fetcher = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kvtier-pool-fetch")
+            self._fetcher.submit(fetch.run, self._client.get_streamed)
+        return fetch
 
     def _note_held(self, key: bytes) -> None:
         """Under the lock: `key` is on the pool (a bounded memory of it: the node may evict it later,

@@ -1,0 +1,150 @@
+"""A shared pool block laid out to be used as it arrives: per-chunk checksums first, then the bytes.
+
+    [ "KVTC" | version u16 | 0 u16 | chunk_bytes u32 | num_chunks u32 ][ num_chunks x u64 ][ block ]
+
+The bytes of one get arrive in order (an inline TCP reply streams off the socket; one-sided reads
+of the parts land in turn), and a block is layer-major, so its first layers are in before the rest.
+`StreamedRead` checks each chunk against the header as it lands and lets a reader take a byte
+range as soon as every chunk under it is verified: a load can place layer 0 while layer 31 is
+still on the wire, and no byte is delivered before it is checked. A chunk's checksum is xxh3-64
+seeded with the key's digest plus the chunk's index, so a chunk moved within the block, or bytes
+that landed under another key, fail. As for every keyed block, the node commits the whole object
+only against its checksum, and the client checks it again once the get is done.
+
+Chunks are about 1/16 of a block (at least 4 KiB): the header is 16 + 8 x 16 bytes, and a layer
+is usable at most one chunk after its last byte arrived.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+
+import torch
+import xxhash
+
+from kvtier.errors import TierIOError
+
+MAGIC, VERSION = b"KVTC", 1
+_HEAD = struct.Struct("<4sHHII")
+_U64 = (1 << 64) - 1
+_MIN_CHUNK, _CHUNKS = 4096, 16
+
+
+class BlockFrame:
+    """The stored layout of a shared block of `slot_bytes` (see the module docstring)."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        per = -(-slot_bytes // _CHUNKS)
+        self.slot_bytes = slot_bytes
+        self.chunk_bytes = min(slot_bytes, max(_MIN_CHUNK, -(-per // _MIN_CHUNK) * _MIN_CHUNK))
+        self.num_chunks = -(-slot_bytes // self.chunk_bytes)
+        self.header_bytes = _HEAD.size + 8 * self.num_chunks
+        self.bounds = [(i * self.chunk_bytes, min((i + 1) * self.chunk_bytes, slot_bytes))
+                       for i in range(self.num_chunks)]
+
+    def header(self, key: bytes, block: torch.Tensor) -> bytes:
+        """The header of `block` (a CPU uint8 tensor of `slot_bytes`) stored under `key`."""
+        data = memoryview(block.numpy())
+        sums = [self._sum(key, i, data[a:b]) for i, (a, b) in enumerate(self.bounds)]
+        return _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks) + struct.pack(
+            f"<{self.num_chunks}Q", *sums)
+
+    def checksums(self, header: torch.Tensor) -> list[int] | None:
+        """The chunk checksums a header holds; None where it is not this layout's (another format,
+        version or block size: a miss, never bytes taken as good)."""
+        raw = header.numpy().tobytes()
+        if len(raw) != self.header_bytes:
+            return None
+        magic, version, _, chunk, count = _HEAD.unpack_from(raw)
+        if (magic, version, chunk, count) != (MAGIC, VERSION, self.chunk_bytes, self.num_chunks):
+            return None
+        return list(struct.unpack_from(f"<{count}Q", raw, _HEAD.size))
+
+    def verify(self, key: bytes, sums: list[int], chunk: int, block: torch.Tensor) -> bool:
+        a, b = self.bounds[chunk]
+        return self._sum(key, chunk, memoryview(block.numpy())[a:b]) == sums[chunk]
+
+    def parts(self, header: torch.Tensor, block: torch.Tensor) -> list[torch.Tensor]:
+        """Where a get puts the stored object: the header, then each chunk of `block`."""
+        return [header] + [block[a:b] for a, b in self.bounds]
+
+    @staticmethod
+    def _sum(key: bytes, chunk: int, data) -> int:
+        return xxhash.xxh3_64_intdigest(data, seed=(xxhash.xxh3_64_intdigest(key) + chunk + 1) & _U64)
+
+
+class StreamedRead:
+    """One shared block being fetched (`run`, on a fetch thread) and checked chunk by chunk; readers
+    `wait` for the byte range they need and copy it out of `block`.
+
+    Args:
+        frame: the block's stored layout.
+        key: the block's key.
+    """
+
+    def __init__(self, frame: BlockFrame, key: bytes) -> None:
+        self.frame, self.key = frame, key
+        buffer = torch.empty(frame.header_bytes + frame.slot_bytes, dtype=torch.uint8)
+        self.header, self.block = buffer[: frame.header_bytes], buffer[frame.header_bytes:]
+        self._sums: list[int] | None = None
+        self._verified = 0  # bytes of the block, from its start, that are in and checked
+        self._failed: str | None = None
+        self._done = False
+        self._cond = threading.Condition()
+
+    def run(self, get: Callable[..., bool]) -> None:
+        """Fetches the block with `get(key, parts, landed)` (`PoolClient.get_streamed`)."""
+        why = None
+        try:
+            if not get(self.key, self.frame.parts(self.header, self.block), self._landed):
+                why = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
+        except Exception as e:  # a broken call: the block is a miss, its waiters are told
+            why = f"the read failed: {e!r}"
+        with self._cond:
+            self._done = True
+            if why is not None and self._failed is None:
+                self._failed = why
+            if self._verified < self.frame.slot_bytes and self._failed is None:
+                self._failed = "the pool sent less than the whole block"
+            self._cond.notify_all()
+
+    def wait(self, end: int, timeout_s: float) -> None:
+        """Returns once bytes `[0, end)` of the block are in and checked.
+
+        Raises:
+            TierIOError: the block is not on the pool, failed a check, or took over `timeout_s`.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._verified >= end or self._failed is not None, timeout_s):
+                raise TierIOError(f"pool block {self.key.hex()[:16]}: not in after {timeout_s} s")
+            if self._verified < end:
+                raise TierIOError(f"pool block {self.key.hex()[:16]}: {self._failed}")
+
+    @property
+    def failed(self) -> bool:
+        with self._cond:
+            return self._failed is not None
+
+    def _landed(self, part: int) -> None:
+        """Part `part` of the get is in: the header (0), or chunk `part - 1`."""
+        if part == 0:
+            self._sums = self.frame.checksums(self.header)
+            if self._sums is None:
+                self._fail("its header is not a kvtier block of this size (another format or version)")
+            return
+        chunk = part - 1
+        if self._sums is None:
+            return
+        if not self.frame.verify(self.key, self._sums, chunk, self.block):
+            self._sums = None
+            return self._fail(f"chunk {chunk} failed its checksum")
+        with self._cond:
+            self._verified = self.frame.bounds[chunk][1]
+            self._cond.notify_all()
+
+    def _fail(self, why: str) -> None:
+        with self._cond:
+            self._failed = self._failed or why
+            self._cond.notify_all()

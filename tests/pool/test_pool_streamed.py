@@ -1,0 +1,179 @@
+"""Layer by layer from the pool: a load's first layers are delivered, checked, while the rest of the
+block is still arriving, and a chunk that fails its check fails the block from that layer on.
+
+Ordering is proved by a gate, never by timing: the reader's pool client holds the rest of a get
+after its first chunks until the test opens the gate (as a slow network would), and the load
+must report layer 0 meanwhile. Two `KVTier`s in one process stand for two processes (each has its
+own client, index and slots). Cost: one node subprocess for the module.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import pytest
+import torch
+
+from kvtier.config import config_from_dict
+from kvtier.keys import Namespace, block_keys
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.streamed import BlockFrame, StreamedRead
+from kvtier.pool.node.process import running_node
+from kvtier.runtime import KVTier
+from kvtier.tiers.base import TierKind
+from support.runtime import LAYOUT, WAIT_S
+
+P = TierKind.POOL
+NAMESPACE = Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens)
+SALTS = iter(range(1, 1 << 30))
+LAYER = LAYOUT.offsets[1]  # bytes of one layer (LAYOUT: 4 layers of 4 KiB)
+
+
+def fresh_keys(n: int) -> list:
+    return block_keys(NAMESPACE, [next(SALTS) for _ in range(n * LAYOUT.block_tokens)])
+
+
+def data(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, LAYOUT.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def node():
+    with running_node(capacity="4MiB", region_size="256KiB") as n:
+        yield n
+
+
+def runtime(address: str, chunk_bytes: int = 0) -> KVTier:
+    """DRAM and a pool share; chunk_bytes 0: a load copies and reports each layer on its own (1 MiB:
+    a block of this layout is one copy, a whole-block read)."""
+    return KVTier(config_from_dict({"model": "kvtier-tiny", "transfer": {"chunk_bytes": chunk_bytes}, "tiers": {
+        "dram": {"capacity": 8 * LAYOUT.block_bytes, "high_watermark": 1.0, "low_watermark": 1.0},
+        "pool": {"capacity": 16 * LAYOUT.block_bytes, "nodes": [address], "timeout_s": WAIT_S,
+                 "reconnect_s": 0, "high_watermark": 1.0, "low_watermark": 1.0}}}), layout=LAYOUT)
+
+
+def stored_by_another(address: str, keys, rows) -> None:
+    with runtime(address) as other:
+        handle = other.store(keys, rows, target=P)
+        assert handle.wait(WAIT_S) and not handle.failed, handle.failed
+
+
+class Gate:
+    """Wraps a client's `get_streamed`: after `after` parts of a get have landed, the next one is
+    held until `open()`, on the receiving thread, as a slow network would hold it."""
+
+    def __init__(self, client: PoolClient, after: int) -> None:
+        self.client, self.after = client, after
+        self.inner = client.get_streamed
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.landed: list[int] = []
+        client.get_streamed = self.get
+
+    def get(self, key, parts, landed=None):
+        def hold(j: int) -> None:
+            if j == self.after:
+                self.held.set()
+                self.gate.wait(WAIT_S)
+            self.landed.append(j)
+            if landed is not None:
+                landed(j)
+        return self.inner(key, parts, hold)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_the_first_layers_of_a_pool_block_are_delivered_while_the_rest_arrives(node):
+    keys, rows = fresh_keys(1), data(1, 1)
+    stored_by_another(node.address, keys, rows)
+    with runtime(node.address) as kv:
+        assert kv.lookup(keys) == 1
+        frame = kv.tiers[P]._frame
+        assert frame.num_chunks == LAYOUT.num_layers  # one chunk per 4 KiB layer here
+        gate = Gate(kv.tiers[P]._client, after=3)  # header, layer 0, layer 1 in; layer 2 held
+        out = torch.zeros_like(rows)
+        handle = kv.load(keys, out)
+        assert gate.held.wait(WAIT_S)
+        handle.wait_layer(1, WAIT_S)  # returns with the get still held
+        assert not gate.gate.is_set() and handle.layers_done == 2 and not handle.done()
+        assert torch.equal(out[0, : 2 * LAYER], rows[0, : 2 * LAYER])
+        assert not out[0, 2 * LAYER:].any(), "nothing of the held layers was delivered"
+        gate.open()
+        assert handle.wait(WAIT_S) and torch.equal(out, rows)
+        assert gate.landed == list(range(frame.num_chunks + 1))
+        assert kv.snapshot()["pool_client"]["hits"] == 1  # one get served the four layer reads
+
+
+def test_a_chunk_that_fails_its_check_fails_the_block_from_that_layer_on(node):
+    """A writer of the tenant stores an object whose header's checksum of chunk 2 is wrong (the
+    node commits it: the whole object's checksum is right); a load delivers layers 0 and 1, then
+    fails the block at layer 2, and nothing of layers 2-3 is delivered."""
+    key, rows = fresh_keys(1)[0], data(1, 2)
+    frame = BlockFrame(LAYOUT.block_bytes)
+    header = bytearray(frame.header(bytes(key), rows[0]))
+    struct.pack_into("<Q", header, 16 + 8 * 2, 12345)
+    obj = bytes(header) + rows[0].numpy().tobytes()
+    with PoolClient([node.address]) as writer:
+        assert writer.put(bytes(key), obj)
+    with runtime(node.address) as kv:
+        assert kv.lookup([key]) == 1
+        out = torch.zeros_like(rows)
+        handle = kv.load([key], out)
+        handle.wait(WAIT_S)
+        assert set(handle.failed) == {key} and handle.failed[key].layer == 2
+        assert torch.equal(out[0, : 2 * LAYER], rows[0, : 2 * LAYER]) and not out[0, 2 * LAYER:].any()
+        assert kv.snapshot()["dropped"] == {"read_io_error": 1}
+        if kv.lookup([key]):  # found on the pool again: still never served as good
+            out.zero_()
+            assert not kv.load([key], out).wait(WAIT_S) and not out[0, 2 * LAYER:].any()
+
+
+@pytest.mark.parametrize("stored", ["plain block", "short header", "another version"])
+def test_an_object_of_another_format_under_a_block_key_is_a_miss(node, stored):
+    key, rows = fresh_keys(1)[0], data(1, 3)
+    frame = BlockFrame(LAYOUT.block_bytes)
+    header = frame.header(bytes(key), rows[0])
+    obj = {"plain block": rows[0].numpy().tobytes(),
+           "short header": header[:16] + rows[0].numpy().tobytes(),
+           "another version": header[:4] + struct.pack("<H", 9) + header[6:] + rows[0].numpy().tobytes()}[stored]
+    with PoolClient([node.address]) as writer:
+        assert writer.put(bytes(key), obj)
+    for chunk_bytes in (0, 1 << 20):  # streamed layer reads, and one whole-block read
+        with runtime(node.address, chunk_bytes) as kv:
+            assert kv.lookup([key]) == 1
+            out = torch.zeros_like(rows)
+            handle = kv.load([key], out)
+            assert not handle.wait(WAIT_S) and set(handle.failed) == {key}
+            assert kv.snapshot()["pool_client"].get("wrong_size", 0) == (stored != "another version")
+
+
+def test_a_streamed_read_that_the_pool_cannot_serve_tells_every_waiter():
+    frame = BlockFrame(LAYOUT.block_bytes)
+    read = StreamedRead(frame, b"k" * 16)
+    read.run(lambda key, parts, landed: False)
+    from kvtier.errors import TierIOError
+
+    with pytest.raises(TierIOError, match="not on the pool any more"):
+        read.wait(1, WAIT_S)
+    broken = StreamedRead(frame, b"k" * 16)
+    broken.run(lambda key, parts, landed: (_ for _ in ()).throw(RuntimeError("wire cut")))
+    with pytest.raises(TierIOError, match="wire cut"):
+        broken.wait(LAYOUT.block_bytes, WAIT_S)
+
+
+@pytest.mark.parametrize("slot_bytes, chunk, chunks", [(1, 1, 1), (4096, 4096, 1), (16 << 10, 4096, 4),
+                                                       (1 << 20, 64 << 10, 16), ((1 << 20) + 1, 69632, 16),
+                                                       (32 << 20, 2 << 20, 16)])
+def test_chunks_are_a_sixteenth_of_a_block_and_at_least_4_kib(slot_bytes, chunk, chunks):
+    frame = BlockFrame(slot_bytes)
+    assert (frame.chunk_bytes, frame.num_chunks) == (chunk, chunks)
+    assert frame.bounds[-1][1] == slot_bytes and frame.header_bytes == 16 + 8 * chunks
+    block = torch.randint(0, 256, (slot_bytes,), dtype=torch.uint8)
+    header = torch.frombuffer(bytearray(frame.header(b"k" * 16, block)), dtype=torch.uint8)
+    sums = frame.checksums(header)
+    assert all(frame.verify(b"k" * 16, sums, i, block) for i in range(chunks))
+    assert not frame.verify(b"j" * 16, sums, 0, block), "bound to the key"
+    if chunks > 1:
+        assert not frame.verify(b"k" * 16, sums[1:] + sums[:1], 0, block), "bound to the chunk's place"
+    assert BlockFrame(slot_bytes + 4096 * 16).checksums(header) is None, "another block size"
