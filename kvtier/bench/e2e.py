@@ -54,7 +54,8 @@ def runtime_config(env: BenchEnv, lower: TierKind, block_bytes: int, depth: int,
         low = TierConfig(TierKind.SSD, capacity, high_watermark=1.0, low_watermark=1.0,
                          path=Path(env.workdir) / "e2e-ssd", num_files=4)
     elif lower is TierKind.POOL:
-        low = TierConfig(TierKind.POOL, capacity, high_watermark=1.0, low_watermark=1.0,
+        # No write-through (a shared pool's default for BlockKeys): a spill is the demotion path.
+        low = TierConfig(TierKind.POOL, capacity, high_watermark=1.0, low_watermark=1.0, write_through=False,
                          nodes=(env.pool_address,), timeout_s=env.pool_timeout_s)
     else:
         low = TierConfig(lower, capacity, high_watermark=1.0, low_watermark=1.0)
@@ -187,7 +188,9 @@ with KVTier(config, layout=layout) as kv:
         handle = kv.store(keys, torch.stack([shared_block(k, block_bytes) for k in keys]), target=TierKind.HBM, sync=True)
         kv.quiesce(TIMEOUT_S)
         if handle.failed or set(kv.where(keys)) != {TierKind.POOL}:
-            sys.exit(f"batch {call}: failed {len(handle.failed)}, in {kv.where(keys)}")
+            snap = kv.snapshot()
+            sys.exit(f"batch {call}: failed {len(handle.failed)}, in {kv.where(keys)}; dropped {snap['dropped']}, "
+                     f"pool client {snap.get('pool_client')}")
 """
 
 

@@ -185,7 +185,10 @@ def _start_pool(stack: ExitStack, env: BenchEnv, options: BenchOptions, need_byt
     if address is None:
         from kvtier.pool.node.process import NodeProcess
 
-        region = max(4 * MIB, -(-max(options.sizes_bytes) // (4 * KIB)) * 4 * KIB)
+        from kvtier.pool.client.streamed import BlockFrame
+
+        largest = max(BlockFrame(size).stored_bytes for size in options.sizes_bytes)  # a shared block's header too
+        region = max(4 * MIB, -(-largest // (4 * KIB)) * 4 * KIB)
         capacity = math.ceil((2 * need_bytes + 64 * MIB) / region) * region
         try:
             node = NodeProcess(capacity=str(capacity), region_size=str(region))

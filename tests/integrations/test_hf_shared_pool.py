@@ -5,6 +5,7 @@ default cache's. Cost: a few seconds (a tiny Llama, a node subprocess, one write
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -80,3 +81,13 @@ def test_a_second_process_hits_the_prefix_the_first_computed(model, model_dir):
             snap = kv.snapshot()
             assert snap["shared"]["adopted"] >= 22 and snap["hits"].get("pool", 0) >= 22
             assert torch.equal(second.output.sequences[0, :b.shape[1]], b[0])
+
+        # The same model with one weight changed (a fine-tune under the same name): its keys name
+        # other weights, so the pool's blocks are never taken for its KV.
+        changed = copy.deepcopy(model)
+        with torch.no_grad():
+            next(changed.parameters()).add_(1e-3)
+        with a_runtime(model_dir, node.address) as kv:
+            third = HFKVTier(changed, kv, NS).generate(b, **GEN)
+            assert third.num_cached_tokens == 0 and "adopted" not in kv.snapshot()["shared"]
+            assert_same(third.output, default_generate(changed, b))

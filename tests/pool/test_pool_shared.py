@@ -137,16 +137,14 @@ def test_blocks_another_process_stored_are_found_and_loaded(node, how) -> None:
 
 def test_layer_ranges_are_gathered_on_store_and_streamed_from_one_get(node) -> None:
     """chunk_bytes 0: every layer is its own span, so a store writes a block in four parts and a
-    load reads it in four; the pool still sees one whole, checked object each way: a header of
-    per-chunk checksums, then the block."""
+    load reads it in four; the pool still sees one whole, checked object each way (16 KiB blocks:
+    stored plain, no header; see test_pool_streamed for the framed ones)."""
     write_from_another_process(node.address, 4, "pool", transfer={"chunk_bytes": 0})
-    frame = BlockFrame(LAYOUT.block_bytes)
+    assert not BlockFrame(LAYOUT.block_bytes).framed
     with PoolClient([node.address], tenant="serving", secret=SECRET.encode()) as client:
         assert client.contains([bytes(k) for k in KEYS[:4]]) == [True] * 4
-        whole = torch.empty(frame.header_bytes + LAYOUT.block_bytes, dtype=torch.uint8)
-        assert client.get(bytes(KEYS[2]), whole)
-        assert frame.checksums(whole[: frame.header_bytes]) is not None
-        assert torch.equal(whole[frame.header_bytes:], expected(KEYS[2]))
+        whole = bytearray(LAYOUT.block_bytes)
+        assert client.get(bytes(KEYS[2]), whole) and bytes(whole) == bytes(expected(KEYS[2]).numpy())
     cfg = config(node.address, transfer={"chunk_bytes": 0})
     with KVTier(config_from_dict(cfg), layout=LAYOUT) as kv:
         assert kv.lookup(KEYS[:4]) == 4
@@ -302,3 +300,24 @@ def test_a_lookup_the_pool_refuses_is_a_miss_not_an_error(node, monkeypatch) -> 
 
         monkeypatch.setattr(kv.tiers[P]._client, "contains", refuse)
         assert kv.lookup(KEYS[:2]) == 0 and kv.loadable(KEYS[:2]) == 0
+
+
+def test_a_frozen_node_is_misses_within_the_timeout_then_serves_again(node) -> None:
+    """SIGSTOP: the node holds its sockets and answers nothing. A lookup asks it again for the
+    blocks only it serves here, gets no answer within the timeout, and forgets them: misses, not
+    a hang and not a hit followed by a failed load. Once the node runs again they are found anew."""
+    write_from_another_process(node.address, 3, "pool")
+    # No negative cache: the misses while frozen would otherwise be remembered for a second.
+    with KVTier(config_from_dict(config(node.address, timeout_s=0.5, negative_cache_s=0)), layout=LAYOUT) as kv:
+        assert kv.lookup(KEYS[:3]) == 3
+        node.pause()
+        try:
+            assert kv.lookup(KEYS[:3]) == 0
+            assert kv.snapshot()["shared"]["forgotten"] == 3
+            got, failed = load(kv, KEYS[:3])
+            assert set(failed) == set(KEYS[:3])  # not indexed any more: misses, never bytes
+        finally:
+            node.resume()
+        assert kv.lookup(KEYS[:3]) == 3
+        got, failed = load(kv, KEYS[:3])
+        assert not failed and all(torch.equal(r, expected(k)) for r, k in zip(got, KEYS[:3]))

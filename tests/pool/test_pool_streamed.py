@@ -22,12 +22,16 @@ from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.node.process import running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
-from support.runtime import LAYOUT, WAIT_S
+from kvtier.layout import BlockLayout
+from support.runtime import WAIT_S
 
 P = TierKind.POOL
-NAMESPACE = Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens)
 SALTS = iter(range(1, 1 << 30))
-LAYER = LAYOUT.offsets[1]  # bytes of one layer (LAYOUT: 4 layers of 4 KiB)
+# 4 layers of 64 KiB: a 256 KiB block, the smallest stored framed (16 chunks of 16 KiB, 4 per layer)
+LAYOUT = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=64 << 10)
+LAYER = LAYOUT.offsets[1]
+PER_LAYER = 4  # chunks
+NAMESPACE = Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens)
 
 
 def fresh_keys(n: int) -> list:
@@ -40,7 +44,7 @@ def data(n: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def node():
-    with running_node(capacity="4MiB", region_size="256KiB") as n:
+    with running_node(capacity="16MiB", region_size="512KiB") as n:
         yield n
 
 
@@ -90,8 +94,8 @@ def test_the_first_layers_of_a_pool_block_are_delivered_while_the_rest_arrives(n
     with runtime(node.address) as kv:
         assert kv.lookup(keys) == 1
         frame = kv.tiers[P]._frame
-        assert frame.num_chunks == LAYOUT.num_layers  # one chunk per 4 KiB layer here
-        gate = Gate(kv.tiers[P]._client, after=3)  # header, layer 0, layer 1 in; layer 2 held
+        assert frame.framed and frame.num_chunks == PER_LAYER * LAYOUT.num_layers
+        gate = Gate(kv.tiers[P]._client, after=1 + 2 * PER_LAYER)  # header, layers 0 and 1 in; layer 2 held
         out = torch.zeros_like(rows)
         handle = kv.load(keys, out)
         assert gate.held.wait(WAIT_S)
@@ -112,7 +116,7 @@ def test_a_chunk_that_fails_its_check_fails_the_block_from_that_layer_on(node):
     key, rows = fresh_keys(1)[0], data(1, 2)
     frame = BlockFrame(LAYOUT.block_bytes)
     header = bytearray(frame.header(bytes(key), rows[0]))
-    struct.pack_into("<Q", header, 16 + 8 * 2, 12345)
+    struct.pack_into("<Q", header, 16 + 8 * 2 * PER_LAYER, 12345)  # the first chunk of layer 2
     obj = bytes(header) + rows[0].numpy().tobytes()
     with PoolClient([node.address]) as writer:
         assert writer.put(bytes(key), obj)
@@ -129,14 +133,14 @@ def test_a_chunk_that_fails_its_check_fails_the_block_from_that_layer_on(node):
             assert not kv.load([key], out).wait(WAIT_S) and not out[0, 2 * LAYER:].any()
 
 
-@pytest.mark.parametrize("stored", ["plain block", "short header", "another version"])
+@pytest.mark.parametrize("stored", ["short header", "another version", "another block size"])
 def test_an_object_of_another_format_under_a_block_key_is_a_miss(node, stored):
     key, rows = fresh_keys(1)[0], data(1, 3)
     frame = BlockFrame(LAYOUT.block_bytes)
-    header = frame.header(bytes(key), rows[0])
-    obj = {"plain block": rows[0].numpy().tobytes(),
-           "short header": header[:16] + rows[0].numpy().tobytes(),
-           "another version": header[:4] + struct.pack("<H", 9) + header[6:] + rows[0].numpy().tobytes()}[stored]
+    header, block = frame.header(bytes(key), rows[0]), rows[0].numpy().tobytes()
+    obj = {"short header": header[:16] + block,
+           "another version": header[:4] + struct.pack("<H", 9) + header[6:] + block,
+           "another block size": block[:-4096]}[stored]
     with PoolClient([node.address]) as writer:
         assert writer.put(bytes(key), obj)
     for chunk_bytes in (0, 1 << 20):  # streamed layer reads, and one whole-block read
@@ -145,13 +149,36 @@ def test_an_object_of_another_format_under_a_block_key_is_a_miss(node, stored):
             out = torch.zeros_like(rows)
             handle = kv.load([key], out)
             assert not handle.wait(WAIT_S) and set(handle.failed) == {key}
+            assert not out.any(), "nothing delivered"
             assert kv.snapshot()["pool_client"].get("wrong_size", 0) == (stored != "another version")
+
+
+def test_a_block_stored_plain_is_read_whole_either_way(node):
+    """A block with no header (a writer that stores this size plain) is a valid object: a streamed
+    read delivers it once the whole get matched its checksum, a whole read at once."""
+    key, rows = fresh_keys(1)[0], data(1, 4)
+    with PoolClient([node.address]) as writer:
+        assert writer.put(bytes(key), rows[0].numpy().tobytes())
+    for chunk_bytes in (0, 1 << 20):
+        with runtime(node.address, chunk_bytes) as kv:
+            assert kv.lookup([key]) == 1
+            out = torch.zeros_like(rows)
+            assert kv.load([key], out).wait(WAIT_S) and torch.equal(out, rows)
+
+
+def test_a_node_whose_regions_cannot_hold_a_block_is_refused_at_start():
+    from kvtier.errors import ConfigError
+
+    with running_node(capacity="4MiB", region_size="256KiB") as small:  # 256 KiB + its header do not fit
+        with pytest.raises(ConfigError, match=r"holds blocks of at most 262144 bytes .*--region-size"):
+            runtime(small.address)
 
 
 def test_a_streamed_read_that_the_pool_cannot_serve_tells_every_waiter():
     frame = BlockFrame(LAYOUT.block_bytes)
     read = StreamedRead(frame, b"k" * 16)
     read.run(lambda key, parts, landed: False)
+    assert read.failed
     from kvtier.errors import TierIOError
 
     with pytest.raises(TierIOError, match="not on the pool any more"):
@@ -162,12 +189,16 @@ def test_a_streamed_read_that_the_pool_cannot_serve_tells_every_waiter():
         broken.wait(LAYOUT.block_bytes, WAIT_S)
 
 
-@pytest.mark.parametrize("slot_bytes, chunk, chunks", [(1, 1, 1), (4096, 4096, 1), (16 << 10, 4096, 4),
-                                                       (1 << 20, 64 << 10, 16), ((1 << 20) + 1, 69632, 16),
-                                                       (32 << 20, 2 << 20, 16)])
-def test_chunks_are_a_sixteenth_of_a_block_and_at_least_4_kib(slot_bytes, chunk, chunks):
+@pytest.mark.parametrize("slot_bytes, chunk, chunks, framed", [
+    (1, 1, 1, True), (4096, 4096, 1, False), (16 << 10, 4096, 4, False), (252 << 10, 16384, 16, False),
+    (256 << 10, 16384, 16, True), (1 << 20, 64 << 10, 16, True), ((1 << 20) + 1, 69632, 16, True),
+    (32 << 20, 2 << 20, 16, True)])
+def test_chunks_are_a_sixteenth_of_a_block_and_the_header_costs_at_most_a_64th(slot_bytes, chunk, chunks, framed):
+    """Framed where the header costs at most 1/64 of the block's 4 KiB pages (free where it fits the
+    last page's padding, as for a 1-byte block)."""
     frame = BlockFrame(slot_bytes)
-    assert (frame.chunk_bytes, frame.num_chunks) == (chunk, chunks)
+    assert (frame.chunk_bytes, frame.num_chunks, frame.framed) == (chunk, chunks, framed)
+    assert frame.stored_bytes == slot_bytes + (frame.header_bytes if framed else 0)
     assert frame.bounds[-1][1] == slot_bytes and frame.header_bytes == 16 + 8 * chunks
     block = torch.randint(0, 256, (slot_bytes,), dtype=torch.uint8)
     header = torch.frombuffer(bytearray(frame.header(b"k" * 16, block)), dtype=torch.uint8)

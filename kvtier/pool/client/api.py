@@ -152,19 +152,20 @@ class PoolClient:
         views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
         return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, [views[j] for j in js]))
 
-    def get_streamed(self, key: bytes, parts: Sequence[Any], landed: Callable[[int], None] | None = None) -> bool:
-        """Reads one block into consecutive `parts` (their lengths add up to the stored block's),
-        calling `landed(j)` as soon as part j is in, in order: over TCP the parts of one inline
-        reply as they come off the socket, else one-sided reads of the parts' ranges under a
-        read lease. True: every part is in and the whole block matched its checksum. False: a
-        miss, a node down, a block of another length, or a checksum mismatch (counted as `get`
-        counts them); parts already reported landed are then not to be used.
+    def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
+                     landed: Callable[[int], None] | None = None) -> bool:
+        """Reads one block into consecutive buffers, `parts(length)` for a stored block of `length`
+        bytes (None: not a length the caller reads, a miss), calling `landed(j)` as soon as part j
+        is in, in order: over TCP the parts of one inline reply as they come off the socket, else
+        one-sided reads of the parts' ranges under a read lease. True: every part is in and the
+        whole block matched its checksum. False: a miss, a node down, a block of a length the
+        caller does not read, or a checksum mismatch (counted as `get` counts them); parts already
+        reported landed are then not to be used.
 
-        `landed` runs on the receiving thread, between two parts; it must be quick and not raise.
+        `parts` and `landed` run on the receiving thread; they must be quick and not raise.
         """
-        views = [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(parts)]
         node = self.home(key)
-        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, views, landed)], [key], [0])[0]
+        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, parts, landed)], [key], [0])[0]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (a node that is down answers False)."""
@@ -421,21 +422,26 @@ class PoolClient:
         self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
         return out
 
-    def _get_streamed_on(self, node: int, key: bytes, views: list[memoryview],
+    def _get_streamed_on(self, node: int, key: bytes, parts: Callable[[int], Sequence[Any] | None],
                          landed: Callable[[int], None] | None) -> bool:
         transport = self._data_plane(node)
-        total = sum(map(len, views))
-        sized = [True]  # the inline hit has the parts' length (else it lands in scratch, unreported)
+        chosen: list[list[memoryview] | None] = [None]  # the caller's buffers for the stored length
+
+        def buffers_for(length: int) -> list[memoryview] | None:
+            got = parts(length)
+            views = None if got is None else [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(got)]
+            chosen[0] = views if views is not None and sum(map(len, views)) == length else None
+            return chosen[0]
 
         def inline_buffers(header: dict) -> list[memoryview]:
             h = header["hits"][0] if header["hits"] else None
             if not (h and h[0] and h[7]):
                 return []
-            sized[0] = h[3] == total
-            return views if sized[0] else [memoryview(bytearray(h[3]))]
+            views = buffers_for(h[3])  # a length the caller does not read lands in scratch, unreported
+            return views if views is not None else [memoryview(bytearray(h[3]))]
 
         def on_part(j: int) -> None:
-            if sized[0] and landed is not None:
+            if chosen[0] is not None and landed is not None:
                 landed(j)
 
         request = Request(MsgType.GET, {"keys": [key], "lease_s": self.lease_s, "release": self._take_releases(node),
@@ -458,7 +464,9 @@ class PoolClient:
             if not h[7]:
                 with self._lock:
                     self._releases[node].append(h[6])
-            if h[3] != total:
+                buffers_for(h[3])
+            views = chosen[0]
+            if views is None:
                 self._count("wrong_size")
                 return False
             if not h[7]:

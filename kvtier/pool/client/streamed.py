@@ -12,7 +12,10 @@ that landed under another key, fail. As for every keyed block, the node commits 
 only against its checksum, and the client checks it again once the get is done.
 
 Chunks are about 1/16 of a block (at least 4 KiB): the header is 16 + 8 x 16 bytes, and a layer
-is usable at most one chunk after its last byte arrived.
+is usable at most one chunk after its last byte arrived. The node keeps blocks in 4 KiB size
+classes, so a header costs a 4 KiB page per block: a block is stored framed only where that is at
+most 1/64 of its space (blocks of 256 KiB and more), plain otherwise (read whole, as it arrives in
+one piece quickly anyway). A reader tells the two apart by the stored length.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MAGIC, VERSION = b"KVTC", 1
 _HEAD = struct.Struct("<4sHHII")
 _U64 = (1 << 64) - 1
 _MIN_CHUNK, _CHUNKS = 4096, 16
+_PAGE = 4096  # the node's size classes (`pool.node.slabs.CLASS_ALIGN_BYTES`)
 
 
 class BlockFrame:
@@ -43,6 +47,10 @@ class BlockFrame:
         self.header_bytes = _HEAD.size + 8 * self.num_chunks
         self.bounds = [(i * self.chunk_bytes, min((i + 1) * self.chunk_bytes, slot_bytes))
                        for i in range(self.num_chunks)]
+        pages = -(-slot_bytes // _PAGE)
+        extra = -(-(slot_bytes + self.header_bytes) // _PAGE) - pages
+        self.framed = extra * 64 <= pages  # what a writer stores (see the module docstring)
+        self.stored_bytes = slot_bytes + (self.header_bytes if self.framed else 0)
 
     def header(self, key: bytes, block: torch.Tensor) -> bytes:
         """The header of `block` (a CPU uint8 tensor of `slot_bytes`) stored under `key`."""
@@ -66,9 +74,12 @@ class BlockFrame:
         a, b = self.bounds[chunk]
         return self._sum(key, chunk, memoryview(block.numpy())[a:b]) == sums[chunk]
 
-    def parts(self, header: torch.Tensor, block: torch.Tensor) -> list[torch.Tensor]:
-        """Where a get puts the stored object: the header, then each chunk of `block`."""
-        return [header] + [block[a:b] for a, b in self.bounds]
+    def parts(self, header: torch.Tensor, block: torch.Tensor, length: int) -> list[torch.Tensor] | None:
+        """Where a get puts a stored object of `length` bytes: framed, the header then each chunk
+        of `block`; plain, `block` whole; None for any other length (not this block size)."""
+        if length == self.slot_bytes + self.header_bytes:
+            return [header] + [block[a:b] for a, b in self.bounds]
+        return [block] if length == self.slot_bytes else None
 
     @staticmethod
     def _sum(key: bytes, chunk: int, data) -> int:
@@ -89,6 +100,7 @@ class StreamedRead:
         buffer = torch.empty(frame.header_bytes + frame.slot_bytes, dtype=torch.uint8)
         self.header, self.block = buffer[: frame.header_bytes], buffer[frame.header_bytes:]
         self._sums: list[int] | None = None
+        self._plain = False  # stored without a header: usable once the whole get is checked
         self._verified = 0  # bytes of the block, from its start, that are in and checked
         self._failed: str | None = None
         self._done = False
@@ -98,7 +110,7 @@ class StreamedRead:
         """Fetches the block with `get(key, parts, landed)` (`PoolClient.get_streamed`)."""
         why = None
         try:
-            if not get(self.key, self.frame.parts(self.header, self.block), self._landed):
+            if not get(self.key, self._parts, self._landed):
                 why = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
         except Exception as e:  # a broken call: the block is a miss, its waiters are told
             why = f"the read failed: {e!r}"
@@ -106,6 +118,8 @@ class StreamedRead:
             self._done = True
             if why is not None and self._failed is None:
                 self._failed = why
+            if why is None and self._plain:  # the whole block is in and matched its checksum
+                self._verified = self.frame.slot_bytes
             if self._verified < self.frame.slot_bytes and self._failed is None:
                 self._failed = "the pool sent less than the whole block"
             self._cond.notify_all()
@@ -127,8 +141,15 @@ class StreamedRead:
         with self._cond:
             return self._failed is not None
 
+    def _parts(self, length: int) -> list[torch.Tensor] | None:
+        parts = self.frame.parts(self.header, self.block, length)
+        self._plain = parts is not None and len(parts) == 1
+        return parts
+
     def _landed(self, part: int) -> None:
-        """Part `part` of the get is in: the header (0), or chunk `part - 1`."""
+        """Part `part` of the get is in: the header (0), or chunk `part - 1` (framed only)."""
+        if self._plain:
+            return
         if part == 0:
             self._sums = self.frame.checksums(self.header)
             if self._sums is None:

@@ -208,6 +208,11 @@ class PoolTier(Tier):
             raise TierUnavailable("POOL tier: no node answers: " + "; ".join(f"{f['address']}: {f['error']}"
                                                                               for f in facts))
 
+    @property
+    def stored_bytes(self) -> int:
+        """The most a block of this tier takes on a node (a shared block with its header)."""
+        return self._frame.stored_bytes if self.shared else self.slot_bytes
+
     def client_counters(self) -> dict[str, int]:
         return self._client.counters
 
@@ -283,8 +288,9 @@ class PoolTier(Tier):
         if known and self._client.contains([key])[0]:
             self.stats.count_shared({"deduplicated": 1})
             return
-        header = self._frame.header(key, src)  # per-chunk checksums, for readers that stream it
-        status = self._client.batch_put_status([key], [(memoryview(header), src.numpy())])[0]
+        # Behind a header of per-chunk checksums, for readers that stream it (large blocks only).
+        block = (memoryview(self._frame.header(key, src)), src.numpy()) if self._frame.framed else src
+        status = self._client.batch_put_status([key], [block])[0]
         if status is GrantStatus.BUSY and self._await_peer(key):
             self.stats.count_shared({"awaited_peer": 1})
         elif status not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
@@ -317,8 +323,15 @@ class PoolTier(Tier):
         n = dst.numel()
         if offset == 0 and n == self.slot_bytes and not dst.is_cuda:
             header = torch.empty(self._frame.header_bytes, dtype=torch.uint8)
-            if not (self._client.get_streamed(key, self._frame.parts(header, dst))
-                    and self._frame.checksums(header) is not None):
+            framed: list[bool] = []
+
+            def parts(length: int):
+                got = self._frame.parts(header, dst, length)
+                framed.append(got is not None and len(got) > 1)
+                return got
+
+            if not (self._client.get_streamed(key, parts)
+                    and (not framed[-1] or self._frame.checksums(header) is not None)):
                 self._forget(key)
                 raise self._error_for(key)(f"POOL slot {slot}: block {key.hex()[:16]} is not on the pool any "
                                            "more (evicted, node down or restarted) or failed its checksum")
@@ -453,9 +466,14 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
     try:
         tier = PoolTier(client, cfg.capacity_bytes, slot_bytes, owns_client=True, shared=cfg.shared,
                         negative_cache_s=cfg.negative_cache_s)
+        largest = tier.stored_bytes
         for facts in client.stats():
             if "error" in facts:
                 log.warning("tiers.pool: node %s unreachable for now: %s", facts["address"], facts["error"])
+            elif facts.get("region_bytes", largest) < largest:  # every put would be refused TOO_LARGE
+                raise ConfigError(f"tiers.pool: node {facts['address']} holds blocks of at most "
+                                  f"{facts['region_bytes']} bytes (its --region-size); this model's blocks "
+                                  f"take {largest} on the pool: start it with a larger --region-size")
             elif cfg.transport is TransportKind.RDMA and facts.get("transport") != TransportKind.RDMA.value:
                 raise ConfigError(f"tiers.pool.transport: rdma, but node {facts['address']} serves "
                                   f"{facts.get('transport')} ({facts.get('transport_reason')})")
