@@ -74,7 +74,7 @@ class Gate:
         self.landed: list[int] = []
         client.get_streamed = self.get
 
-    def get(self, key, parts, landed=None):
+    def get(self, key, parts, landed=None, checks_parts=None):
         def hold(j: int) -> None:
             if j == self.after:
                 self.held.set()
@@ -82,7 +82,7 @@ class Gate:
             self.landed.append(j)
             if landed is not None:
                 landed(j)
-        return self.inner(key, parts, hold)
+        return self.inner(key, parts, hold, checks_parts)
 
     def open(self) -> None:
         self.gate.set()
@@ -177,14 +177,14 @@ def test_a_node_whose_regions_cannot_hold_a_block_is_refused_at_start():
 def test_a_streamed_read_that_the_pool_cannot_serve_tells_every_waiter():
     frame = BlockFrame(LAYOUT.block_bytes)
     read = StreamedRead(frame, b"k" * 16)
-    read.run(lambda key, parts, landed: False)
+    read.run(lambda key, parts, landed, checks: False)
     assert read.failed
     from kvtier.errors import TierIOError
 
     with pytest.raises(TierIOError, match="not on the pool any more"):
         read.wait(1, WAIT_S)
     broken = StreamedRead(frame, b"k" * 16)
-    broken.run(lambda key, parts, landed: (_ for _ in ()).throw(RuntimeError("wire cut")))
+    broken.run(lambda key, parts, landed, checks: (_ for _ in ()).throw(RuntimeError("wire cut")))
     with pytest.raises(TierIOError, match="wire cut"):
         broken.wait(LAYOUT.block_bytes, WAIT_S)
 

@@ -153,7 +153,8 @@ class PoolClient:
         return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, [views[j] for j in js]))
 
     def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
-                     landed: Callable[[int], None] | None = None) -> bool:
+                     landed: Callable[[int], None] | None = None,
+                     checks_parts: Callable[[int], bool] | None = None) -> bool:
         """Reads one block into consecutive buffers, `parts(length)` for a stored block of `length`
         bytes (None: not a length the caller reads, a miss), calling `landed(j)` as soon as part j
         is in, in order: over TCP the parts of one inline reply as they come off the socket, else
@@ -163,9 +164,13 @@ class PoolClient:
         reported landed are then not to be used.
 
         `parts` and `landed` run on the receiving thread; they must be quick and not raise.
+        `checks_parts(length)`: True where the caller checks every part itself as it lands (a
+        framed block, chunk by chunk against its header), so the whole block's checksum is not
+        computed again here (a pass over its bytes saved).
         """
         node = self.home(key)
-        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, parts, landed)], [key], [0])[0]
+        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, parts, landed, checks_parts)],
+                             [key], [0])[0]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (a node that is down answers False)."""
@@ -423,7 +428,7 @@ class PoolClient:
         return out
 
     def _get_streamed_on(self, node: int, key: bytes, parts: Callable[[int], Sequence[Any] | None],
-                         landed: Callable[[int], None] | None) -> bool:
+                         landed: Callable[[int], None] | None, checks_parts: Callable[[int], bool] | None) -> bool:
         transport = self._data_plane(node)
         chosen: list[list[memoryview] | None] = [None]  # the caller's buffers for the stored length
 
@@ -477,7 +482,7 @@ class PoolClient:
                 if not all(transport.read_many(ios, landed)):
                     self._count("stale")
                     return False
-        if _checksum(key, tuple(views)) != h[5]:
+        if not (checks_parts is not None and checks_parts(h[3])) and _checksum(key, tuple(views)) != h[5]:
             self._count("checksum_errors")
             return False
         self._count("hits")

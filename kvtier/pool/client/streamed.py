@@ -110,7 +110,7 @@ class StreamedRead:
         """Fetches the block with `get(key, parts, landed)` (`PoolClient.get_streamed`)."""
         why = None
         try:
-            if not get(self.key, self._parts, self._landed):
+            if not get(self.key, self._parts, self._landed, self._checks_chunks):
                 why = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
         except Exception as e:  # a broken call: the block is a miss, its waiters are told
             why = f"the read failed: {e!r}"
@@ -140,6 +140,10 @@ class StreamedRead:
     def failed(self) -> bool:
         with self._cond:
             return self._failed is not None
+
+    def _checks_chunks(self, length: int) -> bool:
+        """Framed: every chunk is checked as it lands (`_landed`), the whole object need not be."""
+        return length == self.frame.slot_bytes + self.frame.header_bytes
 
     def _parts(self, length: int) -> list[torch.Tensor] | None:
         parts = self.frame.parts(self.header, self.block, length)

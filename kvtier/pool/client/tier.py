@@ -51,7 +51,7 @@ from kvtier.pool.client.connection import NodeUnavailable
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.protocol import GrantStatus
 from kvtier.stats import Stats
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ class PoolTier(Tier):
                     del self._reads[(slot, key)]
             self._forget(key)
             raise self._error_for(key)(f"POOL slot {slot}: {e}") from None
-        dst.copy_(fetch.block[offset: offset + n])
+        copy_bytes(dst, fetch.block[offset: offset + n])  # one thread's memcpy (see `copy_bytes`)
         if offset + n == self.slot_bytes:  # the last range: the next load of this slot fetches afresh
             with self._lock:
                 if self._reads.get((slot, key)) is fetch:
