@@ -97,6 +97,7 @@ class TierManager:
         self._write_through = {k: t.write_through if mode is _EXCLUSIVE else _always
                                for k, t in self._tiers.items() if t.write_through or mode is not _EXCLUSIVE}
         self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
+        self._may_drop = frozenset(k for k, t in self._tiers.items() if t.may_drop)
         self._policies = {k: t.policy for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
         self._protected = {k: self._protected_in(k) for k in self._tiers}
@@ -707,9 +708,11 @@ class TierManager:
 
         Appends each claim to `placed` as (entry, tier, slot); returns whether there was any.
         """
-        claimed = False
+        claimed = keeper = False  # keeper: the copies so far are all in tiers that may drop them
         for tier in tiers:
-            if claimed:  # exclusive mode: one copy, plus those the write-through tiers take
+            if claimed and not (keeper and tier not in self._may_drop):
+                # Exclusive mode: one copy, plus those the write-through tiers take, plus one in a
+                # tier that keeps it where every copy so far may be dropped (see `_evict`).
                 through = self._write_through.get(tier)
                 if through is None or not through(key):
                     continue
@@ -721,8 +724,9 @@ class TierManager:
             entry = entry or self.index.get_or_create(key)
             self._claim(entry, tier, slot)
             placed.append((entry, tier, slot))
+            keeper = tier in self._may_drop if not claimed else keeper and tier in self._may_drop
             claimed = True
-            if self.mode is _EXCLUSIVE and not self._write_through:
+            if self.mode is _EXCLUSIVE and not self._write_through and not keeper:
                 break
         return claimed
 
@@ -762,17 +766,22 @@ class TierManager:
             self.stats.prefetch_wasted += 1  # evicted before any load used it
             entry.prefetched = False
         copies = entry.copies
+        kept = False  # another live copy exists, in a tier that may lose it on its own
         if len(copies) > 1:
             for t, c in copies.items():
                 if t != tier and c.state is not _FREEING:
-                    self._release(entry, tier, _EVICTED)  # never the last copy
-                    return
+                    if t not in self._may_drop:
+                        self._release(entry, tier, _EVICTED)  # never the last copy
+                        return
+                    kept = True
+        # A copy only in a tier that may drop it on its own (a shared pool node, evicting by its own
+        # recency) does not keep the block: the victim is demoted past it, to a tier that keeps it.
         below = self._below[tier]
         if not below:  # the last tier in service: a drop
-            self._release(entry, tier, _EVICTED if tier is self._last else DropReason.LOWER_DOWN)
+            self._release(entry, tier, _EVICTED if tier is self._last or kept else DropReason.LOWER_DOWN)
             return
-        refused = False
-        admits_all, free_lists = self._admits_all, self._free_lists
+        refused = started = False
+        admits_all, free_lists, may_drop = self._admits_all, self._free_lists, self._may_drop
         for lower in below:
             if lower in copies:
                 continue
@@ -792,19 +801,24 @@ class TierManager:
             queue = self._queue
             if queue is None:
                 self._start_move(entry, tier, lower, slot, _DEMOTE)
+            else:
+                # `_start_move(entry, tier, lower, slot, DEMOTE)` under `store_now` / `load_now`, inlined
+                # (once per block demoted) and without the `Move` and its id, which nothing there looks
+                # up and which were what a replay allocated most. `lower` holds no copy of the block:
+                # checked above, and making room there only moved other blocks.
+                source = copies[tier]
+                source.readers += 1
+                copies[lower] = Copy(slot)
+                self._owner[lower][slot] = entry.key
+                self._outgoing[tier] += 1
+                queue.append((entry, source, tier, lower, None))
+            if lower not in may_drop:
                 return
-            # `_start_move(entry, tier, lower, slot, DEMOTE)` under `store_now` / `load_now`, inlined
-            # (once per block demoted) and without the `Move` and its id, which nothing there looks
-            # up and which were what a replay allocated most. `lower` holds no copy of the block:
-            # checked above, and making room there only moved other blocks.
-            source = copies[tier]
-            source.readers += 1
-            copies[lower] = Copy(slot)
-            self._owner[lower][slot] = entry.key
-            self._outgoing[tier] += 1
-            queue.append((entry, source, tier, lower, None))
-            return
-        self._release(entry, tier, DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
+            # Into a tier that may drop it: a second copy goes on down to one that keeps it, where
+            # one has room (the source is let go once both moves have read it).
+            started = kept = True
+        if not started:
+            self._release(entry, tier, _EVICTED if kept else DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark.

@@ -41,6 +41,9 @@ class TierSlots:
     # Which stores place a copy here too, whatever the mode: a predicate of the key (a shared pool
     # takes the blocks it can share), or None (only inclusive mode writes through).
     write_through: Callable[[Hashable], bool] | None = None
+    # The tier may lose a block on its own (`Tier.may_drop`): a copy there is never reason enough
+    # to let a copy above go without demoting it (see `TierManager._evict`).
+    may_drop: bool = False
 
 
 # Placement, Move and LoadSource are plain (not frozen) slots dataclasses: a frozen one's __init__

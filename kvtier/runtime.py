@@ -352,7 +352,7 @@ class KVTier:
         write_through = (tier.can_share if tier.shared else None) if cfg.write_through is None \
             else (lambda key: True) if cfg.write_through else None
         return TierSlots(cfg.kind, tier.num_slots, make_policy(cfg.policy, tier.num_slots),
-                         cfg.admission, cfg.high_watermark, cfg.low_watermark, write_through)
+                         cfg.admission, cfg.high_watermark, cfg.low_watermark, write_through, tier.may_drop)
 
     def _end(self, tier: TierKind, slot: int) -> Endpoint:
         return Endpoint(self.tiers[tier], slot)
@@ -384,17 +384,21 @@ class KVTier:
         except (TierIOError, TransferError) as e:  # closed, broken, or refusing us now: misses
             log.warning("kvtier: %s lookup failed, its blocks count as misses: %s", kind.name, e)
             return ask[0]
-        gone = [keys[i] for i, hit in zip(ask, found) if not hit and here[i] is kind]
-        run = min(next((i for i, hit in zip(ask, found) if not hit), end),
+        gone = [i for i, hit in zip(ask, found) if not hit and here[i] is kind]
+        kept: set[int] = set()  # of those, the blocks another tier here still serves
+        if gone:
+            with self._lock:
+                self.stats.count_shared({"forgotten": self.manager.forget_shared(kind, [keys[i] for i in gone])})
+                for i in gone:  # a copy in a tier that keeps it (`Tier.may_drop`) serves on: no miss
+                    now = self.manager.held_here([keys[i]])[0]
+                    if now is not None and now is not False:
+                        kept.add(i)
+        run = min(next((i for i, hit in zip(ask, found) if not hit and i not in kept), end),
                   next((i for i in range(end) if here[i] is False and not tier.can_share(keys[i])), end))
         wanted = [i for i, hit in zip(ask, found) if hit and here[i] is False and i < run]
-        if not gone and not wanted:
+        if not wanted:
             return run
         with self._lock:
-            if gone:
-                self.stats.count_shared({"forgotten": self.manager.forget_shared(kind, gone)})
-            if not wanted:
-                return run
             adopted, moves = self.manager.adopt_shared(kind, [keys[i] for i in wanted])
             for key, slot in adopted:
                 tier.bind(slot, key)
@@ -415,7 +419,21 @@ class KVTier:
 
     def _submit_moves(self, moves: Sequence[Move], background: bool = True) -> TransferHandle:
         """Starts `moves` as one batch, on the background workers unless a caller waits on them
-        (`background=False`: the promotions a load reads from); caller holds the lock."""
+        (`background=False`: the promotions a load reads from); caller holds the lock.
+
+        A handle knows one outcome per block, so two moves of one block (a victim demoted both
+        into a shared pool and to a tier below that keeps it) go in separate batches; the
+        handle returned is the first batch's (only demotions come in pairs, and nobody waits on
+        those)."""
+        seen: set[Hashable] = set()
+        if len(moves) > 1 and len({m.key for m in moves}) != len(moves):
+            first, rest = [], []
+            for m in moves:
+                (rest if m.key in seen else first).append(m)
+                seen.add(m.key)
+            handle = self._submit_moves(first, background)
+            self._submit_moves(rest, background)
+            return handle
         ops = []
         for m in moves:  # a destination below DRAM computes the checksums the plan does not carry
             needs_sum = m.checksums is None and self.tiers[m.dst].medium in _BELOW_DRAM

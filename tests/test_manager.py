@@ -21,16 +21,22 @@ from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
 
-H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
+H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD
 KEYS = st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True)
 # Drops of blocks that were never READY (a store found no room, or its write failed).
 NEVER_READY = {DropReason.NO_SPACE, DropReason.STORE_FAILED}
 
 
 def make_manager(sizes=(2, 3, 4), policy=PolicyKind.LRU, mode=CacheMode.EXCLUSIVE, high=1.0, low=1.0,
-                 admission=AdmissionRule(AdmissionKind.ALL), promote_to=D) -> TierManager:
+                 admission=AdmissionRule(AdmissionKind.ALL), promote_to=D, pool=None) -> TierManager:
+    """HBM, DRAM, SSD of `sizes`; `pool`: None, or (slots, shared) for a pool tier that may drop
+    blocks on its own, taking a write-through copy of every store where shared."""
     tiers = [TierSlots(k, n, make_policy(policy, n), admission if k is S else AdmissionRule(AdmissionKind.ALL),
                        high, low) for k, n in zip((H, D, S), sizes)]
+    if pool is not None:
+        n, shared = pool
+        tiers.append(TierSlots(P, n, make_policy(policy, n), AdmissionRule(AdmissionKind.ALL), high, low,
+                               write_through=(lambda key: True) if shared else None, may_drop=True))
     return TierManager(tiers, mode=mode, promote_to=promote_to)
 
 
@@ -40,9 +46,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(list(PolicyKind)), mode=st.sampled_from(list(CacheMode)),
                 sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5)),
                 marks=st.sampled_from([(1.0, 1.0), (0.75, 0.5), (0.5, 0.25)]),
-                admission=st.sampled_from(list(AdmissionKind)))
-    def setup(self, policy, mode, sizes, marks, admission):
-        self.m = make_manager(sizes, policy, mode, *marks, admission=AdmissionRule(admission))
+                admission=st.sampled_from(list(AdmissionKind)),
+                pool=st.sampled_from([None, (2, False), (3, True)]))
+    def setup(self, policy, mode, sizes, marks, admission, pool):
+        self.m = make_manager(sizes, policy, mode, *marks, admission=AdmissionRule(admission), pool=pool)
         self.data: dict[tuple[TierKind, int], int] = {}
         self.pending: list[tuple[str, object]] = []
         self.pinned: dict[int, int] = {}
@@ -57,13 +64,17 @@ class ManagerMachine(RuleBasedStateMachine):
             assert mv.checksums == self.m.index.get(mv.key).checksums, "a move carries stale checksums"
         self.pending += [("move", mv) for mv in moves]
 
-    @rule(tier=st.sampled_from([H, D, S]), available=st.booleans())
+    @rule(tier=st.sampled_from([H, D, P, S]), available=st.booleans())
     def set_available(self, tier, available):
+        if tier not in self.m.order:
+            return
         self._queue_moves(self.m.set_available(tier, available))
         assert (tier in self.m.unavailable) is not available
 
-    @rule(keys=KEYS, tier=st.sampled_from([None, H, D, S]))
+    @rule(keys=KEYS, tier=st.sampled_from([None, H, D, P, S]))
     def store(self, keys, tier):
+        if tier is not None and tier not in self.m.order:
+            return
         for key in keys:  # one at a time: a key dropped and stored again in one call is still seen
             plan = self.m.prepare_store([key], tier)
             assert not {p.tier for p in plan.placements} & self.m.unavailable, "a store into a tier out of service"
@@ -472,3 +483,51 @@ def test_complete_moves_decides_as_complete_move_one_at_a_time(policy):
         return {k: m.where(k) for k in range(200)}, dict(m.stats.hits), dict(m.stats.dropped)
 
     assert replay(batched=True) == replay(batched=False)
+
+
+# ---- a tier that may drop blocks on its own (a shared pool node) ----------------------------
+
+
+def test_a_copy_in_a_tier_that_may_drop_it_does_not_let_a_victim_go_undemoted():
+    m = make_manager((1, 1, 4), pool=(4, True))  # every store also goes to the pool (write-through)
+    plan, moves = _store_ready(m, [1])
+    assert sorted(p.tier for p in plan.placements) == [H, P]
+    plan, moves = _store_ready(m, [2])
+    assert [(mv.key, mv.src, mv.dst) for mv in plan.moves] == [(1, H, D)], "demoted as if the pool had no copy"
+    assert sorted(p.tier for p in plan.placements) == [P, S], "HBM's slot is busy: the pool, and the SSD to keep it"
+    _finish(m, moves)
+    for k in range(3, 6):  # 5 blocks: HBM, DRAM and the SSD keep 6, less one HBM slot a demotion holds
+        _finish(m, _store_ready(m, [k])[1])
+        assert all(set(e.copies) - {P} for e in m.index), "no block is left in the pool alone"
+    assert m.stats.num_dropped == 0 and len(m.index) == 5
+
+
+def test_a_victim_demoted_into_a_tier_that_may_drop_it_also_goes_to_one_that_keeps_it():
+    m = make_manager((1, 1, 4), pool=(4, False))
+    for k in (1, 2, 3):  # 1 goes down to DRAM; 2 finds HBM's slot busy, so the pool and the SSD take it
+        _finish(m, _store_ready(m, [k])[1])
+    plan, moves = _store_ready(m, [4])  # 3 leaves HBM; DRAM's victim 1 goes to the pool and the SSD
+    assert sorted((mv.key, mv.src, mv.dst) for mv in moves if mv.key == 1) == [(1, D, P), (1, D, S)]
+    _finish(m, moves)
+    entry = m.index.get(1)
+    assert set(entry.copies) == {P, S} and all(c.state is CopyState.READY for c in entry.copies.values())
+    assert m.num_used(D) == 0, "DRAM's slot freed once both moves read it"
+    assert m.stats.demotions[(D, P)] == m.stats.demotions[(D, S)] == 1 and m.stats.num_dropped == 0
+
+
+def test_a_store_into_a_tier_that_may_drop_it_places_a_copy_below_that_keeps_it():
+    m = make_manager((1, 1, 4), pool=(4, False))
+    plan = m.prepare_store([1], P)
+    assert sorted(p.tier for p in plan.placements) == [P, S]
+    m.complete_store(plan, failed={(1, P)})  # the pool refused it: the SSD copy stands
+    assert m.where(1) is S and m.stats.num_dropped == 0
+
+
+def test_without_a_tier_below_a_block_may_live_in_the_pool_alone():
+    tiers = [TierSlots(k, 1, make_policy(PolicyKind.LRU, 1)) for k in (H, D)]
+    tiers.append(TierSlots(P, 2, make_policy(PolicyKind.LRU, 2), may_drop=True))
+    m = TierManager(tiers)
+    for k in range(3):
+        _finish(m, _store_ready(m, [k])[1])
+    assert m.stats.num_dropped == 0 and len(m.index) == 3
+    assert any(set(e.copies) == {P} for e in m.index), "the pool is the last tier: it may be a block's only home"

@@ -52,6 +52,10 @@ class Tier(ABC):
     # KV slice another rank replicates, under the same keys): the tier's writes of shared blocks
     # then send nothing, and its reads find the peer's copy (or miss, never wrong bytes).
     writes_shared: bool = True
+    # Whether the tier may lose a block on its own authority (a pool node evicts by its own
+    # recency, under every client's pressure, or restarts): a copy there never lets the manager
+    # drop a block's copy above without demoting it to a tier that keeps what it holds.
+    may_drop: bool = False
 
     @property
     def capacity_bytes(self) -> int:

@@ -15,7 +15,6 @@ from kvtier.pool.detect import TransportKind
 from kvtier.pool.node.process import NodeProcess, running_node
 from kvtier.pool.client.tier import PoolTier
 from kvtier.runtime import KVTier
-from kvtier.stats import DropReason
 from kvtier.tiers.base import TierKind
 from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
@@ -100,7 +99,12 @@ def test_a_lost_pool_node_turns_its_blocks_into_misses_and_the_rest_keeps_servin
             served = [i for i, k in enumerate(keys) if k not in lost]
             assert torch.equal(out[served], blocks([keys[i] for i in served]))
             assert "pool" in kv.snapshot()["unavailable"], "the pool is out of the cascade"
-            assert all(kv.lookup([k]) == 0 for k in lost), "its blocks are not served while it is down"
+            # A block demoted into the pool also went to the SSD (the node evicts by its own
+            # recency, so it is never a block's only home while a tier below has room): the dead
+            # node cost one load of its blocks, never the blocks.
+            assert kv.lookup(sorted(lost)) == len(lost), "its blocks are served from their SSD copies"
+            out, handle = load(kv, sorted(lost))
+            assert handle.failed == {} and torch.equal(out, blocks(sorted(lost)))
             assert kv.recheck() == [], "a probe finds it still down"
             node.start()  # the node comes back empty; the tier stores through it again
             kv.recheck()  # or the background prober got there first
@@ -109,9 +113,6 @@ def test_a_lost_pool_node_turns_its_blocks_into_misses_and_the_rest_keeps_servin
             store_each(kv, fresh)
             out, handle = load(kv, fresh)
             assert handle.failed == {} and torch.equal(out, blocks(fresh))
-            _, handle = load(kv, sorted(lost))  # the restarted node lost them: misses, then dropped
-            assert set(handle.failed) == lost and kv.where(sorted(lost)) == [None] * len(lost)
-            assert kv.stats.dropped[DropReason.READ_FAILED] >= len(lost)
         with PoolClient([node.address], tenant="serving", secret=SECRET.encode(), timeout_s=WAIT_S) as c:
             assert c.stats()[0]["bytes_in"] >= BLOCK, "the restarted node took blocks again"
     finally:

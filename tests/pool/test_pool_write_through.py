@@ -162,3 +162,18 @@ def test_a_pool_write_of_a_block_a_peer_sends_sends_nothing(node):
         assert a.snapshot()["pool_client"].get("puts", 0) == 0
     with PoolClient([node.address]) as client:
         assert client.contains([bytes(k) for k in keys]) == [False, False]
+
+
+def test_a_block_stored_here_just_after_a_lookup_missed_it_is_found_not_forgotten(node):
+    # The lookup before a request's prefill asks the pool and caches its "absent" answers; the
+    # blocks that request then stores must not be answered absent from that cache (they were
+    # forgotten as gone from the pool, and counted dropped, until the answer expired).
+    keys = fresh_keys(12)
+    rows = data(keys)
+    with runtime(node.address, negative_cache_s=60) as kv:
+        assert kv.lookup(keys) == 0 and kv.snapshot()["shared"]["asked"] == 12
+        store(kv, keys, rows)  # DRAM takes 8: 4 are in the pool alone
+        assert kv.where(keys).count(P) == 4
+        assert kv.lookup(keys) == 12 and kv.stats.num_dropped == 0, kv.snapshot()["dropped"]
+        out = torch.zeros_like(rows)
+        assert kv.load(keys, out).wait(WAIT_S) and torch.equal(out, rows)

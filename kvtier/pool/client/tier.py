@@ -50,6 +50,7 @@ from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.protocol import GrantStatus
+from kvtier.pool.shared_keys import KeyMemory, SpanGather
 from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
 
@@ -82,6 +83,7 @@ class PoolTier(Tier):
     kind = TierKind.POOL
     medium = Medium.REMOTE
     checks_reads = True  # a keyed get checks the block's key-seeded checksum
+    may_drop = True  # the nodes evict by their own recency (see `Tier.may_drop`)
 
     def __init__(self, client: PoolClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False,
                  shared: bool = True, negative_cache_s: float = NEGATIVE_CACHE_S, stats: Stats | None = None) -> None:
@@ -93,16 +95,14 @@ class PoolTier(Tier):
         self._instance = os.urandom(16)
         self._slots: list[Slot | None] = [None] * self.num_slots  # private mutable blocks
         self._keys: list[bytes | None] = [None] * self.num_slots  # the shared key each slot holds, if any
-        self._gather: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # slot -> (key, bytes so far, count)
+        self._gather = SpanGather(slot_bytes)
         self._reads: OrderedDict[tuple[int, bytes], StreamedRead] = OrderedDict()  # see `_read_shared`
         self._frame = BlockFrame(slot_bytes)
         self._fetcher: ThreadPoolExecutor | None = None  # runs the streamed reads, started on first use
         # A streamed read may queue behind others on the fetch threads; each of its calls has the
         # client's timeout, so this only guards against a bug, never ends a slow read.
         self._fetch_timeout_s = 60 + 10 * client.timeout_s
-        self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be on the pool (bounded)
-        self._absent: dict[bytes, float] = {}  # key -> when its "absent" answer expires
-        self._negative_cache_s = negative_cache_s
+        self._memory = KeyMemory(4 * self.num_slots, negative_cache_s)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -118,33 +118,18 @@ class PoolTier(Tier):
     def find(self, keys: Sequence[Hashable]) -> list[bool]:
         """Whether the pool holds each key (a node down: absent), one CONTAINS per node for the
         keys not answered from the negative cache; keys that cannot be shared are absent."""
-        now = time.monotonic()
-        out = [False] * len(keys)
-        ask: list[int] = []
-        cached = 0
         with self._lock:
             self._check_open()
-            for i, key in enumerate(keys):
-                if not self.can_share(key):
-                    continue
-                if self._absent.get(key, 0.0) > now:
-                    cached += 1
-                else:
-                    ask.append(i)
-        found = self._client.contains([bytes(keys[i]) for i in ask]) if ask else []
-        with self._lock:
-            expires = time.monotonic() + self._negative_cache_s
-            for i, hit in zip(ask, found):
-                key = bytes(keys[i])
-                out[i] = bool(hit)
-                if hit:
-                    self._absent.pop(key, None)
-                    self._note_held(key)
-                else:
-                    self._absent[key] = expires
-            if len(self._absent) > 4 * self.num_slots:  # forget expired answers once they pile up
-                self._absent = {k: t for k, t in self._absent.items() if t > now}
-        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": cached})
+        candidates = [i for i, key in enumerate(keys) if self.can_share(key)]
+        shared = [bytes(keys[i]) for i in candidates]
+        ask = self._memory.to_ask(shared)
+        asked = [shared[j] for j in ask]
+        found = self._client.contains(asked) if asked else []
+        self._memory.answered(asked, found)
+        out = [False] * len(keys)
+        for j, hit in zip(ask, found):
+            out[candidates[j]] = bool(hit)
+        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": len(shared) - len(ask)})
         return out
 
     def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
@@ -268,21 +253,12 @@ class PoolTier(Tier):
             if offset + src.numel() == self.slot_bytes:
                 self.stats.count_shared({"left_to_peer": 1})
             return
-        n = src.numel()
-        if offset != 0 or n != self.slot_bytes:  # one span of several: gather the block first
+        if offset != 0 or src.numel() != self.slot_bytes:  # one span of several: gather the block first
             with self._lock:
-                held_key, block, count = self._gather.get(slot, (key, None, 0))
-                if block is None or held_key != key or offset == 0:
-                    block, count = torch.empty(self.slot_bytes, dtype=torch.uint8), 0
-                block[offset: offset + n].copy_(src)
-                count += n
-                if count < self.slot_bytes:
-                    self._gather[slot] = (key, block, count)
-                    return
-                self._gather.pop(slot, None)
-            src = block
-        with self._lock:
-            known = key in self._held
+                src = self._gather.add(slot, key, src, offset)
+            if src is None:
+                return
+        known = self._memory.held(key)
         # A block seen on the pool is asked for (a few bytes) rather than sent: the node may have
         # evicted it since, and a block written nowhere would be lost.
         if known and self._client.contains([key])[0]:
@@ -299,8 +275,7 @@ class PoolTier(Tier):
                 GrantStatus.FULL: "no room: every block there is being read",
                 GrantStatus.QUOTA: "the tenant's quota is spent"}.get(status, status.name)
             raise self._error_for(key)(f"POOL slot {slot}: the pool did not take block {key.hex()[:16]} ({why})")
-        with self._lock:
-            self._note_held(key)
+        self._memory.note_held(key)
 
     def _await_peer(self, key: bytes) -> bool:
         """Whether the block another client is writing now (a put answered BUSY: the same prefix
@@ -366,17 +341,8 @@ class PoolTier(Tier):
             self._fetcher.submit(fetch.run, self._client.get_streamed)
         return fetch
 
-    def _note_held(self, key: bytes) -> None:
-        """Under the lock: `key` is on the pool (a bounded memory of it: the node may evict it later,
-        which only makes a later write of the same block skip a put it needed; see `_forget`)."""
-        self._held[key] = None
-        self._held.move_to_end(key)
-        while len(self._held) > 4 * self.num_slots:
-            self._held.popitem(last=False)
-
     def _forget(self, key: bytes) -> None:
-        with self._lock:
-            self._held.pop(key, None)
+        self._memory.forget(key)
 
     def _error_for(self, key: bytes) -> type[TierIOError]:
         node = self._client.home(key)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
@@ -47,6 +46,7 @@ import xxhash
 
 from kvtier.errors import TierIOError, TransferError
 from kvtier.keys import KEY_BYTES
+from kvtier.pool.shared_keys import KeyMemory, SpanGather
 from kvtier.pool.mooncake.client import MooncakeClient, Outcome, stored_bytes
 from kvtier.stats import Stats
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
@@ -74,6 +74,7 @@ class MooncakeTier(Tier):
     kind = TierKind.POOL
     medium = Medium.REMOTE
     checks_reads = True  # every get checks the block's key-seeded trailer
+    may_drop = True  # the master evicts, and a segment leaves with its process (see `Tier.may_drop`)
 
     def __init__(self, client: MooncakeClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False,
                  shared: bool = True, negative_cache_s: float = NEGATIVE_CACHE_S, stats: Stats | None = None) -> None:
@@ -85,11 +86,9 @@ class MooncakeTier(Tier):
         self._instance = os.urandom(16)
         self._written = [False] * self.num_slots  # private blocks stored
         self._keys: list[bytes | None] = [None] * self.num_slots  # the shared key each slot holds, if any
-        self._gather: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # slot -> (key, bytes so far, count)
+        self._gather = SpanGather(slot_bytes)
         self._reads: OrderedDict[tuple[int, bytes], torch.Tensor] = OrderedDict()
-        self._held: OrderedDict[bytes, None] = OrderedDict()  # keys known to be in the store (bounded)
-        self._absent: dict[bytes, float] = {}  # key -> when its "absent" answer expires
-        self._negative_cache_s = negative_cache_s
+        self._memory = KeyMemory(4 * self.num_slots, negative_cache_s)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -105,26 +104,18 @@ class MooncakeTier(Tier):
         Raises:
             TierIOError: the tier is closed.
         """
-        now = time.monotonic()
         with self._lock:
             self._check_open()
-            candidates = [i for i, key in enumerate(keys) if self.can_share(key)]
-            ask = [i for i in candidates if self._absent.get(bytes(keys[i]), 0.0) <= now]
-        found = self._contains([bytes(keys[i]) for i in ask]) if ask else []
+        candidates = [i for i, key in enumerate(keys) if self.can_share(key)]
+        shared = [bytes(keys[i]) for i in candidates]
+        ask = self._memory.to_ask(shared)
+        asked = [shared[j] for j in ask]
+        found = self._contains(asked) if asked else []
+        self._memory.answered(asked, found)
         out = [False] * len(keys)
-        with self._lock:
-            expires = time.monotonic() + self._negative_cache_s
-            for i, hit in zip(ask, found):
-                key = bytes(keys[i])
-                out[i] = hit
-                if hit:
-                    self._absent.pop(key, None)
-                    self._note_held(key)
-                else:
-                    self._absent[key] = expires
-            if len(self._absent) > 4 * self.num_slots:  # forget expired answers once they pile up
-                self._absent = {k: t for k, t in self._absent.items() if t > now}
-        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": len(candidates) - len(ask)})
+        for j, hit in zip(ask, found):
+            out[candidates[j]] = bool(hit)
+        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": len(shared) - len(ask)})
         return out
 
     def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
@@ -211,21 +202,12 @@ class MooncakeTier(Tier):
             if offset + src.numel() == self.slot_bytes:
                 self.stats.count_shared({"left_to_peer": 1})
             return
-        n = src.numel()
-        if offset != 0 or n != self.slot_bytes:  # one span of several: gather the block first
+        if offset != 0 or src.numel() != self.slot_bytes:  # one span of several: gather the block first
             with self._lock:
-                held_key, block, count = self._gather.get(slot, (key, None, 0))
-                if block is None or held_key != key or offset == 0:
-                    block, count = torch.empty(self.slot_bytes, dtype=torch.uint8), 0
-                block[offset: offset + n].copy_(src)
-                count += n
-                if count < self.slot_bytes:
-                    self._gather[slot] = (key, block, count)
-                    return
-                self._gather.pop(slot, None)
-            src = block
-        with self._lock:
-            known = key in self._held
+                src = self._gather.add(slot, key, src, offset)
+            if src is None:
+                return
+        known = self._memory.held(key)
         # A block seen in the store is asked for (a few bytes) rather than sent: the store may have
         # dropped it since, and a block written nowhere would be lost.
         if known and self._contains([key])[0]:
@@ -238,8 +220,7 @@ class MooncakeTier(Tier):
         if not stored:
             raise TierIOError(f"POOL slot {slot}: mooncake did not take block {key.hex()[:16]} "
                               "(no room, or the master is unreachable)")
-        with self._lock:
-            self._note_held(key)
+        self._memory.note_held(key)
 
     def _read_shared(self, slot: int, key: bytes, dst: torch.Tensor, offset: int) -> None:
         n = dst.numel()
@@ -264,18 +245,9 @@ class MooncakeTier(Tier):
             outcome = Outcome.FAILED
             log.debug("mooncake: get of %s: %s", key.hex(), e)
         if outcome is not Outcome.HIT:
-            with self._lock:
-                self._held.pop(key, None)
+            self._memory.forget(key)
             raise TierIOError(f"POOL slot {slot}: block {key.hex()[:16]}: mooncake answered {outcome.value} "
                               "(dropped, its segment's process gone, failed its check, or the master unreachable)")
-
-    def _note_held(self, key: bytes) -> None:
-        """Under the lock: `key` is in the store (a bounded memory: the store may drop it later,
-        which only makes a later write of the same block ask before it puts)."""
-        self._held[key] = None
-        self._held.move_to_end(key)
-        while len(self._held) > 4 * self.num_slots:
-            self._held.popitem(last=False)
 
     # ---- internals: private blocks -------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def release(store: BlockStore, s: Session, h: dict) -> dict:
 
 
 def contains(store: BlockStore, s: Session, h: dict) -> dict:
-    return {"found": store.contains(s.tenant, h["keys"])}
+    return {"found": store.contains(s.tenant, h["keys"], touch=True)}
 
 
 def delete(store: BlockStore, s: Session, h: dict) -> dict:

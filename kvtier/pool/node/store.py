@@ -212,9 +212,18 @@ class BlockStore:
             self._dropped_on_close += 1
             self._end_lease(self._drop_lease(lid))
 
-    def contains(self, tenant: str, keys: Sequence[bytes]) -> list[bool]:
-        index = self._tenants[tenant].index
-        return [(b := index.get(k)) is not None and b.state is BlockState.READY and not b.mutable for k in keys]
+    def contains(self, tenant: str, keys: Sequence[bytes], touch: bool = False) -> list[bool]:
+        """Whether the tenant holds a READY shared block under each key; `touch`: each one found
+        becomes the most recently used (a client's CONTAINS: it asks for a block it is about to
+        load, or one it would have sent again, so that block should not be the next evicted)."""
+        index, found = self._tenants[tenant].index, []
+        for key in keys:
+            block = index.get(key)
+            hit = block is not None and block.state is BlockState.READY and not block.mutable
+            if hit and touch:
+                self._slabs.touch(block)
+            found.append(hit)
+        return found
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Drops the tenant's blocks under `keys`; busy blocks are skipped (recency evicts them later)."""
