@@ -11,7 +11,7 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 SYSTEM_PKGS := python3-pyverbs redis-server
 PYVERBS := /usr/lib/python3/dist-packages/pyverbs
 
-.PHONY: run test bench venv system clean
+.PHONY: run test test-fast test-rdma bench venv system clean
 
 define VLLM_ALIAS
 import importlib.metadata as m, pathlib, shutil
@@ -64,6 +64,13 @@ run: $(STAMP)
 
 test: $(STAMP) system $(VENV)/pyverbs/pyverbs
 	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/guest/rdma_guest.py --install --skip-unavailable
+
+# The `rdma` tests on real kernel verbs: soft-RoCE in a guest under QEMU's emulation (this host's
+# kernel has no RDMA); installs the guest's Debian packages where missing (as root), boots it,
+# runs the tests there, prints their summary and exits with their status. See tests/guest/.
+test-rdma: $(STAMP) system $(VENV)/pyverbs/pyverbs
+	$(BIN)/python tests/guest/rdma_guest.py --install
 
 # The inner loop: every test but those marked `slow` (seconds each), under 90 s on 2 cores.
 test-fast: $(STAMP) system $(VENV)/pyverbs/pyverbs

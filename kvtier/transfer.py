@@ -461,8 +461,11 @@ class TransferEngine:
             return False
         if op.after is not None:
             op.after.wait_layer(last)
-            if op.key in op.after.failed:
-                handle.fail(op.key, Stage.DEPENDENCY, first, op.after.failed[op.key].error)
+            failure = op.after.failed.get(op.key)
+            # The layers the move landed before it failed are in place and checked: they are
+            # delivered, whether this copy reaches them before or after the move fails.
+            if failure is not None and last >= failure.layer:
+                handle.fail(op.key, Stage.DEPENDENCY, max(first, failure.layer), failure.error)
                 return False
         return True
 
@@ -470,7 +473,9 @@ class TransferEngine:
         try:
             checksums = route.copy(op, first, last, handle.cuda_ready)
         except StageError as e:
-            handle.fail(op.key, e.stage, e.layer if e.layer is not None else first, e.cause)
+            # The failure is the whole span's: a route reads a span, checks it, then writes it, so
+            # no layer of it is in place (the error's text names the layer that failed).
+            handle.fail(op.key, e.stage, first, e.cause)
             return
         if checksums:
             handle.checksums.setdefault(op.key, []).extend(checksums)

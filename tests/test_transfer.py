@@ -131,3 +131,31 @@ def test_add_route_takes_enum_media_and_a_route(engine):
     with pytest.raises(TypeError, match="Route"):
         engine.add_route(Tape.TAPE, Medium.HOST, route.copy)
     assert (Tape.TAPE, Medium.HOST) not in engine.routes
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 2 * 4096], ids=["per-layer", "two-layer-spans"])
+def test_a_copy_after_a_failed_move_gets_only_the_layers_that_move_put_in_place(chunk_bytes):
+    # A load that reads a block through its promotion (`CopyOp.after`) may start after the move
+    # already failed: it must still deliver the layers the move landed, and never one it did not.
+    # With spans of two layers, a checksum failure in layer 3 fails the whole span 2-3: the
+    # route checks a span before writing any of it.
+    engine = TransferEngine(LAYOUT, io_workers=2, chunk_bytes=chunk_bytes)
+    try:
+        tape = TapeTier(1)
+        engine.add_route(Tape.TAPE, Medium.HOST, engine.routes[Medium.DISK, Medium.HOST])
+        data = blocks([3])
+        tape.data[0] = data[0]
+        tape.data[0, LAYOUT.offsets[3]] ^= 0xFF  # one bit of layer 3 flipped
+        landed = torch.zeros(BLOCK, dtype=torch.uint8)
+        move = engine.submit([CopyOp(3, Endpoint(tape, 0), Endpoint(buffer=landed), verify=tuple(_sums(3, data[0])))])
+        move.wait(WAIT_S)
+        first_bad = 3 if chunk_bytes == 0 else 2
+        assert move.failed[3].stage == Stage.VERIFY and move.failed[3].layer == first_bad
+        out = torch.zeros(BLOCK, dtype=torch.uint8)
+        load = engine.submit([CopyOp(3, Endpoint(buffer=landed), Endpoint(buffer=out), after=move)])
+        load.wait(WAIT_S)
+        assert load.failed[3].stage == Stage.DEPENDENCY and load.failed[3].layer == first_bad
+        good = LAYOUT.offsets[first_bad]
+        assert torch.equal(out[:good], data[0, :good]) and not out[good:].any()
+    finally:
+        engine.close()

@@ -26,13 +26,18 @@ def environment() -> dict[str, Any]:
     """Which device and transports this process would use."""
     import torch
 
+    from kvtier.pool.detect import TransportKind, choose_transport, rdma_devices
+
     cuda = torch.cuda.is_available()
+    transport, why = choose_transport(TransportKind.AUTO)
     return {
         "torch": torch.__version__,
         "cuda": cuda,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu (CPU tensor stands in for HBM)",
         "device_host_copy": "CUDA streams + events" if cuda else "thread copies (no CUDA)",
         "ssd_io": "worker threads, pread/pwrite",
+        "rdma_devices": rdma_devices(),
+        "pool_transport": f"{transport.value} ({why})",  # what a pool tier's `transport: auto` takes here
     }
 
 
@@ -75,4 +80,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     env = info["environment"]
     console.print(f"device: {env['device']}; device↔host: {env['device_host_copy']}; SSD: {env['ssd_io']}")
+    console.print(f"RDMA devices: {', '.join(env['rdma_devices']) or 'none'}; pool transport (auto): "
+                  f"{env['pool_transport']}")
     return 0

@@ -147,6 +147,10 @@ def test_info_json_describes_the_environment(info: dict[str, Any]) -> None:
     assert hbm["stand_in"] is not env["cuda"]
     if not env["cuda"]:
         assert env["device"].startswith("cpu") and hbm["device"] == "cpu"
+    from kvtier.pool.detect import rdma_devices
+
+    assert env["rdma_devices"] == rdma_devices()  # the guest's test_pool_rdma_guest.py sees rxe0 here
+    assert env["pool_transport"].startswith("rdma (" if env["rdma_devices"] else "tcp (no RDMA device")
 
 
 @pytest.mark.parametrize("name", list(DESCRIBE_ONLY))
