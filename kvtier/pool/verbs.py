@@ -174,7 +174,9 @@ def gid_table(v: types.SimpleNamespace, ctx: Any) -> list[GidEntry]:
 def _gid_type(v: types.SimpleNamespace, kind: int, port_attr: Any) -> GidType:
     if port_attr.link_layer == v.e.IBV_LINK_LAYER_INFINIBAND:
         return GidType.IB
-    return GidType.ROCE_V2 if kind == v.e.IBV_GID_TYPE_ROCE_V2 else GidType.ROCE_V1
+    # `ibv_query_gid_type` answers in `ibv_gid_type_sysfs` (0: IB or RoCE v1, 1: RoCE v2), not in
+    # `ibv_gid_type` (where RoCE v2 is 2): seen on rxe, where every GID read as RoCE v1 before.
+    return GidType.ROCE_V2 if kind == v.e.IBV_GID_TYPE_SYSFS_ROCE_V2 else GidType.ROCE_V1
 
 
 # ---- one RC queue pair ----------------------------------------------------------------------

@@ -39,12 +39,16 @@ CACHE = Path("/var/tmp/kvtier-guest")
 PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "cpio", "rdma-core", "ibverbs-providers",
             "ibverbs-utils", "python3-pyverbs", "iproute2", "kmod")
 INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")
-# The tests the guest runs: only these files are collected (collecting all of tests/ under
-# emulation would cost minutes).
-TESTS = ("tests/pool/test_pool_rdma.py", "tests/pool/test_pool_rdma_zero_copy.py",
-         "tests/pool/test_pool_rdma_guest.py")
+
+
+def rdma_test_files() -> list[str]:
+    """The test files that use the `rdma` mark: only these are collected in the guest (collecting
+    all of tests/ under emulation would cost minutes)."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+                  if "mark.rdma" in p.read_text(errors="replace"))
 RC_LINE = re.compile(r"KVTIER-GUEST-RC=(\d+)")
-SUMMARY = re.compile(r"=+ (.*(passed|failed|error|skipped|no tests ran).*) =+")
+SUMMARY = re.compile(r"^=*\s*((\d+ \w+(, )?)+ in [\d.]+s.*?|no tests ran.*?)\s*=*$")  # pytest's last line
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Unavailable(Exception):
@@ -190,7 +194,7 @@ def run_script(pytest_args: list[str], rundir: Path) -> Path:
 cd {_quote(str(REPO))}
 export KVTIER_GUEST=1 PYTHONDONTWRITEBYTECODE=1
 guest_say "running: pytest {args}"
-{_quote(str(REPO / '.venv/bin/python'))} -m pytest -p no:cacheprovider {args}
+{_quote(str(REPO / '.venv/bin/python'))} -m pytest -p no:cacheprovider --color=no {args}
 guest_end $?
 """)
     return script
@@ -214,7 +218,7 @@ def boot(qemu: str, kernel: Path, initrd: Path, script: Path, timeout_s: float) 
 
     def pump() -> None:
         for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\r\n")
+            line = ANSI.sub("", raw.decode(errors="replace")).rstrip("\r\n")
             lines.append(line)
             print("guest| " + line, flush=True)
 
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SKIPPED rdma guest: {e}" if args.skip_unavailable else f"rdma guest: cannot run here: {e}",
               flush=True)
         return 0 if args.skip_unavailable else 2
-    pytest_args = args.pytest_args or ["-q", "-rs", "-m", "rdma", *TESTS]
+    pytest_args = args.pytest_args or ["-q", "-rs", "-m", "rdma", *rdma_test_files()]
     print(f"rdma guest: booting {kernel.name} ({version}) under QEMU TCG; tests: {' '.join(pytest_args)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvtier-guest-", dir="/var/tmp") as tmp:
         script = run_script(pytest_args, Path(tmp))

@@ -153,3 +153,17 @@ def test_every_verbs_constant_of_the_fake_has_the_value_real_pyverbs_gives_it() 
     names = [n for n in dir(fake_verbs) if n.startswith("IBV_")]
     assert len(names) > 30
     assert {n: getattr(fake_verbs, n) for n in names} == {n: getattr(real, n) for n in names}
+
+
+def test_a_gid_type_is_read_as_rdma_core_answers_it() -> None:
+    # `ibv_query_gid_type` answers in `ibv_gid_type_sysfs` (RoCE v2 is 1), not `ibv_gid_type`
+    # (RoCE v2 is 2): read the other way, every GID of the rxe guest was RoCE v1.
+    from types import SimpleNamespace
+
+    from kvtier.pool.verbs import _gid_type
+
+    v = load_verbs("pyverbs")
+    ethernet = SimpleNamespace(link_layer=v.e.IBV_LINK_LAYER_ETHERNET)
+    assert _gid_type(v, v.e.IBV_GID_TYPE_SYSFS_ROCE_V2, ethernet) is GidType.ROCE_V2
+    assert _gid_type(v, v.e.IBV_GID_TYPE_SYSFS_IB_ROCE_V1, ethernet) is GidType.ROCE_V1
+    assert _gid_type(v, 1, SimpleNamespace(link_layer=v.e.IBV_LINK_LAYER_INFINIBAND)) is GidType.IB
