@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvtier.cli import main
 from kvtier.pool import wire
 from kvtier.pool.base import Location, RemoteIO, Transport
-from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.api import PoolClient, rendezvous_order
 from kvtier.pool.client.connection import AuthFailed
 from kvtier.pool.detect import rdma_devices
 from kvtier.pool.protocol import MAX_HEADER_BYTES, PREFIX, VERSION, ErrorCode, MsgType, encode
@@ -119,6 +119,17 @@ def test_a_put_cut_off_mid_payload_frees_its_slot_at_once(node):
         assert c.put(key, data_for(key, n)), "not BUSY: the slot was freed when the bytes stopped"
         buf = bytearray(n)
         assert c.get(key, buf) and bytes(buf) == data_for(key, n)
+
+
+def test_rendezvous_order_spreads_evenly_and_a_removed_node_moves_only_its_own_keys():
+    nodes = [f"10.0.0.{i}:7000" for i in range(1, 5)]
+    keys = [b"key-%05d" % i for i in range(4000)]
+    homes = [rendezvous_order(nodes, k)[0] for k in keys]
+    assert all(850 <= homes.count(i) <= 1150 for i in range(4)), [homes.count(i) for i in range(4)]
+    assert [nodes[::-1][rendezvous_order(nodes[::-1], k)[0]] for k in keys] == [nodes[h] for h in homes]
+    left = nodes[:2] + nodes[3:]  # node 2 removed: its keys go to their second choice, no other key moves
+    moved = [left[rendezvous_order(left, k)[0]] != nodes[h] for k, h in zip(keys, homes)]
+    assert moved == [h == 2 for h in homes]
 
 
 def test_keys_spread_over_nodes_by_rendezvous_and_a_lost_node_is_only_misses():

@@ -58,6 +58,13 @@ class Slot:
     location: Location
 
 
+def rendezvous_order(nodes: Sequence[str], key: bytes) -> list[int]:
+    """Indices into `nodes` ("host:port" each) in rendezvous order for `key`, highest score first:
+    what every client computes, whatever order it lists the nodes in."""
+    return sorted(range(len(nodes)), key=lambda i: (xxhash.xxh3_64_intdigest(str(nodes[i]).encode() + key),
+                                                    str(nodes[i])), reverse=True)
+
+
 class PoolClient:
     """Keyed access to the pool nodes of one tenant. Thread-safe.
 
@@ -99,7 +106,6 @@ class PoolClient:
         if transport is TransportKind.RDMA:
             self.transports = [_rdma_transport(link, verbs) for link in self.links]
         self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
-        self._seeds = [n.encode() for n in names]
         self._releases: list[list[int]] = [[] for _ in names]
         self._lock = threading.Lock()
         self._counters: Counter = Counter()
@@ -109,8 +115,7 @@ class PoolClient:
 
     def placement(self, key: bytes) -> list[int]:
         """Node indices in rendezvous order for `key` (highest score first)."""
-        return sorted(range(len(self.links)), key=lambda i: xxhash.xxh3_64_intdigest(self._seeds[i] + key),
-                      reverse=True)
+        return rendezvous_order([link.name for link in self.links], key)
 
     def home(self, key: bytes) -> int:
         """The node a key is stored on and looked up at now: the first in `placement` not marked down."""
