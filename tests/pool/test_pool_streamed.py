@@ -166,6 +166,32 @@ def test_a_block_stored_plain_is_read_whole_either_way(node):
             assert kv.load([key], out).wait(WAIT_S) and torch.equal(out, rows)
 
 
+def test_a_whole_block_read_lands_in_the_callers_buffer_in_one_part_after_its_header(node):
+    """A load that copies whole blocks (chunk_bytes 1 MiB) gets a framed block straight into its own
+    buffer: two parts, the header and the block, never one per chunk (each part is a receive call
+    and a GIL hand-off: 17 of them per block cost a quarter of the fill rate at queue depth 4)."""
+    keys, rows = fresh_keys(2), data(2, 5)
+    stored_by_another(node.address, keys, rows)
+    with runtime(node.address, 1 << 20) as kv:
+        assert kv.lookup(keys) == 2
+        client, seen = kv.tiers[P]._client, []
+        inner = client.get_streamed
+
+        def get(key, parts, landed=None, checks_parts=None):
+            def recorded(length):
+                got = parts(length)
+                seen.append([g.numel() for g in got])
+                return got
+            return inner(key, recorded, landed, checks_parts)
+
+        client.get_streamed = get
+        out = torch.zeros_like(rows)
+        assert kv.load(keys, out).wait(WAIT_S) and torch.equal(out, rows)
+        frame = kv.tiers[P]._frame
+        assert seen == [[frame.header_bytes, LAYOUT.block_bytes]] * 2
+        assert kv.snapshot()["pool_client"]["hits"] == 2
+
+
 def test_a_node_whose_regions_cannot_hold_a_block_is_refused_at_start():
     from kvtier.errors import ConfigError
 

@@ -74,11 +74,13 @@ class BlockFrame:
         a, b = self.bounds[chunk]
         return self._sum(key, chunk, memoryview(block.numpy())[a:b]) == sums[chunk]
 
-    def parts(self, header: torch.Tensor, block: torch.Tensor, length: int) -> list[torch.Tensor] | None:
+    def parts(self, header: torch.Tensor, block: torch.Tensor, length: int,
+              chunked: bool = True) -> list[torch.Tensor] | None:
         """Where a get puts a stored object of `length` bytes: framed, the header then each chunk
-        of `block`; plain, `block` whole; None for any other length (not this block size)."""
+        of `block` (`chunked`, for a reader that checks each as it lands) or `block` whole; plain,
+        `block` whole; None for any other length (not this block size)."""
         if length == self.slot_bytes + self.header_bytes:
-            return [header] + [block[a:b] for a, b in self.bounds]
+            return [header] + ([block[a:b] for a, b in self.bounds] if chunked else [block])
         return [block] if length == self.slot_bytes else None
 
     @staticmethod

@@ -301,7 +301,9 @@ class PoolTier(Tier):
             framed: list[bool] = []
 
             def parts(length: int):
-                got = self._frame.parts(header, dst, length)
+                # the block as one buffer: one receive, nothing checked chunk by chunk (the get
+                # checks the whole object), each part a GIL hand-off the other I/O threads wait on
+                got = self._frame.parts(header, dst, length, chunked=False)
                 framed.append(got is not None and len(got) > 1)
                 return got
 
