@@ -298,19 +298,99 @@ def test_caches_kvtier_cannot_read_are_refused_at_start_up_naming_why(changes, m
         engine_facts(SimpleNamespace(), config)
 
 
-def test_mla_is_refused_at_start_up():
-    from vllm.v1.kv_cache_interface import (
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        MLAAttentionSpec,
-    )
+MLA_LATENT = 512 + 64  # DeepSeek's kv_lora_rank + qk_rope_head_dim
+
+
+def mla_caches(dtype=torch.bfloat16, **spec_fields) -> tuple[dict[str, torch.Tensor], object]:
+    """The per-layer MLA caches vLLM registers with a connector, made by vLLM's own code, and its
+    KVCacheConfig."""
+    from vllm.config import CacheConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    cache_config = CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS)
+    cache_config.kv_cache_layout = "LBHNC"  # what an engine resolves; MLA pages are [N, latent] in any
+    vllm_config = SimpleNamespace(cache_config=cache_config, attention_config=SimpleNamespace(hisparse_config=None))
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=dtype, **spec_fields)
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+                                             available_memory=1 << 30)
+    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK]), config
+
+
+@pytest.fixture(scope="module")
+def mla_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mla-model")
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": NUM_LAYERS, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "intermediate_size": 64,
+        "vocab_size": 512, "torch_dtype": "bfloat16"}))
+    return path
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_mla_latents_round_trip_from_vllms_own_allocation_token_by_token(tmp_path, mla_model_dir, device_type):
+    """vLLM views an MLA layer as `[B, 1, N, latent]`; a stored block is its tokens' latents in
+    order, the same bytes whatever the platform (CPU and CUDA engines share keys)."""
+    import yaml
 
     from kvtier.integrations.vllm.settings import engine_facts
 
-    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    caches, config = mla_caches()
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"model": str(mla_model_dir), "kv_dtype": "bf16", "block_tokens": BLOCK,
+                                    "tiers": {"dram": {"capacity": "1MiB"}}}))
+    page_bytes = config.kv_cache_groups[0].kv_cache_spec.real_page_size_bytes
+    assert page_bytes == BLOCK * MLA_LATENT * 2
+    facts = EngineFacts(model_id="tiny-mla", block_size=BLOCK, kv_dtype="bfloat16", layer_names=LAYER_NAMES,
+                        page_bytes=page_bytes, device_type=device_type, kv_role="kv_both", mla=True)
+    settings = read_settings({"kvtier_config": str(path)}, facts)
+    assert settings.page_format.latent and settings.namespace.kv_dtype == "bfloat16;vllm:n(c|pe)"
+    fill_distinct(caches)
+    views = [engine_block_view(caches[n], NUM_BLOCKS, BLOCK, page_bytes, False, True) for n in LAYER_NAMES]
+    kvtier = KVTier(settings.config, layout=settings.layout)
+    try:
+        keys = tuple(block_keys(settings.namespace, list(range(2 * BLOCK))))
+        saver = WorkerSide(kvtier, settings.layout, views, timeout_s=10)
+        stores = [StoreSpec("a", keys, (6, 3), (6, 3))]
+        assert saver.end_step(stores) == set()
+        saver.close(10)
+        held = torch.zeros(2, settings.layout.block_bytes, dtype=torch.uint8)
+        assert kvtier.load(keys, held).wait(10)
+        for row, block in enumerate((6, 3)):  # layer-major: each layer's 16 tokens' latents in order
+            want = b"".join(caches[n][block, 0].contiguous().view(torch.uint8).numpy().tobytes() for n in LAYER_NAMES)
+            assert held[row].numpy().tobytes() == want
+        fresh, _ = mla_caches()
+        loader = WorkerSide(kvtier, settings.layout,
+                            [engine_block_view(fresh[n], NUM_BLOCKS, BLOCK, page_bytes, False, True)
+                             for n in LAYER_NAMES], timeout_s=10)
+        loader.start_loads([LoadSpec("b", keys, (1, 8))])
+        assert loader.end_step() == set()
+        for n in LAYER_NAMES:
+            bits, want = fresh[n].view(torch.int16), caches[n].view(torch.int16)  # bits: some are NaNs
+            assert torch.equal(bits[1], want[6]) and torch.equal(bits[8], want[3])
+            others = [b for b in range(NUM_BLOCKS) if b not in (1, 8)]
+            assert not fresh[n][others].view(torch.int16).any(), "nothing else written"
+    finally:
+        kvtier.close()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_version": "deepseek_v4"}, "model_version='deepseek_v4'"),
+    ({"cache_dtype_str": "fp8_ds_mla"}, "cache_dtype_str='fp8_ds_mla'"),
+    ({"sliding_window": 64}, "sliding_window=64"),
+])
+def test_mla_caches_kvtier_cannot_read_are_refused_at_start_up_naming_why(changes, message):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from kvtier.integrations.vllm.settings import engine_facts
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16, **changes)
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
-    with pytest.raises(ConfigError, match="MLAAttentionSpec, whose page layout kvtier has not verified"):
+    with pytest.raises(ConfigError, match=message):
         engine_facts(SimpleNamespace(), config)
 
 

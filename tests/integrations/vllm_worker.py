@@ -152,6 +152,8 @@ def _facts() -> dict:
             facts["usage"] = backend.usage()
         if hasattr(backend, "snapshot"):
             facts["cost"] = backend.snapshot().get("cost")
+        if hasattr(backend, "layout"):  # what one stored block holds: bytes per token, for sizing checks
+            facts["block_bytes"], facts["block_tokens"] = backend.layout.block_bytes, backend.layout.block_tokens
     return facts
 
 

@@ -65,3 +65,41 @@ def build_tiny_llama(path: str | Path, *, num_layers: int = 4, hidden_size: int 
     build_tokenizer(path, vocab_size)
     stamp.write_text(json.dumps(params))
     return path
+
+
+def build_tiny_deepseek(path: str | Path, *, num_layers: int = 3, hidden_size: int = 128, num_heads: int = 4,
+                        kv_lora_rank: int = 512, qk_rope_head_dim: int = 64, qk_nope_head_dim: int = 32,
+                        v_head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096,
+                        dtype: str = "float32", seed: int = 0) -> Path:
+    """A random tiny DeepSeek-V2 (multi-head latent attention: each layer caches one latent of
+    `kv_lora_rank + qk_rope_head_dim` per token) in `path`, as `build_tiny_llama` builds a Llama.
+
+    Every layer is dense (`first_k_dense_replace` = num_layers): the experts are beside the point
+    and cost time. The latent defaults to DeepSeek's own 512 + 64, the only size vLLM's CPU MLA
+    decode kernel takes.
+    """
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = Path(path)
+    params = dict(family="deepseek_v2", num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                  kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
+                  v_head_dim=v_head_dim, vocab_size=vocab_size, max_positions=max_positions, dtype=dtype, seed=seed)
+    stamp = path / "kvtier-build.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                              moe_intermediate_size=hidden_size // 2, num_hidden_layers=num_layers,
+                              num_attention_heads=num_heads, num_key_value_heads=num_heads, n_shared_experts=1,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=num_layers,
+                              kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=qk_rope_head_dim,
+                              qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+                              max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+                              tie_word_embeddings=False, torch_dtype=dtype, rope_scaling=None)
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path, vocab_size)
+    stamp.write_text(json.dumps(params))
+    return path

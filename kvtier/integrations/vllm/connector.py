@@ -244,7 +244,8 @@ class KVTierConnector(KVConnectorBase_V1):
         page, num_blocks = self.settings.page_format, self._num_engine_blocks
         layer_bytes = self.settings.layout.layer_bytes[self.settings.layer_index[name]]
         try:
-            return engine_block_view(kv, num_blocks, self.settings.block_tokens, layer_bytes, page.head_major)
+            return engine_block_view(kv, num_blocks, self.settings.block_tokens, layer_bytes, page.head_major,
+                                     page.latent)
         except GeometryError as e:
             raise ConfigError(f"kv_connector: layer {name}: KV cache of shape {tuple(kv.shape)}, strides "
                               f"{kv.stride()} is not vLLM's {page.layout} layout of {layer_bytes} bytes per "

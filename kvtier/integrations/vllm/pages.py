@@ -25,6 +25,12 @@ TOKEN_MAJOR_LAYOUTS = ("LBNHC", "BLNHC")
 #   the CUDA backends read C as [K (head_size) | V (head_size_v)] of one token and head.
 CPU_BACKENDS = ("CPU_ATTN",)
 CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+# MLA (DeepSeek-V2/V3 and kin) caches one latent per token, no heads and no separate V: each layer is
+# `[B, N, C]`, C = the compressed KV (kv_lora_rank) then the decoupled RoPE key (qk_rope_head_dim),
+# on every platform (`MLACommonBackend.get_kv_cache_shape`), so CPU and CUDA engines share blocks.
+# AMX_MLA (CPUs with AMX tiles) and DeepSeek-V4's sparse backends pack pages otherwise: not listed.
+MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
+MLA_FORMAT = "vllm:n(c|pe)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +42,33 @@ class PageFormat:
         layout: vLLM's `KVCacheLayout` name.
         head_major: the stored order is [heads, tokens, content], else [tokens, heads, content].
         backends: the attention backends whose reading of the bytes `name` describes.
+        latent: an MLA latent page, `[tokens, content]` with no heads (`MLA_FORMAT`).
     """
 
     name: str
     layout: str
     head_major: bool
     backends: tuple[str, ...]
+    latent: bool = False
 
 
-def page_format(device_type: str, layout: str | None) -> PageFormat:
+def page_format(device_type: str, layout: str | None, mla: bool = False) -> PageFormat:
     """The page format of an engine on `device_type` whose KV cache has vLLM layout `layout`.
 
     Args:
         device_type: vLLM's platform (`cpu`, `cuda`, ...).
         layout: the resolved `KVCacheLayout` name; None (not resolved, e.g. a config built outside
             an engine) means LBHNC, the only layout vLLM's CPU backend takes.
+        mla: the cache holds MLA latents (one `[tokens, latent]` page per block, whatever `layout`).
 
     Raises:
         ConfigError: a platform or layout whose page format kvtier has not verified.
     """
+    if mla:
+        if device_type not in ("cpu", "cuda"):
+            raise ConfigError(f"kv_connector: MLA on {device_type!r} is not supported yet (its page layout is "
+                              "unverified); supported platforms: cpu, cuda")
+        return PageFormat(MLA_FORMAT, "BNC", False, MLA_BACKENDS, latent=True)
     layout = layout or "LBHNC"
     if device_type == "cpu":
         # The CPU name predates layouts; kept so that blocks CPU engines already persisted still hit.
@@ -73,20 +87,22 @@ def page_format(device_type: str, layout: str | None) -> PageFormat:
 
 
 def check_spec(spec: Any) -> None:
-    """Refuses a KV cache whose blocks are not plain per-token K and V of full, causal attention.
+    """Refuses a KV cache whose blocks are not plain per-token KV of causal attention.
 
-    Each refusal is a case where a stored block could come back as wrong KV or where its page is not
-    the [heads, tokens, K|V] kvtier verified: MLA latents (MLAAttentionSpec), sliding-window or
-    chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on later tokens, packed
-    pages (per-token-head or NVFP4 quantization keep scales in the page, padded pages). Per-tensor
-    fp8 is plain bytes; its scales come with the weights, which the model id in every key names.
+    Held: full attention's K and V (`FullAttentionSpec`), and MLA's latent (`MLAAttentionSpec`:
+    DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). Each refusal is a case
+    where a stored block could come back as wrong KV or where its page is not one kvtier verified:
+    sliding-window or chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on
+    later tokens, packed pages (per-token-head or NVFP4 quantization keep scales in the page, padded
+    or aligned pages, DeepSeek-V4's sparse MLA). Per-tensor fp8 is plain bytes; its scales come with
+    the weights, which the model id in every key names.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     name = type(spec).__name__
-    if type(spec) is not FullAttentionSpec:  # subclasses (MLA, sinks, ...) lay pages out otherwise
-        raise ConfigError(f"kv_connector: kvtier holds full-attention KV of K and V per token; this model's "
-                          f"cache is {name}, whose page layout kvtier has not verified")
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):  # other subclasses lay pages out otherwise
+        raise ConfigError(f"kv_connector: kvtier holds full-attention KV (K and V, or an MLA latent) per token; "
+                          f"this model's cache is {name}, whose page layout kvtier has not verified")
     unsupported = {"sliding_window": spec.sliding_window is not None,
                    "attention_chunk_size": spec.attention_chunk_size is not None,
                    "non_causal": spec.non_causal,
@@ -95,7 +111,13 @@ def check_spec(spec: Any) -> None:
                    "page_size_padded": spec.page_size_padded is not None,
                    "tokens_per_state": spec.tokens_per_state != 1,
                    "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
+    if isinstance(spec, MLAAttentionSpec):
+        unsupported.update({
+            "model_version": spec.model_version is not None,  # DeepSeek-V4: sparse, compressed pages
+            "alignment": spec.alignment is not None,
+            "cache_dtype_str": spec.cache_dtype_str not in (None, "auto", "fp8", "fp8_e4m3"),  # fp8_ds_mla packs
+            "num_kv_heads": spec.num_kv_heads != 1})
     bad = [field for field, is_bad in unsupported.items() if is_bad]
     if bad:
-        raise ConfigError(f"kv_connector: kvtier holds plain K/V pages of full causal attention; this model's "
+        raise ConfigError(f"kv_connector: kvtier holds plain KV pages of causal attention; this model's "
                           f"{name} has {bad[0]}={getattr(spec, bad[0])!r}, which is not supported yet")

@@ -66,6 +66,7 @@ class EngineFacts:
         load_settings: how the engine turns those files into the model it runs (dtype,
             quantization): the same files loaded another way compute other KV, so they key it too.
         data_parallel_rank: this engine's index in a data-parallel group (offsets its metrics port).
+        mla: the cache holds MLA latents (`pages.MLA_FORMAT`), not K and V per head.
     """
 
     model_id: str
@@ -81,6 +82,7 @@ class EngineFacts:
     weights: WeightsSource | None = None
     load_settings: str = ""
     data_parallel_rank: int = 0
+    mla: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +187,7 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
     Block size and KV dtype follow the engine: a kvtier block is one engine block, in the format
     the engine caches, whatever the kvtier config says (a difference is said in one INFO line).
     """
-    page = page_format(facts.device_type, facts.kv_cache_layout)
+    page = page_format(facts.device_type, facts.kv_cache_layout, facts.mla)
     engine_dtype = _kv_dtype(facts.kv_dtype, "the engine's KV cache dtype")
     if config.block_tokens != facts.block_size:
         log.info("kvtier: blocks of %d tokens, the engine's block size (block_tokens: %d in %s does not apply "
@@ -224,11 +226,12 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
 
     Raises:
         ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window, chunked,
-            non-causal, MLA or non-attention layers, packed quantized KV) or a
+            non-causal or non-attention layers, packed quantized KV) or a
             parallelism it cannot (pipeline or context parallel).
     """
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups or len(groups) != 1:
@@ -254,7 +257,8 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        weights=WeightsSource(getattr(model, "model_weights", "") or str(model.model), model.revision,
                                              vllm_config.load_config.download_dir),
                        load_settings=f"dtype={model.dtype};quantization={model.quantization}",
-                       data_parallel_rank=int(parallel.data_parallel_rank or 0))
+                       data_parallel_rank=int(parallel.data_parallel_rank or 0),
+                       mla=isinstance(spec, MLAAttentionSpec))
 
 
 def _sharding(vllm_config: Any) -> Sharding:

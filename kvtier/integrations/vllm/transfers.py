@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, layer_bytes: int,
-                      head_major: bool) -> torch.Tensor:
+                      head_major: bool, latent: bool = False) -> torch.Tensor:
     """One layer's cache as vLLM registers it, `[B * r, H, N / r, C]`, viewed as `[num_blocks, ...]`.
 
     vLLM gives each layer a `[B, H, N, C]` view (blocks, KV heads, tokens, K|V content) whose strides
@@ -61,12 +61,26 @@ def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, laye
         block_tokens: tokens per block (N).
         layer_bytes: what kvtier's block layout holds for this layer.
         head_major: the layout puts heads outside tokens (`PageFormat.head_major`).
+        latent: an MLA cache, `[B * r, N / r, C]` or `[B * r, 1, N / r, C]` (no heads: one latent
+            per token), viewed as `[num_blocks, r, N / r, C]`.
 
     Raises:
         GeometryError: the shape is not `[num_blocks * r, H, block_tokens / r, C]`, the strides put
             heads and tokens the other way round, a block's bytes are not runs `native.PagedLayer` can
             describe, or they do not add up to layer_bytes.
     """
+    if latent:
+        if kv.ndim == 4 and kv.shape[1] == 1:  # the CPU backend's `[B, 1, N, C]`: one "head"
+            kv = kv.squeeze(1)
+        r = kv.shape[0] // num_blocks if kv.ndim == 3 and num_blocks > 0 else 0
+        if r == 0 or kv.shape[0] != r * num_blocks or kv.shape[1] * r != block_tokens:
+            raise GeometryError(f"expected an MLA cache [{num_blocks} blocks (or a multiple: kernel blocks), "
+                                f"tokens, latent] covering {block_tokens} tokens per block, got shape {tuple(kv.shape)}")
+        view = kv.unflatten(0, (num_blocks, r))
+        page_bytes = PagedLayer.of(view, None).page_bytes
+        if page_bytes != layer_bytes:
+            raise GeometryError(f"a block holds {page_bytes} bytes of the layer, kvtier's layout {layer_bytes}")
+        return view
     r = kv.shape[0] // num_blocks if kv.ndim == 4 and num_blocks > 0 else 0
     if r == 0 or kv.shape[0] != r * num_blocks or kv.shape[2] * r != block_tokens:
         raise GeometryError(f"expected [{num_blocks} blocks (or a multiple: kernel blocks), heads, tokens, K|V] "
