@@ -100,6 +100,14 @@ def test_settings_name_the_page_format_in_the_keys(dram_yaml):
     assert read_settings({"kvtier_config": str(dram_yaml), "model_id": "m@v1"}, _facts()).namespace.model == "m@v1"
 
 
+def test_settings_name_a_local_attention_window_in_the_keys(dram_yaml):
+    plain = read_settings({"kvtier_config": str(dram_yaml)}, _facts())
+    windowed = [read_settings({"kvtier_config": str(dram_yaml)}, _facts(attention=f"window={w}")) for w in (64, 128)]
+    assert plain.namespace.kv_dtype == "float32;vllm-cpu:h(kv)nd"  # plain models keep their keys
+    assert windowed[0].namespace.kv_dtype == "float32;vllm-cpu:h(kv)nd;window=64"
+    assert len({plain.namespace.digest, windowed[0].namespace.digest, windowed[1].namespace.digest}) == 3
+
+
 def test_settings_name_the_weights_in_the_keys(dram_yaml, tiny_model):
     facts = _facts(weights=WeightsSource(str(tiny_model)))
     fingerprint = weights_fingerprint(WeightsSource(str(tiny_model)))

@@ -103,3 +103,35 @@ def build_tiny_deepseek(path: str | Path, *, num_layers: int = 3, hidden_size: i
     build_tokenizer(path, vocab_size)
     stamp.write_text(json.dumps(params))
     return path
+
+
+def build_tiny_gemma3(path: str | Path, *, layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
+                      sliding_window: int = 48, hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
+                      head_dim: int = 32, vocab_size: int = 512, max_positions: int = 4096, dtype: str = "float32",
+                      seed: int = 0) -> Path:
+    """A random tiny Gemma-3 text model in `path`: a hybrid of sliding-window and full-attention
+    layers (`layer_types`), as `build_tiny_llama` builds a Llama. head_dim 32 is the smallest vLLM's
+    CPU attention backend runs."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    params = dict(family="gemma3", layer_types=list(layer_types), sliding_window=sliding_window,
+                  hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  vocab_size=vocab_size, max_positions=max_positions, dtype=dtype, seed=seed)
+    stamp = path / "kvtier-build.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                              num_hidden_layers=len(layer_types), num_attention_heads=num_heads,
+                              num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                              max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              tie_word_embeddings=False, torch_dtype=dtype, sliding_window=sliding_window,
+                              layer_types=list(layer_types))
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path, vocab_size)
+    stamp.write_text(json.dumps(params))
+    return path

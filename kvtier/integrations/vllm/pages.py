@@ -90,7 +90,10 @@ def check_spec(spec: Any) -> None:
     """Refuses a KV cache whose blocks are not plain per-token KV of causal attention.
 
     Held: full attention's K and V (`FullAttentionSpec`), and MLA's latent (`MLAAttentionSpec`:
-    DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). Each refusal is a case
+    DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). A `FullAttentionSpec`
+    with a sliding window or an attention chunk is what vLLM makes of a hybrid model's layers when
+    its hybrid allocator is off: the cache keeps every token's K and V, the kernel applies the window,
+    so every block is plain KV (`attention_variant` names the window in the keys). Each refusal is a case
     where a stored block could come back as wrong KV or where its page is not one kvtier verified:
     sliding-window or chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on
     later tokens, packed pages (per-token-head or NVFP4 quantization keep scales in the page, padded
@@ -103,15 +106,16 @@ def check_spec(spec: Any) -> None:
     if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):  # other subclasses lay pages out otherwise
         raise ConfigError(f"kv_connector: kvtier holds full-attention KV (K and V, or an MLA latent) per token; "
                           f"this model's cache is {name}, whose page layout kvtier has not verified")
-    unsupported = {"sliding_window": spec.sliding_window is not None,
-                   "attention_chunk_size": spec.attention_chunk_size is not None,
+    mla = isinstance(spec, MLAAttentionSpec)
+    unsupported = {"sliding_window": mla and spec.sliding_window is not None,
+                   "attention_chunk_size": mla and spec.attention_chunk_size is not None,
                    "non_causal": spec.non_causal,
                    "num_head_slots": spec.num_head_slots is not None,
                    "state_content_bytes": spec.state_content_bytes is not None,
                    "page_size_padded": spec.page_size_padded is not None,
                    "tokens_per_state": spec.tokens_per_state != 1,
                    "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
-    if isinstance(spec, MLAAttentionSpec):
+    if mla:
         unsupported.update({
             "model_version": spec.model_version is not None,  # DeepSeek-V4: sparse, compressed pages
             "alignment": spec.alignment is not None,
@@ -121,3 +125,12 @@ def check_spec(spec: Any) -> None:
     if bad:
         raise ConfigError(f"kv_connector: kvtier holds plain KV pages of causal attention; this model's "
                           f"{name} has {bad[0]}={getattr(spec, bad[0])!r}, which is not supported yet")
+
+
+def attention_variant(spec: Any) -> str:
+    """What of a held spec's attention changes its KV beyond the page format: the window or chunk
+    of a layer that attends locally (the KV of every later layer depends on it). "" for plain full
+    attention, so keys of plain models stay what they were."""
+    parts = [f"window={spec.sliding_window}" if getattr(spec, "sliding_window", None) is not None else "",
+             f"chunk={spec.attention_chunk_size}" if getattr(spec, "attention_chunk_size", None) is not None else ""]
+    return ",".join(p for p in parts if p)

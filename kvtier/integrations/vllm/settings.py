@@ -24,6 +24,7 @@ from kvtier.geometry import KVDtype
 from kvtier.integrations.vllm.pages import (
     CPU_BACKENDS,
     PageFormat,
+    attention_variant,
     check_spec,
     page_format,
 )
@@ -67,6 +68,8 @@ class EngineFacts:
             quantization): the same files loaded another way compute other KV, so they key it too.
         data_parallel_rank: this engine's index in a data-parallel group (offsets its metrics port).
         mla: the cache holds MLA latents (`pages.MLA_FORMAT`), not K and V per head.
+        attention: what of the attention changes the KV beyond the page format
+            (`pages.attention_variant`: a sliding window, an attention chunk); goes into the keys.
     """
 
     model_id: str
@@ -83,6 +86,7 @@ class EngineFacts:
     load_settings: str = ""
     data_parallel_rank: int = 0
     mla: bool = False
+    attention: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +158,9 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     weights = user_weights_id(extra.get("weights_id"), f"{EXTRA}.weights_id")
     weights = weights or (weights_fingerprint(facts.weights) if facts.weights else "")
     weights += f";{facts.load_settings}" if facts.load_settings else ""
-    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}", facts.block_size, config.tenant, weights)
+    attention = f";{facts.attention}" if facts.attention else ""
+    namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}{attention}", facts.block_size, config.tenant,
+                          weights)
     return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
                     {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
@@ -225,7 +231,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     """Reads what the connector needs from vLLM's `VllmConfig` and `KVCacheConfig`.
 
     Raises:
-        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window, chunked,
+        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window groups,
             non-causal or non-attention layers, packed quantized KV) or a
             parallelism it cannot (pipeline or context parallel).
     """
@@ -258,7 +264,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                                              vllm_config.load_config.download_dir),
                        load_settings=f"dtype={model.dtype};quantization={model.quantization}",
                        data_parallel_rank=int(parallel.data_parallel_rank or 0),
-                       mla=isinstance(spec, MLAAttentionSpec))
+                       mla=isinstance(spec, MLAAttentionSpec), attention=attention_variant(spec))
 
 
 def _sharding(vllm_config: Any) -> Sharding:
