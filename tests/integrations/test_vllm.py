@@ -38,6 +38,7 @@ from kvtier.integrations.vllm.scheduler import (
 from kvtier.integrations.vllm.backends import SHARED, open_backend
 from kvtier.integrations.vllm.settings import (
     EngineFacts,
+    KVGroup,
     read_settings,
 )
 from kvtier.integrations.vllm.transfers import WorkerSide
@@ -323,6 +324,66 @@ def test_hits_are_whole_blocks_beyond_the_local_ones_and_leave_a_token(shared_ba
     _store(backend, keys[3:])
     exact = FakeRequest("b", list(P1[:4 * BLOCK]))  # every block stored: the last is still computed
     assert side.num_matched_tokens(exact, 0) == 3 * BLOCK
+
+
+def _grouped(dram_yaml, *groups):
+    """Settings and a shared backend for an engine with these KV cache groups (`KVGroup`s)."""
+    settings = read_settings({"kvtier_config": str(dram_yaml)}, _facts(groups=tuple(groups)))
+    backend = SHARED.acquire(settings.backend_id(), lambda: KVTier(settings.config, layout=settings.layout))
+    return settings, backend
+
+
+SLIDING = KVGroup(0, LAYER_NAMES, window_tokens=48)  # every layer slides over 48 tokens
+HYBRID = (KVGroup(0, LAYER_NAMES[0::2]), KVGroup(1, LAYER_NAMES[1::2], window_tokens=48))
+
+
+def test_a_sliding_group_hit_needs_only_the_blocks_its_window_reaches(dram_yaml):
+    settings, backend = _grouped(dram_yaml, SLIDING)
+    try:
+        assert settings.layout.num_layers == NUM_LAYERS and settings.group_keys(0, ["k"]) == ("k",)
+        keys = block_keys(settings.namespace, P1)  # 4 full blocks; a 4-block hit reads from token 81: blocks 2, 3
+        _store(backend, keys[2:4])
+        side = SchedulerSide(settings, KeyDirectory(settings, 100))
+        request = FakeRequest("a", list(P1))
+        assert side.num_matched_tokens(request, 0) == 4 * BLOCK, "blocks 0 and 1 are never read again"
+        side.after_alloc(request, ([0, 0, 13, 14, 15],), 4 * BLOCK)  # vLLM's null block below the window
+        assert side.plan_step([], lambda r: ()).loads == [LoadSpec("a", tuple(keys[2:4]), (13, 14), 0)]
+        assert side.prompt_blocks.window_skipped == 2
+        assert side.prompt_blocks.window_skipped_bytes == 2 * NUM_LAYERS * PAGE_BYTES
+        gap = FakeRequest("b", list(P1))
+        SHARED.release(settings.backend_id())
+        settings, backend = _grouped(dram_yaml, SLIDING)
+        _store(backend, keys[1:3])  # block 3 missing: a 3-block hit reads blocks 1 and 2
+        assert SchedulerSide(settings, KeyDirectory(settings, 100)).num_matched_tokens(gap, 0) == 3 * BLOCK
+    finally:
+        SHARED.release(settings.backend_id())
+
+
+def test_a_hybrid_hit_is_what_every_group_can_supply_under_keys_of_its_own(dram_yaml):
+    settings, backend = _grouped(dram_yaml, *HYBRID)
+    try:
+        assert settings.layout.num_layers == NUM_LAYERS // 2  # a kvtier block holds one group's layers
+        keys = block_keys(settings.namespace, P1)
+        full, sliding = settings.group_keys(0, keys), settings.group_keys(1, keys)
+        assert not set(full) & set(sliding) & set(keys), "each group's blocks under keys of their own"
+        _store(backend, full[:4] + sliding[2:4])
+        side = SchedulerSide(settings, KeyDirectory(settings, 100))
+        assert side.num_matched_tokens(FakeRequest("a", list(P1)), 0) == 4 * BLOCK
+        request = FakeRequest("b", list(P1[:3 * BLOCK + 10]))  # the full group holds 4, the window needs 1-2
+        assert side.num_matched_tokens(request, 0) == 0, "3 blocks need sliding block 1, and then 2 and 1 fail too"
+        side.after_alloc(FakeRequest("a", list(P1)), ([5, 6, 7, 8, 9], [0, 0, 13, 14, 15]), 4 * BLOCK)
+        loads = side.plan_step([], lambda r: ()).loads
+        assert loads == [LoadSpec("a", tuple(full[:4]), (5, 6, 7, 8), 0), LoadSpec("a", tuple(sliding[2:4]), (13, 14), 1)]
+        # stores: per group, the blocks the step completes that the group still keeps
+        c = FakeRequest("c", list(P1))
+        side.track(c)
+        tables = {"c": ([21, 22, 23, 24, 25], [0, 32, 33, 34, 35])}
+        stores = side.plan_step([ScheduledRequest("c", len(P1))], tables.__getitem__).stores
+        assert [(s.group, s.block_ids, s.keys) for s in stores] == [(0, (21, 22, 23, 24), tuple(full[:4])),
+                                                                  (1, (32, 33, 34), tuple(sliding[1:4]))]
+        assert set(stores[0].prefix_block_ids) == {21, 22, 23, 24, 32, 33, 34}, "a failed load in either group taints both"
+    finally:
+        SHARED.release(settings.backend_id())
 
 
 def test_a_load_goes_into_the_blocks_after_the_local_hit(shared_backend):

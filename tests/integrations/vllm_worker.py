@@ -134,17 +134,28 @@ def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
                      "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)],
                      "num_cached_tokens": out.num_cached_tokens or 0,
                      "finish_reason": completion.finish_reason})
-    facts = _facts()
+    facts = _facts(llm)
     if spec.get("rank_stats"):
         facts["rank_stats"] = llm.collective_rpc(_rank_stats)
     return {"prompts": prompts, "outputs": outs, "corrupted_files": corrupted, **facts}
 
 
-def _facts() -> dict:
+def _scheduler_counts(llm) -> dict | None:
+    """The scheduler-side connector's prompt-block counts, where it lives in this process."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    scheduler = getattr(connector, "_scheduler", None)
+    return dict(vars(scheduler.prompt_blocks)) if scheduler is not None else None
+
+
+def _facts(llm=None) -> dict:
     from kvtier.integrations.vllm.backends import SHARED
 
     connector = _connector()
     facts: dict = {}
+    counts = _scheduler_counts(llm) if llm is not None else None
+    if counts is not None:
+        facts["prompt_blocks"] = counts
     if connector is not None and hasattr(connector, "stats"):
         facts["stats"] = dict(vars(connector.stats))
     for backend in SHARED.backends():

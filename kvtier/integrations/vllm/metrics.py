@@ -66,13 +66,17 @@ class EngineCollector:
             up.add_metric([str(rank)], 0 if report is None else 1)
         yield up
         yield self._prompt_block_family()
+        skipped = CounterMetricFamily("kvtier_vllm_window_skipped_bytes", "Bytes of sliding-window groups' blocks "
+                                      "that kvtier hits did not load: out of the window, never read again")
+        skipped.add_metric([], self._prompt_blocks.window_skipped_bytes)
+        yield skipped
         yield from merge_ranks((str(rank), _families(report)) for rank, report in reports.items() if report)
 
     def _prompt_block_family(self) -> CounterMetricFamily:
         family = CounterMetricFamily("kvtier_vllm_prompt_blocks", "Full prompt blocks of scheduled requests, by "
                                      "where their KV came from", labels=["source"])
-        for source, n in vars(self._prompt_blocks).items():
-            family.add_metric([source], n)
+        for source in ("engine", "kvtier", "computed"):
+            family.add_metric([source], getattr(self._prompt_blocks, source))
         return family
 
 

@@ -89,8 +89,9 @@ def page_format(device_type: str, layout: str | None, mla: bool = False) -> Page
 def check_spec(spec: Any) -> None:
     """Refuses a KV cache whose blocks are not plain per-token KV of causal attention.
 
-    Held: full attention's K and V (`FullAttentionSpec`), and MLA's latent (`MLAAttentionSpec`:
-    DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). A `FullAttentionSpec`
+    Held: full attention's K and V (`FullAttentionSpec`), a sliding-window group's
+    (`SlidingWindowSpec`: the same pages, of which vLLM keeps those in the window), and MLA's latent
+    (`MLAAttentionSpec`: DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). A `FullAttentionSpec`
     with a sliding window or an attention chunk is what vLLM makes of a hybrid model's layers when
     its hybrid allocator is off: the cache keeps every token's K and V, the kernel applies the window,
     so every block is plain KV (`attention_variant` names the window in the keys). Each refusal is a case
@@ -100,21 +101,25 @@ def check_spec(spec: Any) -> None:
     or aligned pages, DeepSeek-V4's sparse MLA). Per-tensor fp8 is plain bytes; its scales come with
     the weights, which the model id in every key names.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     name = type(spec).__name__
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):  # other subclasses lay pages out otherwise
-        raise ConfigError(f"kv_connector: kvtier holds full-attention KV (K and V, or an MLA latent) per token; "
-                          f"this model's cache is {name}, whose page layout kvtier has not verified")
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):  # others lay pages out otherwise
+        raise ConfigError(f"kv_connector: kvtier holds attention KV (K and V, or an MLA latent) per token, of full "
+                          f"or sliding-window layers; this model's cache is {name}, whose page layout kvtier has "
+                          "not verified")
     mla = isinstance(spec, MLAAttentionSpec)
+    sliding = isinstance(spec, SlidingWindowSpec)
     unsupported = {"sliding_window": mla and spec.sliding_window is not None,
                    "attention_chunk_size": mla and spec.attention_chunk_size is not None,
-                   "non_causal": spec.non_causal,
+                   "non_causal": getattr(spec, "non_causal", False),
                    "num_head_slots": spec.num_head_slots is not None,
                    "state_content_bytes": spec.state_content_bytes is not None,
                    "page_size_padded": spec.page_size_padded is not None,
                    "tokens_per_state": spec.tokens_per_state != 1,
                    "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
+    if sliding:
+        unsupported["sliding_window"] = spec.sliding_window <= 0
     if mla:
         unsupported.update({
             "model_version": spec.model_version is not None,  # DeepSeek-V4: sparse, compressed pages

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtier.integrations.vllm.lookup import RankLookup
 from kvtier.integrations.vllm.backends import SHARED, Backend
-from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.settings import NULL_BLOCK_ID, Settings
 from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 
 log = logging.getLogger(__name__)
@@ -26,25 +26,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load `keys` into engine blocks `block_ids` (one each), for request `req_id`."""
+    """Load `keys` into engine blocks `block_ids` (one each) of KV cache group `group`, for request `req_id`."""
 
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """Store engine blocks `block_ids` under `keys`, once their KV is computed in this step.
+    """Store engine blocks `block_ids` of KV cache group `group` under `keys`, once their KV is
+    computed in this step.
 
-    `prefix_block_ids` are the request's engine blocks up to the last one stored: if a load into
-    any of them fails in this step, the KV computed on top of it is wrong and the store is dropped.
+    `prefix_block_ids` are the request's engine blocks up to the last one stored, in every group: if
+    a load into any of them fails in this step, the KV computed on top of it is wrong (every later
+    layer's KV depends on every earlier layer's) and the store is dropped.
     """
 
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     prefix_block_ids: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass
@@ -53,6 +57,14 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+
+
+def per_group(block_ids: Sequence[Any]) -> list[Sequence[int]]:
+    """A request's block table as one list per KV cache group (vLLM's `get_block_ids()` gives a
+    tuple of them; a flat list is the one group's)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids)
+    return [block_ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +179,8 @@ class RequestTracker:
         self._namespace = namespace
         self.keys: list[BlockKey] = []
         self.num_local_tokens = 0  # vLLM's own (block-aligned) prefix-cache hit, at the last lookup
-        self.num_hit_blocks = 0  # leading blocks kvtier held at the last lookup
-        self.num_stored_blocks = 0  # leading blocks kvtier holds or is being sent
+        self.num_hit_blocks = 0  # leading blocks kvtier can supply (every group) at the last lookup
+        self.num_stored_blocks: list[int] = []  # per group: leading blocks kvtier holds or is being sent
 
     def keys_for(self, num_blocks: int) -> list[BlockKey]:
         """The first `num_blocks` keys, extending the chain as tokens arrive."""
@@ -187,6 +199,9 @@ class PromptBlocks:
     engine: int = 0  # vLLM's own prefix cache
     kvtier: int = 0  # loaded from kvtier
     computed: int = 0  # in neither: prefilled
+    # blocks of sliding-window groups a kvtier hit did not load (out of the window), and their bytes
+    window_skipped: int = 0
+    window_skipped_bytes: int = 0
 
 
 class SchedulerSide:
@@ -197,7 +212,8 @@ class SchedulerSide:
         self.directory = directory
         self.prompt_blocks = PromptBlocks()
         self._trackers: dict[str, RequestTracker] = {}
-        self._loads: dict[str, LoadSpec] = {}
+        self._loads: dict[str, list[LoadSpec]] = {}
+        self._groups = settings.kv_groups
 
     def track(self, request: Any) -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
@@ -214,22 +230,55 @@ class SchedulerSide:
         tracker.num_local_tokens = num_computed_tokens
         size = self.settings.block_tokens
         max_blocks = (request.num_tokens - 1) // size
-        tracker.num_hit_blocks = self.directory.lookup(tracker.keys_for(max_blocks)) if max_blocks > 0 else 0
+        tracker.num_hit_blocks = self._hit_blocks(tracker.keys_for(max_blocks)) if max_blocks > 0 else 0
         if not self.settings.can_load:
             return 0
         return max(0, tracker.num_hit_blocks * size - num_computed_tokens)
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Records the load of `num_external_tokens` after vLLM's own hit into the request's `block_ids`."""
+    def _hit_blocks(self, keys: Sequence[BlockKey]) -> int:
+        """The most leading blocks every group can supply: a full-attention group all of them, a
+        sliding-window group those its window reaches from the end of the hit (the blocks before are
+        never read again). A sliding group's gap shortens the hit to the gap, and the groups are
+        asked again until they agree; each round only shortens it."""
+        n, size = len(keys), self.settings.block_tokens
+        for group in self._groups:
+            if group.window_tokens is None and n:
+                n = min(n, self.directory.lookup(self.settings.group_keys(group.index, keys[:n])))
+        sliding = [g for g in self._groups if g.window_tokens is not None]
+        changed = True
+        while n and changed:
+            changed = False
+            for group in sliding:
+                first = group.first_needed_block(n * size, size)
+                run = self.directory.lookup(self.settings.group_keys(group.index, keys[first:n]))
+                if first + run < n:
+                    n, changed = first + run, True
+        return n
+
+    def after_alloc(self, request: Any, block_ids: Sequence[Any], num_external_tokens: int) -> None:
+        """Records the load of `num_external_tokens` after vLLM's own hit into the request's
+        `block_ids` (per group, as vLLM's `get_block_ids()`, or one flat list for one group): every
+        block a group keeps; a sliding-window group keeps only those in the window (the others
+        are vLLM's null block), counted as `window_skipped`."""
         tracker = self.track(request)
-        tracker.num_stored_blocks = tracker.num_hit_blocks
+        tracker.num_stored_blocks = [tracker.num_hit_blocks] * len(self._groups)
         size, local = self.settings.block_tokens, tracker.num_local_tokens
         self._count_prompt_blocks(request, local // size, max(num_external_tokens, 0) // size)
         if num_external_tokens <= 0:
             return
         first, end = local // size, (local + num_external_tokens) // size
-        keys = tracker.keys_for(end)[first:end]
-        self._loads[request.request_id] = LoadSpec(request.request_id, tuple(keys), tuple(block_ids[first:end]))
+        keys = tracker.keys_for(end)
+        loads = []
+        for group, table in zip(self._groups, per_group(block_ids)):
+            start = max(first, group.first_needed_block(end * size, size))
+            rows = [i for i in range(start, min(end, len(table))) if table[i] != NULL_BLOCK_ID]
+            skipped = (end - first) - len(rows)
+            self.prompt_blocks.window_skipped += skipped
+            self.prompt_blocks.window_skipped_bytes += skipped * len(group.layer_names) * self.settings.layout.layer_bytes[0]
+            if rows:
+                loads.append(LoadSpec(request.request_id, self.settings.group_keys(group.index, [keys[i] for i in rows]),
+                                      tuple(table[i] for i in rows), group.index))
+        self._loads[request.request_id] = loads
 
     def _count_prompt_blocks(self, request: Any, num_engine: int, num_kvtier: int) -> None:
         num_full = max(request.num_tokens - 1, 0) // self.settings.block_tokens
@@ -238,52 +287,64 @@ class SchedulerSide:
         self.prompt_blocks.computed += max(num_full - num_engine - num_kvtier, 0)
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest],
-                  block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
+                  block_ids_of: Callable[[str], Sequence[Any]]) -> StepPlan:
         """The loads recorded since the last step, and the stores of blocks this step completes."""
-        plan = StepPlan(loads=list(self._loads.values()))
+        plan = StepPlan(loads=[spec for specs in self._loads.values() for spec in specs])
         self._loads.clear()
         if not self.settings.can_store:
             return plan
         queued: set[BlockKey] = set()
         for item in scheduled:
-            spec = self._store_spec(item, block_ids_of, queued)
-            if spec is not None:
+            for spec in self._store_specs(item, block_ids_of, queued):
                 plan.stores.append(spec)
                 self.directory.expect(spec.keys)
         return plan
 
-    def _store_spec(self, item: ScheduledRequest, block_ids_of: Callable[[str], Sequence[int]],
-                    queued: set[BlockKey]) -> StoreSpec | None:
+    def _store_specs(self, item: ScheduledRequest, block_ids_of: Callable[[str], Sequence[Any]],
+                     queued: set[BlockKey]) -> list[StoreSpec]:
+        """Per group, the blocks this step completes that the group still keeps (a sliding-window
+        group has let go of the null ones: nothing to store there)."""
         tracker = self._trackers.get(item.req_id)
         if tracker is None:
-            return None
+            return []
         # Speculative tokens may be rejected: their KV is never stored.
         end_tokens = tracker.request.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
         end = min(end_tokens, len(tracker.request.all_token_ids)) // self.settings.block_tokens
-        first = tracker.num_stored_blocks
-        if end <= first:
-            return None
-        table = block_ids_of(item.req_id)
-        if len(table) < end:
-            return None
+        if not tracker.num_stored_blocks:
+            tracker.num_stored_blocks = [0] * len(self._groups)
+        if end <= min(tracker.num_stored_blocks):
+            return []
+        tables = per_group(block_ids_of(item.req_id))
+        if len(tables) != len(self._groups) or any(len(t) < end for t in tables):
+            return []
         keys = tracker.keys_for(end)
-        tracker.num_stored_blocks = end
-        picked = [i for i in range(first, end) if keys[i] not in queued]
-        queued.update(keys[i] for i in picked)
-        if not picked:
-            return None
-        return StoreSpec(item.req_id, tuple(keys[i] for i in picked), tuple(table[i] for i in picked),
-                         tuple(table[:end]))
-
-    def on_invalid_blocks(self, invalid_block_ids: set[int], block_ids_of: Callable[[str], Sequence[int]]) -> None:
-        """Rewinds the store cursor of requests whose blocks failed to load: vLLM recomputes them."""
-        for req_id, tracker in self._trackers.items():
-            if not tracker.num_stored_blocks:
+        prefix = tuple(b for t in tables for b in t[:end] if b != NULL_BLOCK_ID)
+        specs = []
+        for group, table in zip(self._groups, tables):
+            first = tracker.num_stored_blocks[group.index]
+            if end <= first:
                 continue
-            table = block_ids_of(req_id)[:tracker.num_stored_blocks]
-            bad = next((i for i, b in enumerate(table) if b in invalid_block_ids), None)
-            if bad is not None:
-                tracker.num_stored_blocks = bad
+            tracker.num_stored_blocks[group.index] = end
+            group_keys = self.settings.group_keys(group.index, keys[first:end])
+            picked = [(k, table[i]) for k, i in zip(group_keys, range(first, end))
+                      if table[i] != NULL_BLOCK_ID and k not in queued]
+            queued.update(k for k, _ in picked)
+            if picked:
+                specs.append(StoreSpec(item.req_id, tuple(k for k, _ in picked), tuple(b for _, b in picked),
+                                       prefix, group.index))
+        return specs
+
+    def on_invalid_blocks(self, invalid_block_ids: set[int], block_ids_of: Callable[[str], Sequence[Any]]) -> None:
+        """Rewinds the store cursors of requests whose blocks failed to load: vLLM recomputes them,
+        and every group's blocks from the first bad one on (in any group) are computed anew."""
+        for req_id, tracker in self._trackers.items():
+            if not any(tracker.num_stored_blocks):
+                continue
+            bad = [next((i for i, b in enumerate(table[:stored]) if b in invalid_block_ids), None)
+                   for table, stored in zip(per_group(block_ids_of(req_id)), tracker.num_stored_blocks)]
+            bad = [i for i in bad if i is not None]
+            if bad:
+                tracker.num_stored_blocks = [min(n, min(bad)) for n in tracker.num_stored_blocks]
 
     def finished(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)

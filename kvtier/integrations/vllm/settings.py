@@ -11,8 +11,8 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from kvtier.integrations.vllm.pages import (
     page_format,
 )
 from kvtier.integrations.vllm.shards import Sharding, rank_config
-from kvtier.keys import Namespace
+from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import BlockLayout
 from kvtier.weights import WeightsSource, user_weights_id, weights_fingerprint
 
@@ -44,6 +44,44 @@ _KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
          "metrics_port": "serve kvtier's Prometheus metrics, every worker rank's, from the scheduler's process on "
                          "this port (0: any free port, logged; engine i of a data-parallel group: port + i)",
          "metrics_addr": "the address the metrics are served on (default 127.0.0.1)"}
+
+
+NULL_BLOCK_ID = 0  # vLLM's placeholder for a block a group does not keep (`BlockPool.null_block`)
+_GROUP_TAG = b"kvtier.vllm.kv-group.v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of the engine's KV cache groups: layers of one attention kind that share block tables.
+
+    vLLM's hybrid allocator gives each group its own blocks: a full-attention group keeps every
+    block of a request; a sliding-window group keeps only those its window can still reach, the
+    others being the null block. A kvtier block holds one engine block of one group (its layers in
+    model order), under keys that name the group (`Settings.group_keys`).
+
+    Attributes:
+        index: the group's index in vLLM's `KVCacheConfig.kv_cache_groups`.
+        layer_names: its attention layers, in model order.
+        window_tokens: a sliding-window group's window; None for full attention.
+        retained_tokens: tokens kept beyond the window (`SlidingWindowSpec.extra_retained_tokens`).
+    """
+
+    index: int
+    layer_names: tuple[str, ...]
+    window_tokens: int | None = None
+    retained_tokens: int = 0
+
+    def first_needed_block(self, num_tokens: int, block_tokens: int) -> int:
+        """The first block the group needs to compute on from `num_tokens` tokens: 0 for full
+        attention; for a sliding window, the first that holds a token the next one attends to
+        (vLLM's `SlidingWindowManager.get_num_skipped_tokens`)."""
+        if self.window_tokens is None:
+            return 0
+        return max(0, num_tokens - self.window_tokens + 1 - self.retained_tokens) // block_tokens
+
+    def describe(self) -> str:
+        kind = "full" if self.window_tokens is None else f"sliding window {self.window_tokens}"
+        return f"group {self.index} ({kind}, {len(self.layer_names)} layers)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +108,8 @@ class EngineFacts:
         mla: the cache holds MLA latents (`pages.MLA_FORMAT`), not K and V per head.
         attention: what of the attention changes the KV beyond the page format
             (`pages.attention_variant`: a sliding window, an attention chunk); goes into the keys.
+        groups: the engine's KV cache groups (vLLM's hybrid allocator); () means one full-attention
+            group of every layer.
     """
 
     model_id: str
@@ -87,6 +127,7 @@ class EngineFacts:
     data_parallel_rank: int = 0
     mla: bool = False
     attention: str = ""
+    groups: tuple[KVGroup, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +152,27 @@ class Settings:
     page_format: PageFormat = PageFormat("vllm-cpu:h(kv)nd", "LBHNC", True, CPU_BACKENDS)
     metrics_port: int | None = None  # None: no metrics endpoint
     metrics_addr: str = "127.0.0.1"
+    groups: tuple[KVGroup, ...] = ()  # () as in `EngineFacts`: one group of every layer
+    layer_group: Mapping[str, int] = field(default_factory=dict)  # layer name -> group (absent: 0)
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The engine's KV cache groups (one full-attention group where the engine said none)."""
+        return self.groups or (KVGroup(0, tuple(sorted(self.layer_index, key=self.layer_index.get))),)
+
+    def group_keys(self, group: int, keys: Sequence[BlockKey]) -> tuple[BlockKey, ...]:
+        """Group `group`'s keys for the engine-level `keys`: the keys themselves with one group, else
+        each mixed with the group's identity (its index, window and layers), so two groups' blocks,
+        or one group's under another grouping of the layers, never share a key."""
+        if len(self.groups) <= 1:
+            return tuple(keys)
+        salt = self._group_salt(group)
+        return tuple(BlockKey(xxhash.xxh3_128_digest(salt + key)) for key in keys)
+
+    def _group_salt(self, group: int) -> bytes:
+        g = self.groups[group]
+        return _GROUP_TAG + xxhash.xxh3_128_digest(repr((g.index, g.window_tokens, g.retained_tokens,
+                                                          g.layer_names)).encode())
 
     @property
     def block_tokens(self) -> int:
@@ -161,12 +223,17 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     attention = f";{facts.attention}" if facts.attention else ""
     namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}{attention}", facts.block_size, config.tenant,
                           weights)
-    return Settings(config_path, rank_config(config, facts.sharding), layout, namespace,
-                    {name: i for i, name in enumerate(facts.layer_names)}, timeouts[0],
+    if facts.groups:  # a layer's index is within its group: layer i of a kvtier block of that group
+        layer_index = {name: i for g in facts.groups for i, name in enumerate(g.layer_names)}
+        layer_group = {name: g.index for g in facts.groups for name in g.layer_names}
+    else:
+        layer_index, layer_group = {name: i for i, name in enumerate(facts.layer_names)}, {}
+    return Settings(config_path, rank_config(config, facts.sharding), layout, namespace, layer_index, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
                     can_store=facts.kv_role in ("kv_both", "kv_producer"),
                     sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
-                    page_format=page, **_metrics(extra, facts.data_parallel_rank))
+                    page_format=page, groups=facts.groups, layer_group=layer_group,
+                    **_metrics(extra, facts.data_parallel_rank))
 
 
 def _metrics(extra: Mapping[str, Any], data_parallel_rank: int) -> dict[str, Any]:
@@ -217,6 +284,11 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
         raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
                           f"but an engine page holds {facts.page_bytes}; {config.model} is not the served "
                           "model's geometry")
+    if facts.groups:  # a kvtier block is one group's layers; groups of fewer layers leave the rest zero
+        if sorted(n for g in facts.groups for n in g.layer_names) != sorted(facts.layer_names):
+            raise ConfigError("kv_connector: the engine's KV cache groups do not cover its attention layers once each")
+        per_block = max(len(g.layer_names) for g in facts.groups)
+        return BlockLayout(whole.block_tokens, (facts.page_bytes,) * per_block), page
     return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes)), page
 
 
@@ -230,30 +302,56 @@ def _kv_dtype(name: str, what: str) -> KVDtype:
 def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
     """Reads what the connector needs from vLLM's `VllmConfig` and `KVCacheConfig`.
 
+    Every KV cache group is held: full attention, sliding windows (each group's blocks under its own
+    keys, `KVGroup`) and MLA, as long as the groups share one block size and one page size (vLLM's
+    hybrid allocator makes them so) and one page format.
+
     Raises:
-        ConfigError: a model kvtier cannot hold yet (several KV cache groups, sliding-window groups,
-            non-causal or non-attention layers, packed quantized KV) or a
-            parallelism it cannot (pipeline or context parallel).
+        ConfigError: a model kvtier cannot hold yet (non-attention layers such as Mamba's recurrent
+            state, non-causal layers, packed quantized KV, groups of different block or page
+            sizes) or a parallelism it cannot (pipeline or context parallel).
     """
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
 
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if not groups or len(groups) != 1:
-        raise ConfigError(f"kv_connector: kvtier holds models with one KV cache group; this one has "
-                          f"{len(groups or ())} (hybrid or sliding-window models are not supported yet)")
-    spec = groups[0].kv_cache_spec
-    check_spec(spec)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        raise ConfigError("kv_connector: the engine has no KV cache groups; kvtier holds attention KV")
+    specs = [g.kv_cache_spec for g in groups]
+    for group, spec in zip(groups, specs):
+        try:
+            check_spec(spec)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (KV cache group of {', '.join(list(group.layer_names)[:3])}"
+                              f"{', ...' if len(group.layer_names) > 3 else ''})") from None
+    spec = specs[0]
+    page_bytes = {int(getattr(s, "real_page_size_bytes", s.page_size_bytes)) for s in specs}
+    facets = {"block_size": {s.block_size for s in specs}, "page size": page_bytes,
+              "dtype": {str(s.dtype) for s in specs}, "MLA": {isinstance(s, MLAAttentionSpec) for s in specs}}
+    mixed = [name for name, values in facets.items() if len(values) > 1]
+    if mixed:
+        raise ConfigError(f"kv_connector: this model's KV cache groups differ in {mixed[0]} "
+                          f"({sorted(map(str, facets[mixed[0]]))}), which kvtier does not support yet")
+    if len(groups) > 1 or isinstance(spec, SlidingWindowSpec):
+        kv_groups = tuple(KVGroup(i, tuple(sorted(g.layer_names, key=extract_layer_index)),
+                                  s.sliding_window if isinstance(s, SlidingWindowSpec) else None,
+                                  int(getattr(s, "extra_retained_tokens", 0) or 0))
+                          for i, (g, s) in enumerate(zip(groups, specs)))
+    else:
+        kv_groups = ()
+    # one group: its attention variant keys its blocks; several: each group's keys name its window
+    attention = attention_variant(spec) if len(groups) == 1 else ""
+    layer_names = tuple(sorted((n for g in groups for n in g.layer_names), key=extract_layer_index))
     cache_dtype = vllm_config.cache_config.cache_dtype
     kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
     model = vllm_config.model_config
     model_id = str(model.model) + (f"@{model.revision}" if getattr(model, "revision", None) else "")
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
-    return EngineFacts(model_id=model_id, block_size=int(vllm_config.cache_config.block_size),
-                       kv_dtype=kv_dtype, layer_names=tuple(sorted(groups[0].layer_names, key=extract_layer_index)),
-                       page_bytes=int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes)),
+    return EngineFacts(model_id=model_id, block_size=int(spec.block_size),
+                       kv_dtype=kv_dtype, layer_names=layer_names,
+                       page_bytes=page_bytes.pop(),
                        device_type=str(current_platform.device_type),
                        kv_role=str(transfer.kv_role),
                        sharding=_sharding(vllm_config),
@@ -264,7 +362,7 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                                              vllm_config.load_config.download_dir),
                        load_settings=f"dtype={model.dtype};quantization={model.quantization}",
                        data_parallel_rank=int(parallel.data_parallel_rank or 0),
-                       mla=isinstance(spec, MLAAttentionSpec), attention=attention_variant(spec))
+                       mla=isinstance(spec, MLAAttentionSpec), attention=attention, groups=kv_groups)
 
 
 def _sharding(vllm_config: Any) -> Sharding:

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,6 +117,7 @@ class _Load:
     backend_keys: tuple[BlockKey, ...]  # this rank's keys for spec.keys
     staging: torch.Tensor
     handle: TransferHandle | None  # None: the backend raised, every block failed
+    num_layers: int  # its group's layers
     num_layers_placed: int = 0
     timed_out: bool = False
 
@@ -149,21 +151,28 @@ class WorkerSide:
         layout: kvtier's block layout; layer i is `layers[i]`.
         layers: each layer's cache as a block-major view, `[num_engine_blocks, ...]`, a block's data in
             stored order (`engine_block_view`; `native.PagedLayer` says which strides it may have).
+            With several KV cache groups, one such list per group (layer i of a group's block is
+            its list's i-th; a group of fewer layers than the layout leaves the rest zero).
         timeout_s: the longest one layer of a load may take before its blocks count as failed.
         sharding: this rank's slice of each block (its keys in the backend); default: the only rank.
         agree: combines every rank's failed-row flags of a step's loads (element-wise OR) and
             returns them; called by every rank at the same point of a step with loads. None: one rank.
     """
 
-    def __init__(self, backend: Backend, layout: BlockLayout, layers: Sequence[torch.Tensor],
+    def __init__(self, backend: Backend, layout: BlockLayout, layers: Sequence[Any],
                  timeout_s: float, stats: WorkerStats | None = None, sharding: Sharding | None = None,
                  agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
-        self.backend, self.layout, self.layers = backend, layout, list(layers)
+        self.groups: list[list[torch.Tensor]] = [list(g) for g in layers] if layers and \
+            isinstance(layers[0], (list, tuple)) else [list(layers)]
+        if any(len(g) > layout.num_layers for g in self.groups):
+            raise GeometryError(f"a KV cache group has more layers than kvtier's block ({layout.num_layers})")
+        self.backend, self.layout, self.layers = backend, layout, self.groups[0]
+        self._padded = any(len(g) < layout.num_layers for g in self.groups)  # rows need zeroing
         self.timeout_s = timeout_s
         self.sharding, self.agree = sharding or Sharding(), agree
         self.stats = stats or WorkerStats()
         self._loads: list[_Load] = []
-        self._stores: _Stores | None = None
+        self._stores: dict[int, _Stores] = {}  # by group
         self._in_flight: list[_InFlight] = []
         self._stored: list[BlockKey] = []
         self._missing: list[BlockKey] = []
@@ -184,35 +193,38 @@ class WorkerSide:
             except Exception as e:  # a broken backend: the blocks are failed loads, vLLM recomputes them
                 log.warning("kvtier load of %d blocks failed: %r", len(spec.keys), e)
                 handle = None
-            self._loads.append(_Load(spec, keys, staging, handle))
+            self._loads.append(_Load(spec, keys, staging, handle, len(self.groups[spec.group])))
             self.stats.num_loads += 1
         self._step_kvtier_s += time.perf_counter() - started
 
-    def wait_layer(self, layer: int) -> None:
-        """Returns once layer `layer` of every block loading in this step is in the engine's pages."""
+    def wait_layer(self, layer: int, group: int = 0) -> None:
+        """Returns once layer `layer` of group `group` of every block loading in this step is in
+        the engine's pages."""
         if not self._loads:
             return
         started = time.perf_counter()
         for load in self._loads:
-            while load.num_layers_placed <= layer:
+            while load.spec.group == group and load.num_layers_placed <= min(layer, load.num_layers - 1):
                 self._place_next_layer(load)
         self.stats.num_layer_waits += 1
         waited = time.perf_counter() - started
         self._step_kvtier_s += waited
         self.stats.layer_wait_s += waited
 
-    def save_layer(self, layer: int, specs: Sequence[StoreSpec]) -> None:
-        """Copies layer `layer` of the blocks to store out of the engine's pages."""
-        if not specs:
+    def save_layer(self, layer: int, specs: Sequence[StoreSpec], group: int = 0) -> None:
+        """Copies layer `layer` of group `group` of the blocks to store out of the engine's pages."""
+        specs = [s for s in specs if s.group == group]
+        if not specs or layer >= len(self.groups[group]):
             return
         started = time.perf_counter()
-        if self._stores is None:
+        stores = self._stores.get(group)
+        if stores is None:
             block_ids = [b for s in specs for b in s.block_ids]
-            self._stores = _Stores(list(specs), self._staging(len(block_ids)), block_ids)
-        if layer not in self._stores.layers_gathered:
-            gather_blocks([self.layers[layer]], self._stores.block_ids, self._stores.staging, self.layout,
+            stores = self._stores[group] = _Stores(specs, self._staging(len(block_ids)), block_ids)
+        if layer not in stores.layers_gathered:
+            gather_blocks([self.groups[group][layer]], stores.block_ids, stores.staging, self.layout,
                           None, layers=[layer])
-            self._stores.layers_gathered.add(layer)
+            stores.layers_gathered.add(layer)
         self._step_kvtier_s += time.perf_counter() - started
 
     def take_step_seconds(self) -> float:
@@ -225,15 +237,16 @@ class WorkerSide:
     def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
         """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
         for load in self._loads:
-            while load.num_layers_placed < self.layout.num_layers:
+            while load.num_layers_placed < load.num_layers:
                 self._place_next_layer(load)
         failed = self._failed_block_ids([self._finish(load) for load in self._loads])
         self._loads = []
-        for layer in range(self.layout.num_layers):  # layers vLLM did not hand to save_layer
-            self.save_layer(layer, specs)
-        if self._stores is not None:
-            self._send(self._stores, failed)
-            self._stores = None
+        for group, layers in enumerate(self.groups):  # layers vLLM did not hand to save_layer
+            for layer in range(len(layers)):
+                self.save_layer(layer, specs, group)
+        for group in sorted(self._stores):
+            self._send(self._stores[group], failed)
+        self._stores = {}
         self.reap()
         return failed
 
@@ -293,8 +306,8 @@ class WorkerSide:
         # vLLM runs the model under inference mode; kvtier's threads write these rows outside it,
         # which an inference tensor refuses.
         with torch.inference_mode(False):
-            return torch.empty((num_blocks, self.layout.block_bytes), dtype=torch.uint8,
-                               device=self.layers[0].device)
+            make = torch.zeros if self._padded else torch.empty  # a smaller group's block: its rest is zero
+            return make((num_blocks, self.layout.block_bytes), dtype=torch.uint8, device=self.layers[0].device)
 
     def _place_next_layer(self, load: _Load) -> None:
         layer = load.num_layers_placed
@@ -311,7 +324,7 @@ class WorkerSide:
         failed = set(load.failed_rows())
         rows = [i for i in range(len(load.spec.keys)) if i not in failed]
         if rows:
-            scatter_blocks([self.layers[layer]], [load.spec.block_ids[i] for i in rows], load.staging,
+            scatter_blocks([self.groups[load.spec.group][layer]], [load.spec.block_ids[i] for i in rows], load.staging,
                            self.layout, None, slots=rows, layers=[layer])
 
     def _finish(self, load: _Load) -> list[int]:
