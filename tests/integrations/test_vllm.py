@@ -682,7 +682,9 @@ def test_engine_reports_its_compute_time_and_loads_measure_theirs(tmp_path, tiny
     for phase in phases:
         assert_same_as_reference(phase, reference)
     cost = phases[-1]["cost"]
-    assert cost["recompute_per_token_s"] is not None and cost["recompute_per_token_s"] > 0
+    # measured: the forward passes fed the estimate (a fitted slope: on a loaded machine it can come
+    # out 0, so only that it exists is asserted, never its size)
+    assert cost["recompute_per_token_s"] is not None and cost["recompute_per_token_s"] >= 0
     loaded, skipped = phases[-1]["stats"]["num_blocks_loaded"], sum(cost["skipped_blocks"].values())
     assert loaded > 0 or skipped > 0
     if loaded:

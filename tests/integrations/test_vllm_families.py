@@ -104,17 +104,32 @@ def test_a_fresh_mla_engine_hits_what_another_computed_on_ssd_and_pool(tmp_path,
     _same(computed, mla_reference)
 
 
+def sized_bytes_per_token(model, tmp_path, block_tokens: int) -> tuple[int, int]:
+    """What one token costs, all layers, by `kvtier size` and by `kvtier simulate` (on a 3-request
+    trace of the Mooncake format), each run as a user runs it."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 10, "input_length": 1024, "output_length": 8,
+                                         "hash_ids": [0, 1 + i]}) + "\n" for i in range(3)))
+    common = ["--model", str(model / "config.json"), "--kv-dtype", "fp32", "--block-tokens", str(block_tokens), "--json"]
+    size = subprocess.run([sys.executable, "-m", "kvtier", "size", "--context", "1000", *common],
+                          capture_output=True, text=True, check=True)
+    simulate = subprocess.run([sys.executable, "-m", "kvtier", "simulate", "--trace", str(trace), "--capacity",
+                               "dram=64MiB", "--no-progress", *common], capture_output=True, text=True, check=True)
+    return json.loads(size.stdout)["kv_bytes_per_token"], json.loads(simulate.stdout)["model"]["kv_bytes_per_token"]
+
+
+def stored_bytes_per_token(phase: dict) -> float:
+    """What the engine's connector stores per token: each KV cache group's block of its layers."""
+    return phase["block_bytes"] * phase["kv_groups"] / phase["block_tokens"]
+
+
 def test_the_sizing_tools_count_the_bytes_per_token_the_connector_stores(tmp_path, mla_model):
-    """`kvtier size` on the model's config.json says what one token costs; an engine's connector
-    stores exactly that per token of a block."""
+    """`kvtier size` and `kvtier simulate` on the model's config.json say what one token costs; an
+    engine's connector stores exactly that per token of a block."""
     kvtier = _mla_yaml(tmp_path / "kvtier.yaml", mla_model, {"dram": {"capacity": "4MiB"}})
     (phase,) = run_engine(tmp_path, "sized", _mla_spec(mla_model, kvtier, [{"prompts": [P1[:40]]}]))["phases"]
-    sized = subprocess.run([sys.executable, "-m", "kvtier", "size", "--model", str(mla_model / "config.json"),
-                            "--context", "1000", "--kv-dtype", "fp32", "--block-tokens", str(MLA_BLOCK), "--json"],
-                           capture_output=True, text=True, check=True)
-    report = json.loads(sized.stdout)
-    assert phase["block_bytes"] == phase["block_tokens"] * report["kv_bytes_per_token"]
-    assert report["kv_bytes_per_token_by_kind"] == {"mla": 3 * (512 + 64) * 4}
+    by_size, by_simulate = sized_bytes_per_token(mla_model, tmp_path, MLA_BLOCK)
+    assert stored_bytes_per_token(phase) == by_size == by_simulate == 3 * (512 + 64) * 4
 
 
 # ---- sliding windows and hybrid groups ---------------------------------------------------------------
@@ -172,6 +187,9 @@ def test_a_windowed_engine_loads_only_the_blocks_its_windows_reach(tmp_path, win
     for phase in (first, shared, both):
         assert_same_as_reference(phase, reference)
     assert lying["outputs"][0]["tokens"] != reference[json.dumps(P1)]["tokens"]  # negative control
+    # the sizing tools count what the connector stores per token (every layer of every group)
+    assert both["kv_groups"] == (1 if family == "sliding" else 2)
+    assert stored_bytes_per_token(both) == sized_bytes_per_token(model, tmp_path, BLOCK)[0] == 4 * 2 * 2 * 32 * 4
 
 
 def test_a_fresh_windowed_engine_hits_through_ssd_and_the_pool(tmp_path, windowed, pool_node):

@@ -79,9 +79,10 @@ def fill_distinct(caches: dict[str, torch.Tensor]) -> None:
 
 
 def token_kv(kv: torch.Tensor, block: int, ratio: int, head: int, token: int) -> bytes:
-    """K then V of one token and head of engine block `block`, as the CUDA backends read them."""
+    """K then V of one token and head of engine block `block`, as the CUDA backends read them (each
+    half of C: K or V, followed by its scale in a per-token-head quantized page)."""
     kernel_tokens = kv.shape[2]
-    key, value = kv.transpose(1, 2).split(HEAD_DIM, dim=-1)  # flash_attn.py / triton_attn.py
+    key, value = kv.transpose(1, 2).split(kv.shape[-1] // 2, dim=-1)  # flash_attn.py / triton_attn.py
     row, col = block * ratio + token // kernel_tokens, token % kernel_tokens
     return bytes(key[row, col, head].contiguous().view(torch.uint8).tolist()
                  + value[row, col, head].contiguous().view(torch.uint8).tolist())
@@ -406,6 +407,117 @@ def test_mla_caches_kvtier_cannot_read_are_refused_at_start_up_naming_why(change
                            kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
     with pytest.raises(ConfigError, match=message):
         engine_facts(SimpleNamespace(), config)
+
+
+# ---- per-token-head quantized pages: scales in the page -------------------------------------------
+
+
+def scaled_caches(layout: str, mode: str) -> dict[str, torch.Tensor]:
+    """Per-token-head quantized caches as vLLM's TRITON_ATTN has them allocated: the spec its
+    `customize_spec` makes (each token and head's C = K | fp32 scale | V | fp32 scale), by vLLM's code."""
+    from vllm.config import CacheConfig
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVQuantMode
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    cache_config = CacheConfig(block_size=BLOCK, num_gpu_blocks_override=NUM_BLOCKS)
+    cache_config.kv_cache_layout = layout
+    vllm_config = SimpleNamespace(cache_config=cache_config, attention_config=SimpleNamespace(hisparse_config=None))
+    dtype = torch.int8 if mode == "INT8_PER_TOKEN_HEAD" else torch.uint8  # vLLM's dtypes for the two modes
+    spec = TritonAttentionBackend.customize_spec(FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=dtype, kv_quant_mode=KVQuantMode[mode]))
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+                                             available_memory=1 << 30)
+    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[layout], [BLOCK]), spec
+
+
+def scale_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V scales as the backend itself reads them: views its own `_ensure_scale_caches`
+    carves (which sets every scale to 1.0 as it does: the bytes are put back)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    impl, before = object.__new__(TritonAttentionImpl), kv.clone()
+    impl._ensure_scale_caches(kv)
+    kv.copy_(before)
+    return impl._k_scale_cache, impl._v_scale_cache
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("mode", ["INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD"])
+def test_per_token_head_pages_round_trip_with_their_scales(tmp_path, model_dir, layout, mode):
+    import yaml
+
+    from kvtier.integrations.vllm.pages import check_spec, inline_scales
+
+    caches, spec = scaled_caches(layout, mode)
+    check_spec(spec)
+    assert inline_scales(spec) and spec.real_page_size_bytes == KV_HEADS * BLOCK * (2 * HEAD_DIM + 8)
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"model": str(model_dir), "kv_dtype": "int8", "block_tokens": BLOCK,
+                                    "tiers": {"dram": {"capacity": "1MiB"}}}))
+    cache_dtype = "int8_per_token_head" if mode.startswith("INT8") else "fp8_per_token_head"
+    facts = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype=cache_dtype, layer_names=LAYER_NAMES,
+                        page_bytes=spec.real_page_size_bytes, device_type="cuda", kv_role="kv_both",
+                        kv_cache_layout=layout, scale_bytes=KV_HEADS * BLOCK * 8)
+    settings = read_settings({"kvtier_config": str(path)}, facts)
+    assert settings.page_format.scales and settings.namespace.kv_dtype.startswith(f"{cache_dtype};vllm:")
+    fill_distinct(caches)
+    for kv in caches.values():  # real scales, not the 1.0 a fresh backend writes
+        k_scales, v_scales = scale_views(kv)
+        k_scales.copy_(torch.rand_like(k_scales) + 0.5)
+        v_scales.copy_(torch.rand_like(v_scales) + 2.0)
+    fresh, _ = scaled_caches(layout, mode)
+    round_trip(settings, caches, fresh)
+    for name in LAYER_NAMES:
+        (ks, vs), (ks_new, vs_new) = scale_views(caches[name]), scale_views(fresh[name])
+        for src, dst in ((7, 1), (2, 8), (5, 4)):  # the blocks round_trip moved
+            assert torch.equal(ks_new[dst], ks[src]) and torch.equal(vs_new[dst], vs[src])
+
+
+def test_restored_scales_survive_the_backends_first_forward(tmp_path, model_dir):
+    """TRITON_ATTN carves its scale views on its first forward and sets every scale to 1.0 as it does.
+    The connector makes it carve them at registration, so scales a load restores before that first
+    forward stay; without that, they are reset (the negative control: the danger is real)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from kvtier.integrations.vllm.connector import KVTierConnector
+
+    caches, _ = scaled_caches("LBHNC", "INT8_PER_TOKEN_HEAD")
+    for guarded in (True, False):
+        layers = {n: SimpleNamespace(impl=object.__new__(TritonAttentionImpl), kv_cache=kv) for n, kv in caches.items()}
+        connector = SimpleNamespace(_vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(
+            static_forward_context=layers)))
+        if guarded:
+            KVTierConnector._set_up_scale_views(connector, list(LAYER_NAMES))
+        for kv in caches.values():  # a load restores pages, scales included
+            k_scales, v_scales = scale_views(kv)
+            k_scales.fill_(3.0)
+            v_scales.fill_(5.0)
+        for name in LAYER_NAMES:  # the first forward
+            layers[name].impl._ensure_scale_caches(caches[name])
+        k_scales, v_scales = scale_views(caches[LAYER_NAMES[0]])
+        assert bool((k_scales == 3.0).all() and (v_scales == 5.0).all()) == guarded
+    with pytest.raises(ConfigError, match="cannot keep them from being reset"):
+        KVTierConnector._set_up_scale_views(SimpleNamespace(_vllm_config=SimpleNamespace(
+            compilation_config=SimpleNamespace(static_forward_context={}))), list(LAYER_NAMES))
+
+
+def test_per_token_head_pages_are_refused_on_cpu_and_packed_ones_everywhere(tmp_path, model_dir):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    from kvtier.integrations.vllm.pages import check_spec, page_format
+
+    with pytest.raises(ConfigError, match="TRITON_ATTN backend keeps its scales in the page"):
+        page_format("cpu", "LBHNC", scales=True)
+    raw = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.int8,
+                            kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD)  # no room for scales: not a layout we know
+    with pytest.raises(ConfigError, match="kv_quant_mode"):
+        check_spec(raw)
+    with pytest.raises(ConfigError, match="kv_quant_mode"):
+        check_spec(FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.uint8,
+                                     kv_quant_mode=KVQuantMode.NVFP4))
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------------

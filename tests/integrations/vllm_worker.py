@@ -158,6 +158,7 @@ def _facts(llm=None) -> dict:
         facts["prompt_blocks"] = counts
     if connector is not None and hasattr(connector, "stats"):
         facts["stats"] = dict(vars(connector.stats))
+        facts["kv_groups"] = len(connector.settings.kv_groups)  # kvtier blocks stored per engine block
     for backend in SHARED.backends():
         if hasattr(backend, "usage"):
             facts["usage"] = backend.usage()

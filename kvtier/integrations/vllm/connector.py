@@ -41,9 +41,12 @@ there, naming what and why, never copied the wrong way):
     every block of a full-attention group but only the blocks a sliding window still reaches
     (vLLM gives the others as its null block, and they are neither loaded nor stored; the blocks
     a hit did not need are counted as `window_skipped`). Plain or per-tensor fp8 K/V.
-    Non-attention layers (Mamba's recurrent state), chunked-local groups, non-causal layers,
-    cross-layer KV sharing, packed quantized pages (per-token-head, NVFP4) and other backends
-    (ROCm's, TurboQuant, ...) are refused, naming the layer type or field.
+  * Per-token-head int8/fp8 KV on CUDA with TRITON_ATTN: each token and head's content holds its
+    K, K scale, V, V scale (`vllm:hn(k,ks,v,vs)d`), stored whole; the backend's scale views are made
+    before any load, so its first forward cannot reset restored scales (`_set_up_scale_views`).
+  * Non-attention layers (Mamba's recurrent state), chunked-local groups, non-causal layers,
+    cross-layer KV sharing, packed quantized pages (int4, NVFP4) and other backends (ROCm's,
+    TurboQuant, ...) are refused, naming the layer type or field.
 
 Tensor parallelism: each worker rank holds only its KV heads, so each rank stores and loads only
 its slice of every block, in its own backend, under keys of its own (`vllm_settings.Sharding`:
@@ -220,6 +223,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if missing:
             raise ConfigError(f"kv_connector: vLLM registered no KV cache for layer {missing[0]}")
         self._check_backends(names)
+        if self.settings.page_format.scales:
+            self._set_up_scale_views(names)
         groups = [list(g.layer_names) for g in self.settings.kv_groups]
         for members in groups:  # cross-layer KV sharing: one cache under two names would be stored twice
             shared: dict[int, str] = {}  # (layer i of each group may share memory: a block id is one group's)
@@ -247,6 +252,26 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if backend.get_name() not in page.backends:
                 raise ConfigError(f"kv_connector: layer {name} uses attention backend {backend.get_name()}; kvtier "
                                   f"has verified the pages of {', '.join(page.backends)} only")
+
+    def _set_up_scale_views(self, names: list[str]) -> None:
+        """Per-token-head quantized pages: makes TRITON_ATTN carve its scale views now, before any load.
+
+        The backend carves them lazily on its first forward and sets every scale in the cache to 1.0
+        as it does (`TritonAttentionImpl._ensure_scale_caches`); a load scattered into the pages before
+        that first forward (a kvtier hit on the engine's first request) would have its scales reset,
+        which is wrong KV served as good. Carved here, on the very tensor each layer computes with,
+        the backend's own call finds them made and leaves the pages alone.
+        """
+        context = getattr(self._vllm_config.compilation_config, "static_forward_context", {}) or {}
+        for name in names:
+            layer = context.get(name)
+            impl, kv = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+            ensure = getattr(impl, "_ensure_scale_caches", None)
+            if ensure is None or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                raise ConfigError(f"kv_connector: layer {name} keeps per-token-head scales in its pages, but its "
+                                  "attention backend does not expose them as TRITON_ATTN does; kvtier cannot keep "
+                                  "them from being reset after a load")
+            ensure(kv)
 
     def _layer_view(self, name: str, kv: torch.Tensor) -> torch.Tensor:
         """The layer's cache as a block-major view (`engine_block_view`), checked against the settings.

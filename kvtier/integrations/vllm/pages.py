@@ -31,6 +31,11 @@ CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 # AMX_MLA (CPUs with AMX tiles) and DeepSeek-V4's sparse backends pack pages otherwise: not listed.
 MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "CUTLASS_MLA", "FLASHINFER_MLA")
 MLA_FORMAT = "vllm:n(c|pe)"
+# Per-token-head quantized KV (int8_per_token_head, fp8_per_token_head), TRITON_ATTN only: each
+# token and head's C holds [K | K scale (fp32) | V | V scale (fp32)] (`TritonAttentionImpl.
+# _ensure_scale_caches`), so a page carries its own scales and is stored whole, scales included.
+SCALED_BACKENDS = ("TRITON_ATTN",)
+SCALE_BYTES = 2 * 4  # one fp32 scale for K and one for V, per token and head
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class PageFormat:
         head_major: the stored order is [heads, tokens, content], else [tokens, heads, content].
         backends: the attention backends whose reading of the bytes `name` describes.
         latent: an MLA latent page, `[tokens, content]` with no heads (`MLA_FORMAT`).
+        scales: each token and head's content holds its quantization scales (`SCALED_BACKENDS`).
     """
 
     name: str
@@ -50,9 +56,10 @@ class PageFormat:
     head_major: bool
     backends: tuple[str, ...]
     latent: bool = False
+    scales: bool = False
 
 
-def page_format(device_type: str, layout: str | None, mla: bool = False) -> PageFormat:
+def page_format(device_type: str, layout: str | None, mla: bool = False, scales: bool = False) -> PageFormat:
     """The page format of an engine on `device_type` whose KV cache has vLLM layout `layout`.
 
     Args:
@@ -60,6 +67,7 @@ def page_format(device_type: str, layout: str | None, mla: bool = False) -> Page
         layout: the resolved `KVCacheLayout` name; None (not resolved, e.g. a config built outside
             an engine) means LBHNC, the only layout vLLM's CPU backend takes.
         mla: the cache holds MLA latents (one `[tokens, latent]` page per block, whatever `layout`).
+        scales: per-token-head quantized KV whose scales live in the page (`SCALED_BACKENDS`).
 
     Raises:
         ConfigError: a platform or layout whose page format kvtier has not verified.
@@ -70,6 +78,15 @@ def page_format(device_type: str, layout: str | None, mla: bool = False) -> Page
                               "unverified); supported platforms: cpu, cuda")
         return PageFormat(MLA_FORMAT, "BNC", False, MLA_BACKENDS, latent=True)
     layout = layout or "LBHNC"
+    if scales:
+        if device_type != "cuda":
+            raise ConfigError(f"kv_connector: per-token-head quantized KV on {device_type!r}: only vLLM's CUDA "
+                              "TRITON_ATTN backend keeps its scales in the page; kvtier holds those pages on cuda only")
+        if layout not in HEAD_MAJOR_LAYOUTS + TOKEN_MAJOR_LAYOUTS:
+            raise ConfigError(f"kv_connector: KV cache layout {layout!r} is unknown to kvtier")
+        head_major = layout in HEAD_MAJOR_LAYOUTS
+        return PageFormat(f"vllm:{'hn' if head_major else 'nh'}(k,ks,v,vs)d", layout, head_major, SCALED_BACKENDS,
+                          scales=True)
     if device_type == "cpu":
         # The CPU name predates layouts; kept so that blocks CPU engines already persisted still hit.
         if layout != "LBHNC":
@@ -89,17 +106,18 @@ def page_format(device_type: str, layout: str | None, mla: bool = False) -> Page
 def check_spec(spec: Any) -> None:
     """Refuses a KV cache whose blocks are not plain per-token KV of causal attention.
 
-    Held: full attention's K and V (`FullAttentionSpec`), a sliding-window group's
-    (`SlidingWindowSpec`: the same pages, of which vLLM keeps those in the window), and MLA's latent
-    (`MLAAttentionSpec`: DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block). A `FullAttentionSpec`
-    with a sliding window or an attention chunk is what vLLM makes of a hybrid model's layers when
-    its hybrid allocator is off: the cache keeps every token's K and V, the kernel applies the window,
-    so every block is plain KV (`attention_variant` names the window in the keys). Each refusal is a case
-    where a stored block could come back as wrong KV or where its page is not one kvtier verified:
-    sliding-window or chunked-local attention, non-causal (prefix-LM) layers, whose KV depends on
-    later tokens, packed pages (per-token-head or NVFP4 quantization keep scales in the page, padded
-    or aligned pages, DeepSeek-V4's sparse MLA). Per-tensor fp8 is plain bytes; its scales come with
-    the weights, which the model id in every key names.
+    Held: full attention's K and V (`FullAttentionSpec`); a sliding-window group's
+    (`SlidingWindowSpec`: the same pages, of which vLLM keeps those in the window); MLA's latent
+    (`MLAAttentionSpec`: DeepSeek-V2/V3-style, one `[tokens, kv_lora_rank + rope]` page per block);
+    per-token-head int8/fp8 pages as TRITON_ATTN lays them out, scales in the page (`inline_scales`).
+    A `FullAttentionSpec` with a sliding window or an attention chunk is what vLLM makes of a hybrid
+    model's layers with its hybrid allocator off: the cache keeps every token's K and V and the
+    kernel applies the window, so every block is plain KV (`attention_variant` names the window in
+    the keys). Per-tensor fp8 is plain bytes; its scales come with the weights, which every key names.
+
+    Each refusal is a case where a stored block could come back as wrong KV or where its page is not
+    one kvtier verified: non-causal (prefix-LM) layers, whose KV depends on later tokens; packed pages
+    (int4 or NVFP4 quantization, padded or aligned pages, DeepSeek-V4's sparse MLA).
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
@@ -114,10 +132,11 @@ def check_spec(spec: Any) -> None:
                    "attention_chunk_size": mla and spec.attention_chunk_size is not None,
                    "non_causal": getattr(spec, "non_causal", False),
                    "num_head_slots": spec.num_head_slots is not None,
-                   "state_content_bytes": spec.state_content_bytes is not None,
+                   "state_content_bytes": spec.state_content_bytes is not None and not inline_scales(spec),
                    "page_size_padded": spec.page_size_padded is not None,
                    "tokens_per_state": spec.tokens_per_state != 1,
-                   "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR")}
+                   "kv_quant_mode": spec.kv_quant_mode.name not in ("NONE", "FP8_PER_TENSOR") and not
+                   inline_scales(spec)}
     if sliding:
         unsupported["sliding_window"] = spec.sliding_window <= 0
     if mla:
@@ -139,3 +158,16 @@ def attention_variant(spec: Any) -> str:
     parts = [f"window={spec.sliding_window}" if getattr(spec, "sliding_window", None) is not None else "",
              f"chunk={spec.attention_chunk_size}" if getattr(spec, "attention_chunk_size", None) is not None else ""]
     return ",".join(p for p in parts if p)
+
+
+def inline_scales(spec: Any) -> bool:
+    """Whether `spec` is per-token-head quantized KV laid out as TRITON_ATTN keeps it: int8 or fp8
+    per token and head, each cell [K | fp32 scale | V | fp32 scale] (`state_content_bytes` says so,
+    as `TritonAttentionBackend.customize_spec` sets it). Any other per-token-head or packed page
+    (int4, NVFP4, TurboQuant) is refused."""
+    mode = getattr(spec, "kv_quant_mode", None)
+    if mode is None or mode.name not in ("INT8_PER_TOKEN_HEAD", "FP8_PER_TOKEN_HEAD"):
+        return False
+    head, head_v = spec.head_size, spec.head_size_v
+    return head == head_v and head % 4 == 0 and spec.state_content_bytes == head + head_v + SCALE_BYTES and \
+        spec.num_head_slots is None and spec.page_size_padded is None

@@ -23,9 +23,11 @@ from kvtier.errors import ConfigError, GeometryError
 from kvtier.geometry import KVDtype
 from kvtier.integrations.vllm.pages import (
     CPU_BACKENDS,
+    SCALE_BYTES,
     PageFormat,
     attention_variant,
     check_spec,
+    inline_scales,
     page_format,
 )
 from kvtier.integrations.vllm.shards import Sharding, rank_config
@@ -110,6 +112,8 @@ class EngineFacts:
             (`pages.attention_variant`: a sliding window, an attention chunk); goes into the keys.
         groups: the engine's KV cache groups (vLLM's hybrid allocator); () means one full-attention
             group of every layer.
+        scale_bytes: bytes of quantization scales in one page (per-token-head quantized KV,
+            `pages.inline_scales`); 0 where the page holds KV alone.
     """
 
     model_id: str
@@ -128,6 +132,12 @@ class EngineFacts:
     mla: bool = False
     attention: str = ""
     groups: tuple[KVGroup, ...] = ()
+    scale_bytes: int = 0
+
+    @property
+    def element_dtype(self) -> str:
+        """The dtype of the KV elements themselves (`int8` of `int8_per_token_head`)."""
+        return self.kv_dtype.removesuffix("_per_token_head")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +221,7 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     config_path = Path(path).expanduser().resolve()
     config = load_config(config_path)
     layout, page = _check_engine(config, config_path, facts)
-    config = replace(config, block_tokens=facts.block_size, kv_dtype=_kv_dtype(facts.kv_dtype, "kv_dtype").value)
+    config = replace(config, block_tokens=facts.block_size, kv_dtype=_kv_dtype(facts.element_dtype, "kv_dtype").value)
     model_id = extra.get("model_id", facts.model_id)
     if not isinstance(model_id, str) or not model_id:
         raise ConfigError(f"{EXTRA}.model_id: expected a non-empty string, got {model_id!r}")
@@ -260,8 +270,8 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
     Block size and KV dtype follow the engine: a kvtier block is one engine block, in the format
     the engine caches, whatever the kvtier config says (a difference is said in one INFO line).
     """
-    page = page_format(facts.device_type, facts.kv_cache_layout, facts.mla)
-    engine_dtype = _kv_dtype(facts.kv_dtype, "the engine's KV cache dtype")
+    page = page_format(facts.device_type, facts.kv_cache_layout, facts.mla, facts.scale_bytes > 0)
+    engine_dtype = _kv_dtype(facts.element_dtype, "the engine's KV cache dtype")
     if config.block_tokens != facts.block_size:
         log.info("kvtier: blocks of %d tokens, the engine's block size (block_tokens: %d in %s does not apply "
                  "under vLLM)", facts.block_size, config.block_tokens, path)
@@ -278,18 +288,20 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
         raise ConfigError(f"model: {path} describes {whole.num_layers} KV layers ({config.model}) but the engine "
                           f"has {len(facts.layer_names)}; point model at the served model's config.json")
     shards = facts.sharding.num_shards
-    wrong = [(i, n) for i, n in enumerate(whole.layer_bytes) if n != facts.page_bytes * shards]
+    kv_bytes = facts.page_bytes - facts.scale_bytes  # a page's KV elements, its scales aside
+    wrong = [(i, n) for i, n in enumerate(whole.layer_bytes) if n != kv_bytes * shards]
     if wrong:
         split = f" (1/{shards} of it on each tensor-parallel rank)" if shards > 1 else ""
+        scales = f" besides {facts.scale_bytes} bytes of scales" if facts.scale_bytes else ""
         raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
-                          f"but an engine page holds {facts.page_bytes}; {config.model} is not the served "
+                          f"but an engine page holds {kv_bytes}{scales}; {config.model} is not the served "
                           "model's geometry")
-    if facts.groups:  # a kvtier block is one group's layers; groups of fewer layers leave the rest zero
-        if sorted(n for g in facts.groups for n in g.layer_names) != sorted(facts.layer_names):
-            raise ConfigError("kv_connector: the engine's KV cache groups do not cover its attention layers once each")
-        per_block = max(len(g.layer_names) for g in facts.groups)
-        return BlockLayout(whole.block_tokens, (facts.page_bytes,) * per_block), page
-    return BlockLayout(whole.block_tokens, tuple(n // shards for n in whole.layer_bytes)), page
+    # a kvtier block holds a whole page per layer (scales included) of one group's layers; groups of
+    # fewer layers than the largest leave the rest of their blocks zero
+    if facts.groups and sorted(n for g in facts.groups for n in g.layer_names) != sorted(facts.layer_names):
+        raise ConfigError("kv_connector: the engine's KV cache groups do not cover its attention layers once each")
+    per_block = max(len(g.layer_names) for g in facts.groups) if facts.groups else whole.num_layers
+    return BlockLayout(whole.block_tokens, (facts.page_bytes,) * per_block), page
 
 
 def _kv_dtype(name: str, what: str) -> KVDtype:
@@ -362,7 +374,8 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                                              vllm_config.load_config.download_dir),
                        load_settings=f"dtype={model.dtype};quantization={model.quantization}",
                        data_parallel_rank=int(parallel.data_parallel_rank or 0),
-                       mla=isinstance(spec, MLAAttentionSpec), attention=attention, groups=kv_groups)
+                       mla=isinstance(spec, MLAAttentionSpec), attention=attention, groups=kv_groups,
+                       scale_bytes=spec.num_kv_heads * spec.block_size * SCALE_BYTES if inline_scales(spec) else 0)
 
 
 def _sharding(vllm_config: Any) -> Sharding:
