@@ -561,6 +561,43 @@ def test_wait_layer_waits_for_that_layer_only(worker):
     assert (side.stats.num_blocks_loaded, side.stats.num_layer_waits) == (3, NUM_LAYERS)
 
 
+def test_groups_load_layer_by_layer_each_into_its_own_pages_and_a_smaller_group_stores_zeros(tmp_path, tiny_model):
+    """Two KV cache groups, of 3 layers and 1: each group's blocks go to and come from its own
+    layers' pages; waiting for layer 0 of one group places nothing of the other; the one-layer
+    group's blocks carry zeros where the larger group's second and third layers would be."""
+    path = _yaml(tmp_path / "dram.yaml", tiny_model, {"dram": {"capacity": "4MiB"}})
+    groups = (KVGroup(0, LAYER_NAMES[:3]), KVGroup(1, LAYER_NAMES[3:], window_tokens=64))
+    settings = read_settings({"kvtier_config": str(path)}, _facts(groups=groups))
+    assert settings.layout.num_layers == 3
+    kvtier = KVTier(settings.config, layout=settings.layout)
+    try:
+        pages = [[torch.randn(12, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in g.layer_names] for g in groups]
+        side = WorkerSide(kvtier, settings.layout, pages, timeout_s=10)
+        keys = block_keys(settings.namespace, P1[:2 * BLOCK])
+        full, sliding = settings.group_keys(0, keys), settings.group_keys(1, keys)
+        stores = [StoreSpec("a", full, (0, 1), (0, 1, 2, 3), 0), StoreSpec("a", sliding, (2, 3), (0, 1, 2, 3), 1)]
+        assert side.end_step(stores) == set()
+        side.close(10)
+        held = torch.zeros(2, settings.layout.block_bytes, dtype=torch.uint8)
+        assert kvtier.load(sliding, held).wait(10)
+        assert held[:, settings.layout.offsets[1]:].eq(0).all(), "a one-layer group's block: the rest is zero"
+        assert held[:, :settings.layout.offsets[1]].ne(0).any()
+        for layers in pages:
+            for kv in layers:
+                kv[8:12] = 0
+        side.start_loads([LoadSpec("b", full, (8, 9), 0), LoadSpec("b", sliding, (10, 11), 1)])
+        side.wait_layer(0, group=1)
+        assert torch.equal(pages[1][0][10:12], pages[1][0][2:4])
+        assert not pages[0][0][8:10].any(), "group 0's layers wait for their own calls"
+        for layer in range(3):
+            side.wait_layer(layer, group=0)
+            assert torch.equal(pages[0][layer][8:10], pages[0][layer][0:2])
+        assert side.end_step() == set()
+        assert side.stats.num_blocks_loaded == 4
+    finally:
+        kvtier.close()
+
+
 def test_a_failed_block_is_reported_and_taints_stores_computed_on_it(worker):
     side, ssd, settings = worker
     keys = tuple(block_keys(settings.namespace, P1[:3 * BLOCK]))

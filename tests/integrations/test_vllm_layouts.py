@@ -345,6 +345,34 @@ def mla_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def test_a_hybrid_of_attention_and_recurrent_state_is_refused_naming_the_layer_type():
+    """Mamba-style recurrent state (one state per request, not per token) cannot be held as blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvtier.integrations.vllm.settings import engine_facts
+
+    attention = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(LAYER_NAMES[:2]), attention), KVCacheGroupSpec(["model.layers.2.mixer"], mamba)])
+    with pytest.raises(ConfigError, match=r"this model's cache is MambaSpec.*model\.layers\.2\.mixer"):
+        engine_facts(SimpleNamespace(), config)
+
+
+def test_groups_of_different_block_sizes_are_refused_naming_what_differs():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvtier.integrations.vllm.settings import engine_facts
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
+    sliding = SlidingWindowSpec(block_size=2 * BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16,
+                                sliding_window=64)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(list(LAYER_NAMES[:2]), full), KVCacheGroupSpec(list(LAYER_NAMES[2:]), sliding)])
+    with pytest.raises(ConfigError, match=r"groups differ in block_size \(\['16', '32'\]\)"):
+        engine_facts(SimpleNamespace(), config)
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_mla_latents_round_trip_from_vllms_own_allocation_token_by_token(tmp_path, mla_model_dir, device_type):
     """vLLM views an MLA layer as `[B, 1, N, latent]`; a stored block is its tokens' latents in
