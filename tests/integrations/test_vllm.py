@@ -257,6 +257,8 @@ def test_the_scheduler_serves_every_ranks_metrics(tiny_model, dram_yaml):
         assert ("kvtier_store_backlog_bytes", (("rank", "0"),)) in got
         assert ("kvtier_vllm_layer_wait_seconds_total", (("rank", "0"),)) in got
         assert got[("kvtier_vllm_prompt_blocks_total", (("source", "kvtier"),))] == 4
+        assert got[("kvtier_vllm_window_skipped_bytes_total", ())] == 0  # one full-attention group
+        assert not any(dict(labels).get("source", "").startswith("window") for _, labels in got)
         worker.shutdown()  # the rank is gone: said, not guessed
         got = _scrape(port)
         assert got[("kvtier_vllm_rank_up", (("rank", "0"),))] == 0

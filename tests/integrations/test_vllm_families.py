@@ -110,9 +110,10 @@ def sized_bytes_per_token(model, tmp_path, block_tokens: int) -> tuple[int, int]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": i * 10, "input_length": 1024, "output_length": 8,
                                          "hash_ids": [0, 1 + i]}) + "\n" for i in range(3)))
-    common = ["--model", str(model / "config.json"), "--kv-dtype", "fp32", "--block-tokens", str(block_tokens), "--json"]
-    size = subprocess.run([sys.executable, "-m", "kvtier", "size", "--context", "1000", *common],
-                          capture_output=True, text=True, check=True)
+    common = ["--model", str(model / "config.json"), "--kv-dtype", "fp32", "--json"]
+    size = subprocess.run([sys.executable, "-m", "kvtier", "size", "--context", "1000", "--block-tokens",
+                           str(block_tokens), *common], capture_output=True, text=True, check=True)
+    # the trace's own blocks: 512 tokens per hash id, Mooncake's
     simulate = subprocess.run([sys.executable, "-m", "kvtier", "simulate", "--trace", str(trace), "--capacity",
                                "dram=64MiB", "--no-progress", *common], capture_output=True, text=True, check=True)
     return json.loads(size.stdout)["kv_bytes_per_token"], json.loads(simulate.stdout)["model"]["kv_bytes_per_token"]
@@ -189,7 +190,8 @@ def test_a_windowed_engine_loads_only_the_blocks_its_windows_reach(tmp_path, win
     assert lying["outputs"][0]["tokens"] != reference[json.dumps(P1)]["tokens"]  # negative control
     # the sizing tools count what the connector stores per token (every layer of every group)
     assert both["kv_groups"] == (1 if family == "sliding" else 2)
-    assert stored_bytes_per_token(both) == sized_bytes_per_token(model, tmp_path, BLOCK)[0] == 4 * 2 * 2 * 32 * 4
+    by_size, by_simulate = sized_bytes_per_token(model, tmp_path, BLOCK)
+    assert stored_bytes_per_token(both) == by_size == by_simulate == 4 * 2 * 2 * 32 * 4  # layers x K,V x heads x dim x fp32
 
 
 def test_a_fresh_windowed_engine_hits_through_ssd_and_the_pool(tmp_path, windowed, pool_node):
