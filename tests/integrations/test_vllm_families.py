@@ -77,8 +77,11 @@ def test_an_mla_engine_hits_its_latents_and_generates_as_plain_vllm(tmp_path, ml
         [0, 64, full, full], "P2 shares P1's first 64 tokens; then both are whole hits"
     assert both["stats"]["num_blocks_failed"] == 0
     assert both["stats"]["num_blocks_loaded"] == (64 + 2 * full) // MLA_BLOCK
-    # one latent per token and layer, no K/V pair, no heads: (512 + 64) fp32 x 3 layers
+    # one latent per token and layer, no K/V pair, no heads: (512 + 64) fp32 x 3 layers; `kvtier size`
+    # and `kvtier simulate` on the model's config.json count the same per token
     assert both["block_bytes"] == MLA_BLOCK * 3 * (512 + 64) * 4
+    assert stored_bytes_per_token(both) == sized_bytes_per_token(mla_model, tmp_path, MLA_BLOCK)[0] == \
+        sized_bytes_per_token(mla_model, tmp_path, MLA_BLOCK)[1] == 3 * (512 + 64) * 4
     for phase in (first, shared, both):
         _same(phase, mla_reference)
     # negative control: latents that arrive wrong and unreported change the output
@@ -124,15 +127,6 @@ def stored_bytes_per_token(phase: dict) -> float:
     return phase["block_bytes"] * phase["kv_groups"] / phase["block_tokens"]
 
 
-def test_the_sizing_tools_count_the_bytes_per_token_the_connector_stores(tmp_path, mla_model):
-    """`kvtier size` and `kvtier simulate` on the model's config.json say what one token costs; an
-    engine's connector stores exactly that per token of a block."""
-    kvtier = _mla_yaml(tmp_path / "kvtier.yaml", mla_model, {"dram": {"capacity": "4MiB"}})
-    (phase,) = run_engine(tmp_path, "sized", _mla_spec(mla_model, kvtier, [{"prompts": [P1[:40]]}]))["phases"]
-    by_size, by_simulate = sized_bytes_per_token(mla_model, tmp_path, MLA_BLOCK)
-    assert stored_bytes_per_token(phase) == by_size == by_simulate == 3 * (512 + 64) * 4
-
-
 # ---- sliding windows and hybrid groups ---------------------------------------------------------------
 
 WINDOW = 48  # tokens: a hit of n blocks needs blocks from (n * 32 - 47) // 32 on in a sliding group
@@ -155,15 +149,29 @@ def _mistral(path):
     return path
 
 
+_WINDOWED: dict[str, tuple] = {}  # family -> (family, model dir, reference): built once per session
+
+
+def windowed_family(family: str, tmp_path_factory) -> tuple:
+    """(family, model dir, what an engine without the connector generates by prompt)."""
+    if family not in _WINDOWED:
+        path = tmp_path_factory.mktemp(family)
+        model = _mistral(path) if family == "sliding" else build_tiny_gemma3(path, sliding_window=WINDOW)
+        result = run_engine(tmp_path_factory.mktemp(f"{family}-reference"), "reference",
+                            _spec(model, None, [{"prompts": [P1, P2]}]))
+        reference = {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
+        _WINDOWED[family] = (family, model, reference)
+    return _WINDOWED[family]
+
+
 @pytest.fixture(scope="module", params=["sliding", "hybrid"])
 def windowed(request, tmp_path_factory):
-    """(family, model dir, what an engine without the connector generates by prompt)."""
-    path = tmp_path_factory.mktemp(request.param)
-    model = _mistral(path) if request.param == "sliding" else build_tiny_gemma3(path, sliding_window=WINDOW)
-    phases = [{"prompts": [P1, P2]}]
-    result = run_engine(tmp_path_factory.mktemp(f"{request.param}-reference"), "reference", _spec(model, None, phases))
-    reference = {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
-    return request.param, model, reference
+    return windowed_family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return windowed_family("hybrid", tmp_path_factory)
 
 
 def test_a_windowed_engine_loads_only_the_blocks_its_windows_reach(tmp_path, windowed):
@@ -194,9 +202,10 @@ def test_a_windowed_engine_loads_only_the_blocks_its_windows_reach(tmp_path, win
     assert stored_bytes_per_token(both) == by_size == by_simulate == 4 * 2 * 2 * 32 * 4  # layers x K,V x heads x dim x fp32
 
 
-def test_a_fresh_windowed_engine_hits_through_ssd_and_the_pool(tmp_path, windowed, pool_node):
-    """What engine A computed, found by fresh processes on a persistent SSD tier and on a pool node."""
-    family, model, reference = windowed
+def test_a_fresh_hybrid_engine_hits_through_ssd_and_the_pool(tmp_path, hybrid, pool_node):
+    """What engine A computed, found by fresh processes on a persistent SSD tier and on a pool node.
+    The hybrid's full and sliding groups cover what the sliding model's one group would."""
+    family, model, reference = hybrid
     ssd = {"capacity": "16MiB", "path": str(tmp_path / "ssd"), "persist": True}
     pool = {"capacity": "16MiB", "nodes": [pool_node.address]}
     both = _yaml(tmp_path / "both.yaml", model, {"ssd": {**ssd, "write_through": True}, "pool": pool})
@@ -205,7 +214,6 @@ def test_a_fresh_windowed_engine_hits_through_ssd_and_the_pool(tmp_path, windowe
         kvtier = _yaml(tmp_path / f"{name}.yaml", model, tiers)
         (hit,) = run_engine(tmp_path, name, _spec(model, kvtier, [{"prompts": [P1]}]))["phases"]
         assert hit["outputs"][0]["num_cached_tokens"] == 4 * BLOCK, name
-        assert hit["stats"]["num_blocks_loaded"] == (2 if family == "sliding" else 6) and \
-            hit["stats"]["num_blocks_failed"] == 0
+        assert hit["stats"]["num_blocks_loaded"] == 4 + 2 and hit["stats"]["num_blocks_failed"] == 0  # full + window
         assert_same_as_reference(hit, reference)
     assert_same_as_reference(computed, reference)
