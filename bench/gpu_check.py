@@ -157,11 +157,14 @@ def make_engine(kv_dim, dtype, num_layers, page, device, gen):
     return layers, BlockLayout.uniform(page["block_size"], num_layers, num_parts * page_bytes)
 
 
-def poisoned_like(layers):
-    """Copies filled with 0xA5 bytes that keep each layer's strides, so unwritten bytes show."""
+def poisoned_like(layers, device: str | None = None):
+    """Copies filled with 0xA5 bytes that keep each layer's storage size, strides and offset, so
+    unwritten bytes show, on `device` (default: each layer's own). The reference's copies are made
+    this way on the host, never by `.cpu()`, which compacts a strided CUDA view into a smaller storage
+    and would make every comparison of whole storages fail."""
     out = []
     for kv in layers:
-        big = torch.full((kv.untyped_storage().nbytes(),), 0xA5, dtype=torch.uint8, device=kv.device)
+        big = torch.full((kv.untyped_storage().nbytes(),), 0xA5, dtype=torch.uint8, device=device or kv.device)
         out.append(big.view(kv.dtype).as_strided(kv.shape, kv.stride(), kv.storage_offset()))
     return out
 
@@ -215,7 +218,7 @@ def run_case(backend, kv_dim, dtype, num_layers, page, device, gen) -> bool:
     gather_reference([t.cpu() for t in layers], ids, want, layout, kv_dim, slots=slots)
     unique = torch.randperm(11, generator=gen)[:9].tolist()
     back = poisoned_like(layers)
-    back_want = poisoned_like([t.cpu() for t in layers])  # own storage, even when device is cpu
+    back_want = poisoned_like(layers, "cpu")  # own storage, even when device is cpu
     move(backend, scatter_blocks, back, unique, got, layout, kv_dim, slots, to_engine=True)
     scatter_reference(back_want, unique, want, layout, kv_dim, slots=slots)
     if device == "cuda":
@@ -246,8 +249,9 @@ def kernels_section(device: str, cubin: Path | None, quick: bool) -> dict:
                         if not run_case(backend, kv_dim, dtype, num_layers, page, device, gen):
                             failures.append(f"{name} kv_dim={kv_dim} {dtype} layers={num_layers} page={page}")
     status = "fail" if failures or missing else "pass"
-    return {"status": status, "backends": list(backends), "cases": cases, "failures": failures[:20],
-            "missing": missing}
+    return {"status": status, "backends": list(backends), "cases": cases, "num_failures": len(failures),
+            "failures_by_backend": {b: sum(f.startswith(f"{b} ") for f in failures) for b in backends},
+            "failures": failures[:20], "missing": missing}
 
 
 # ---- vLLM KV cache layouts -----------------------------------------------------------------------
