@@ -274,10 +274,11 @@ class SchedulerSide:
             rows = [i for i in range(start, min(end, len(table))) if table[i] != NULL_BLOCK_ID]
             skipped = (end - first) - len(rows)
             self.prompt_blocks.window_skipped += skipped
-            self.prompt_blocks.window_skipped_bytes += skipped * len(group.layer_names) * self.settings.layout.layer_bytes[0]
+            layer_bytes = self.settings.layout.layer_bytes[0]
+            self.prompt_blocks.window_skipped_bytes += skipped * len(group.layer_names) * layer_bytes
             if rows:
-                loads.append(LoadSpec(request.request_id, self.settings.group_keys(group.index, [keys[i] for i in rows]),
-                                      tuple(table[i] for i in rows), group.index))
+                group_keys = self.settings.group_keys(group.index, [keys[i] for i in rows])
+                loads.append(LoadSpec(request.request_id, group_keys, tuple(table[i] for i in rows), group.index))
         self._loads[request.request_id] = loads
 
     def _count_prompt_blocks(self, request: Any, num_engine: int, num_kvtier: int) -> None:

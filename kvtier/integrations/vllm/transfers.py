@@ -76,7 +76,8 @@ def engine_block_view(kv: torch.Tensor, num_blocks: int, block_tokens: int, laye
         r = kv.shape[0] // num_blocks if kv.ndim == 3 and num_blocks > 0 else 0
         if r == 0 or kv.shape[0] != r * num_blocks or kv.shape[1] * r != block_tokens:
             raise GeometryError(f"expected an MLA cache [{num_blocks} blocks (or a multiple: kernel blocks), "
-                                f"tokens, latent] covering {block_tokens} tokens per block, got shape {tuple(kv.shape)}")
+                                f"tokens, latent] covering {block_tokens} tokens per block, "
+                                f"got shape {tuple(kv.shape)}")
         view = kv.unflatten(0, (num_blocks, r))
         page_bytes = PagedLayer.of(view, None).page_bytes
         if page_bytes != layer_bytes:
