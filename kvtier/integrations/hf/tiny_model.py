@@ -36,6 +36,25 @@ def build_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+def _build(path: str | Path, params: dict, make_model) -> Path:
+    """Writes the random model `make_model()` returns (weights drawn after seeding with
+    `params["seed"]`), its config and a tokenizer of `params["vocab_size"]` into `path`; reuses an
+    existing build with the same parameters (a `kvtier-build.json` stamp records them)."""
+    import torch
+
+    path = Path(path)
+    stamp = path / "kvtier-build.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(params["seed"])
+    model = make_model().to(getattr(torch, params["dtype"]))
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path, params["vocab_size"])
+    stamp.write_text(json.dumps(params))
+    return path
+
+
 def build_tiny_llama(path: str | Path, *, num_layers: int = 4, hidden_size: int = 64, num_heads: int = 4,
                      num_kv_heads: int = 2, vocab_size: int = 512, max_positions: int = 4096,
                      dtype: str = "float32", seed: int = 0) -> Path:
@@ -43,28 +62,17 @@ def build_tiny_llama(path: str | Path, *, num_layers: int = 4, hidden_size: int 
 
     Reuses an existing build with the same parameters (a `kvtier-build.json` stamp records them).
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = Path(path)
     params = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions,
                   dtype=dtype, seed=seed)
-    stamp = path / "kvtier-build.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == params:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                          torch_dtype=dtype)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path, vocab_size)
-    stamp.write_text(json.dumps(params))
-    return path
+    return _build(path, params, lambda: LlamaForCausalLM(config))
 
 
 def build_tiny_deepseek(path: str | Path, *, num_layers: int = 3, hidden_size: int = 128, num_heads: int = 4,
@@ -78,17 +86,11 @@ def build_tiny_deepseek(path: str | Path, *, num_layers: int = 3, hidden_size: i
     and cost time. The latent defaults to DeepSeek's own 512 + 64, the only size vLLM's CPU MLA
     decode kernel takes.
     """
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    path = Path(path)
     params = dict(family="deepseek_v2", num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
                   v_head_dim=v_head_dim, vocab_size=vocab_size, max_positions=max_positions, dtype=dtype, seed=seed)
-    stamp = path / "kvtier-build.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == params:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
     config = DeepseekV2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                               moe_intermediate_size=hidden_size // 2, num_hidden_layers=num_layers,
                               num_attention_heads=num_heads, num_key_value_heads=num_heads, n_shared_experts=1,
@@ -97,12 +99,25 @@ def build_tiny_deepseek(path: str | Path, *, num_layers: int = 3, hidden_size: i
                               qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
                               max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
                               tie_word_embeddings=False, torch_dtype=dtype, rope_scaling=None)
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path, vocab_size)
-    stamp.write_text(json.dumps(params))
-    return path
+    return _build(path, params, lambda: DeepseekV2ForCausalLM(config))
+
+
+def build_tiny_mistral(path: str | Path, *, num_layers: int = 4, sliding_window: int = 48, hidden_size: int = 128,
+                       num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32, vocab_size: int = 512,
+                       max_positions: int = 4096, dtype: str = "float32", seed: int = 0) -> Path:
+    """A random tiny Mistral in `path`: every layer attends over a `sliding_window`-token window (one
+    sliding-window KV cache group), as `build_tiny_llama` builds a Llama."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    params = dict(family="mistral", num_layers=num_layers, sliding_window=sliding_window, hidden_size=hidden_size,
+                  num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                  max_positions=max_positions, dtype=dtype, seed=seed)
+    config = MistralConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                           num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                           num_key_value_heads=num_kv_heads, head_dim=head_dim, sliding_window=sliding_window,
+                           max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+                           tie_word_embeddings=False, torch_dtype=dtype)
+    return _build(path, params, lambda: MistralForCausalLM(config))
 
 
 def build_tiny_gemma3(path: str | Path, *, layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
@@ -112,26 +127,15 @@ def build_tiny_gemma3(path: str | Path, *, layer_types: tuple[str, ...] = ("slid
     """A random tiny Gemma-3 text model in `path`: a hybrid of sliding-window and full-attention
     layers (`layer_types`), as `build_tiny_llama` builds a Llama. head_dim 32 is the smallest vLLM's
     CPU attention backend runs."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    path = Path(path)
     params = dict(family="gemma3", layer_types=list(layer_types), sliding_window=sliding_window,
                   hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                   vocab_size=vocab_size, max_positions=max_positions, dtype=dtype, seed=seed)
-    stamp = path / "kvtier-build.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == params:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
     config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                               num_hidden_layers=len(layer_types), num_attention_heads=num_heads,
                               num_key_value_heads=num_kv_heads, head_dim=head_dim,
                               max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                               tie_word_embeddings=False, torch_dtype=dtype, sliding_window=sliding_window,
                               layer_types=list(layer_types))
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path, vocab_size)
-    stamp.write_text(json.dumps(params))
-    return path
+    return _build(path, params, lambda: Gemma3ForCausalLM(config))

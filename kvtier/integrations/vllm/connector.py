@@ -235,9 +235,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                       "sharing), which kvtier does not support yet")
         layers = [[self._layer_view(name, kv_caches[name]) for name in members] for members in groups]
         sharding = self.settings.sharding
-        self._worker = WorkerSide(self._backend, self.settings.layout, layers if len(layers) > 1 else layers[0],
-                                  self.settings.load_timeout_s, self.stats, sharding,
-                                  _agree_across_ranks() if sharding.num_ranks > 1 else None)
+        self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
+                                  self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
 
     def _check_backends(self, names: list[str]) -> None:
         """Every layer's attention backend reads its pages the way the page format's name says."""

@@ -7,6 +7,7 @@ start-up and never a surprise mid-request. `read_settings` is pure (tested witho
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -81,9 +82,13 @@ class KVGroup:
             return 0
         return max(0, num_tokens - self.window_tokens + 1 - self.retained_tokens) // block_tokens
 
-    def describe(self) -> str:
-        kind = "full" if self.window_tokens is None else f"sliding window {self.window_tokens}"
-        return f"group {self.index} ({kind}, {len(self.layer_names)} layers)"
+
+@functools.lru_cache(maxsize=64)
+def _group_salt(group: KVGroup) -> bytes:
+    """What a group's keys are mixed with (`Settings.group_keys`): its identity, hashed once per
+    group, not on every lookup."""
+    return _GROUP_TAG + xxhash.xxh3_128_digest(repr((group.index, group.window_tokens, group.retained_tokens,
+                                                      group.layer_names)).encode())
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +181,8 @@ class Settings:
         or one group's under another grouping of the layers, never share a key."""
         if len(self.groups) <= 1:
             return tuple(keys)
-        salt = self._group_salt(group)
+        salt = _group_salt(self.groups[group])
         return tuple(BlockKey(xxhash.xxh3_128_digest(salt + key)) for key in keys)
-
-    def _group_salt(self, group: int) -> bytes:
-        g = self.groups[group]
-        return _GROUP_TAG + xxhash.xxh3_128_digest(repr((g.index, g.window_tokens, g.retained_tokens,
-                                                          g.layer_names)).encode())
 
     @property
     def block_tokens(self) -> int:

@@ -325,8 +325,8 @@ class WorkerSide:
         failed = set(load.failed_rows())
         rows = [i for i in range(len(load.spec.keys)) if i not in failed]
         if rows:
-            scatter_blocks([self.groups[load.spec.group][layer]], [load.spec.block_ids[i] for i in rows], load.staging,
-                           self.layout, None, slots=rows, layers=[layer])
+            scatter_blocks([self.groups[load.spec.group][layer]], [load.spec.block_ids[i] for i in rows],
+                           load.staging, self.layout, None, slots=rows, layers=[layer])
 
     def _finish(self, load: _Load) -> list[int]:
         """The rows of `load` that failed here; its staging is kept while the backend may write it."""

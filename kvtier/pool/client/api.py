@@ -106,6 +106,7 @@ class PoolClient:
         if transport is TransportKind.RDMA:
             self.transports = [_rdma_transport(link, verbs) for link in self.links]
         self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
+        self._names = tuple(names)  # placement's node names, as `rendezvous_order` takes them
         self._releases: list[list[int]] = [[] for _ in names]
         self._lock = threading.Lock()
         self._counters: Counter = Counter()
@@ -115,7 +116,7 @@ class PoolClient:
 
     def placement(self, key: bytes) -> list[int]:
         """Node indices in rendezvous order for `key` (highest score first)."""
-        return rendezvous_order([link.name for link in self.links], key)
+        return rendezvous_order(self._names, key)
 
     def home(self, key: bytes) -> int:
         """The node a key is stored on and looked up at now: the first in `placement` not marked down."""
