@@ -29,12 +29,13 @@ import sys
 
 import pytest
 
-from kvtier.integrations.hf.tiny_model import build_tiny_deepseek, build_tiny_gemma3
+from kvtier.integrations.hf.tiny_model import build_tiny_deepseek, build_tiny_gemma3, build_tiny_mistral
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-from support.vllm import BLOCK, P1, P2, _spec, _yaml, assert_same_as_reference, run_engine  # noqa: E402
+from support.vllm import (  # noqa: E402
+    BLOCK, P1, P2, _spec, _yaml, assert_same_as_reference, outputs_by_prompt, run_engine)
 
 MLA_BLOCK = 16  # vLLM's CPU MLA backend takes 16-token blocks only
 MLA_LOGPROB_ABS = 2e-3
@@ -46,22 +47,17 @@ def mla_model(tmp_path_factory):
 
 
 def _mla_spec(model, kvtier, phases) -> dict:
-    return {"model": str(model), "kvtier": str(kvtier) if kvtier else None, "phases": phases,
-            "engine": {"enable_prefix_caching": False, "num_gpu_blocks_override": 80, "block_size": MLA_BLOCK}}
+    return _spec(model, kvtier, phases, num_gpu_blocks_override=80, block_size=MLA_BLOCK)
 
 
 @pytest.fixture(scope="module")
 def mla_reference(mla_model, tmp_path_factory) -> dict[str, dict]:
-    result = run_engine(tmp_path_factory.mktemp("mla-reference"), "reference",
-                        _mla_spec(mla_model, None, [{"prompts": [P1, P2]}]))
-    return {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
+    return outputs_by_prompt(run_engine(tmp_path_factory.mktemp("mla-reference"), "reference",
+                                        _mla_spec(mla_model, None, [{"prompts": [P1, P2]}])))
 
 
 def _same(phase: dict, reference: dict[str, dict]) -> None:
-    for prompt, out in zip(phase["prompts"], phase["outputs"]):
-        want = reference[json.dumps(prompt)]
-        assert out["tokens"] == want["tokens"], f"prompt of {len(prompt)} tokens"
-        assert out["logprobs"] == pytest.approx(want["logprobs"], abs=MLA_LOGPROB_ABS)
+    assert_same_as_reference(phase, reference, logprob_abs=MLA_LOGPROB_ABS)
 
 
 def _mla_yaml(path, model, tiers):
@@ -132,23 +128,6 @@ def stored_bytes_per_token(phase: dict) -> float:
 WINDOW = 48  # tokens: a hit of n blocks needs blocks from (n * 32 - 47) // 32 on in a sliding group
 
 
-def _mistral(path):
-    """A random tiny Mistral: every layer a 48-token sliding window (one sliding-window group)."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from kvtier.integrations.hf.tiny_model import build_tokenizer
-
-    config = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
-                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-                           torch_dtype="float32")
-    torch.manual_seed(0)
-    MistralForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path, 512)
-    return path
-
-
 _WINDOWED: dict[str, tuple] = {}  # family -> (family, model dir, reference): built once per session
 
 
@@ -156,10 +135,10 @@ def windowed_family(family: str, tmp_path_factory) -> tuple:
     """(family, model dir, what an engine without the connector generates by prompt)."""
     if family not in _WINDOWED:
         path = tmp_path_factory.mktemp(family)
-        model = _mistral(path) if family == "sliding" else build_tiny_gemma3(path, sliding_window=WINDOW)
-        result = run_engine(tmp_path_factory.mktemp(f"{family}-reference"), "reference",
-                            _spec(model, None, [{"prompts": [P1, P2]}]))
-        reference = {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
+        build = build_tiny_mistral if family == "sliding" else build_tiny_gemma3
+        model = build(path, sliding_window=WINDOW)
+        reference = outputs_by_prompt(run_engine(tmp_path_factory.mktemp(f"{family}-reference"), "reference",
+                                                 _spec(model, None, [{"prompts": [P1, P2]}])))
         _WINDOWED[family] = (family, model, reference)
     return _WINDOWED[family]
 

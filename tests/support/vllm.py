@@ -83,16 +83,21 @@ BASIC_PHASES = [{"prompts": [P1]}, {"prompts": [P2]}, {"prompts": [P1, P2]},
 def reference(tiny_model, tmp_path_factory) -> dict[str, dict]:
     """What an engine without the connector generates, by prompt."""
     phases = BASIC_PHASES + [{"prompts": SPILL}]
-    result = run_engine(tmp_path_factory.mktemp("reference"), "reference", _spec(tiny_model, None, phases))
+    return outputs_by_prompt(run_engine(tmp_path_factory.mktemp("reference"), "reference",
+                                        _spec(tiny_model, None, phases)))
+
+
+def outputs_by_prompt(result: dict) -> dict[str, dict]:
+    """An engine run's outputs, keyed by their prompt (as JSON): what `assert_same_as_reference` reads."""
     return {json.dumps(p): o for ph in result["phases"] for p, o in zip(ph["prompts"], ph["outputs"])}
 
 
-def assert_same_as_reference(phase: dict, reference: dict[str, dict]) -> None:
+def assert_same_as_reference(phase: dict, reference: dict[str, dict], logprob_abs: float = 1e-4) -> None:
     for prompt, out in zip(phase["prompts"], phase["outputs"]):
         want = reference[json.dumps(prompt)]
         assert out["finish_reason"] == "length"
         assert out["tokens"] == want["tokens"], f"prompt of {len(prompt)} tokens"
-        assert out["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+        assert out["logprobs"] == pytest.approx(want["logprobs"], abs=logprob_abs)
 from dataclasses import dataclass
 PAGE_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # one layer of one engine block, fp32
 LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
