@@ -24,6 +24,16 @@ once) fall inside it, hence batches of 100k. "cpu µs" is process time: wall wel
 the machine was busy, not the manager slow.
 
     python bench/bench_manager.py [--blocks 1000000] [--ops 100000] [--json out.json] [--profile]
+
+`--memory 1000000 10000000` measures instead what the index costs to hold, at each count of blocks,
+each in a fresh child process (its RSS is its own): a manager with a DRAM tier of 0.2 N and an SSD
+tier of 1.2 N slots, one policy, N new 16-byte keys stored through `store_now` in requests of 64,
+then `gc.collect()`. Reported: RSS per block (keys included, and beyond the key objects, whose own
+cost the child measures first), objects the garbage collector tracks, the pause of a full
+collection (median of 5), `lookup([k])` + `touch([k])` of random stored keys, a store of one new key
+with the demotions it triggers (`store_now`), and the fill's speed, all with the collector on, as in
+a server. `--kvtier PATH` runs the children on another checkout (e.g. the tree before a change),
+for a before/after in one run; `--memory-policies` picks the policies (default lru).
 """
 
 from __future__ import annotations
@@ -50,11 +60,12 @@ import xxhash
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--kvtier" not in sys.argv and not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.manager import Move, TierManager, TierSlots  # noqa: E402
 from kvtier.policy import PolicyKind, make_policy  # noqa: E402
-from kvtier.tiers.base import TierKind  # noqa: E402
+from kvtier.kinds import TierKind  # noqa: E402  (kvtier.tiers imports torch: its objects would be in every GC pause)
 
 LOOKUP_GOAL_US = 5.0
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
@@ -115,6 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run one untimed batch of each op under cProfile and print the top functions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    p.add_argument("--memory", type=int, nargs="+", metavar="BLOCKS",
+                   help="measure the index's memory and GC pause at these block counts instead (see above)")
+    p.add_argument("--memory-policies", nargs="+", default=["lru"], choices=[k.value for k in PolicyKind])
+    p.add_argument("--kvtier", type=Path, help="with --memory: the checkout whose kvtier the children import")
+    p.add_argument("--memory-child", nargs=2, metavar=("BLOCKS", "POLICY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("blocks", "ops", "repeat", "hbm_slots", "dram_slots", "ssd_slots"):
         value = getattr(args, name)
@@ -420,9 +436,118 @@ def report(args: argparse.Namespace, results: list[Result], facts: dict, elapsed
     }
 
 
+# ---- memory: what holding N blocks costs -------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def digest_keys(start: int, count: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(start, start + count)]
+
+
+def memory_child(num_blocks: int, policy: str) -> dict:
+    """One measurement (run in a fresh process): see the module's docstring."""
+    gc.collect()
+    # What a 16-byte key object costs here, to tell the index's own bytes from its keys'.
+    base = rss_bytes()
+    probe = digest_keys(10**12, 200_000)
+    key_bytes = (rss_bytes() - base - 8 * len(probe)) / len(probe)
+    del probe
+    gc.collect()
+    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
+    t = time.perf_counter()
+    gc.collect()
+    empty_pause = time.perf_counter() - t  # the process before the index: imports, the interpreter
+    dram, ssd = max(1, num_blocks // 5), max(1, num_blocks * 6 // 5)
+    manager = TierManager([TierSlots(DRAM, dram, make_policy(policy, dram)), TierSlots(SSD, ssd, make_policy(policy, ssd))])
+    started = time.perf_counter()
+    step = 64
+    for start in range(0, num_blocks, step):
+        manager.store_now(digest_keys(start, min(step, num_blocks - start)))
+    fill_s = time.perf_counter() - started
+    indexed = len(manager.index)
+    gc.collect()
+    rss_after, objects_after = rss_bytes(), len(gc.get_objects())
+    pauses = []
+    for _ in range(5):
+        t = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - t)
+    rng = random.Random(0)
+    picks = [digest_keys(rng.randrange(num_blocks), 1)[0] for _ in range(50_000)]
+    lookup, touch = manager.lookup, manager.touch
+    t = time.perf_counter()
+    for key in picks:
+        lookup([key])
+        touch([key])
+    lookup_us = (time.perf_counter() - t) / len(picks) * 1e6
+    found = sum(manager.lookup([k]) for k in picks[:1000])
+    new = [[k] for k in digest_keys(num_blocks, 20_000)]
+    store_now = manager.store_now
+    t = time.perf_counter()
+    for request in new:
+        store_now(request)
+    store_us = (time.perf_counter() - t) / len(new) * 1e6
+    grown = rss_bytes() - rss_before
+    return {"blocks": num_blocks, "policy": policy, "dram_slots": dram, "ssd_slots": ssd, "indexed": indexed,
+            "rss_per_block": (rss_after - rss_before) / num_blocks, "key_object_bytes": key_bytes,
+            "rss_per_block_beyond_keys": (rss_after - rss_before) / num_blocks - key_bytes,
+            "rss_mib": (rss_after - rss_before) / 2**20, "rss_mib_at_end": grown / 2**20,
+            "tracked_objects": objects_after - objects_before,
+            "gc_pause_ms": statistics.median(pauses) * 1e3, "gc_pauses_ms": [p * 1e3 for p in pauses],
+            "gc_pause_ms_before_index": empty_pause * 1e3, "torch_imported": "torch" in sys.modules,
+            "lookup_touch_us": lookup_us, "lookups_found": found, "store_us": store_us,
+            "fill_blocks_per_s": num_blocks / fill_s, "kvtier": str(Path(sys.modules["kvtier"].__file__).parent)}
+
+
+def run_memory(args: argparse.Namespace, console: Console) -> list[dict]:
+    """One child per (policy, block count); prints each result as it comes, then a table."""
+    import subprocess
+
+    env = dict(os.environ)
+    if args.kvtier:
+        env["PYTHONPATH"] = str(args.kvtier.resolve())
+    rows = []
+    for policy in args.memory_policies:
+        for n in args.memory:
+            console.print(f"memory: {policy}, {n:,} blocks (a child process; 10M blocks take a few minutes) ...")
+            out = subprocess.run([sys.executable, __file__, "--memory-child", str(n), policy], env=env,
+                                 capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"memory child failed ({policy}, {n:,} blocks):\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            console.print(f"  RSS {row['rss_per_block']:.0f} B/block, full GC {row['gc_pause_ms']:.1f} ms, "
+                          f"{row['tracked_objects']:,} tracked objects")
+            rows.append(row)
+    t = Table(title="kvtier block index: what N blocks cost (DRAM 0.2 N + SSD 1.2 N slots, store_now)"
+                    + (f" — kvtier from {args.kvtier}" if args.kvtier else ""))
+    for col in ("policy", "blocks", "RSS B/block", "beyond keys", "tracked objects", "full GC ms",
+                "goal <= 20 ms", "GC ms, no index", "lookup+touch µs", "store µs", "fill blocks/s"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        t.add_row(r["policy"], f"{r['blocks']:,}", f"{r['rss_per_block']:.0f}", f"{r['rss_per_block_beyond_keys']:.0f}",
+                  f"{r['tracked_objects']:,}", f"{r['gc_pause_ms']:.1f}",
+                  "[green]pass[/]" if r["gc_pause_ms"] <= 20 else "[red]miss[/]", f"{r['gc_pause_ms_before_index']:.1f}",
+                  f"{r['lookup_touch_us']:.2f}", f"{r['store_us']:.2f}", f"{r['fill_blocks_per_s']:,.0f}")
+    console.print(t)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(memory_child(int(args.memory_child[0]), args.memory_child[1])))
+        return 0
     console = Console(width=None if sys.stdout.isatty() else 130)
+    if args.memory:
+        rows = run_memory(args, console)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                                         "python": sys.version.split()[0]}, "memory": rows}, indent=2))
+        return 0
     started = time.perf_counter()
     results: list[Result] = []
     facts: dict[str, dict] = {}

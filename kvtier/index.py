@@ -6,12 +6,28 @@ A block may have one copy per tier (several only in inclusive mode or while movi
 `WRITING` (bytes on their way: invisible to lookups, never read), `READY`, or `FREEING` (leaving,
 kept only until its last in-flight reader ends). A copy being read has `readers > 0` and cannot be
 evicted; a block with `pins > 0` cannot be evicted anywhere.
+
+Storage: columns, not objects. An engine's process and a pool node index millions of blocks, and
+the garbage collector walks every object it tracks on each full collection, a pause of the whole
+server (about 180 ns per object: 550 ms for the three objects per block this used to keep). So no
+per-block object here is one the collector tracks:
+  * each indexed key gets an integer id (`ids`: key -> id, a plain dict of bytes and ints, which
+    CPython never tracks), reused once the block leaves; id -> key is 16 bytes of one `bytearray`
+    per id while every key is a 16-byte digest (`BlockKey`), else a dict (`key_of`);
+  * per id, arrays (`array.array`, `bytearray`: untracked, 1–4 bytes an item) hold the slot of its
+    copy in each tier (-1: none), its pins, hits, fastest READY tier and the prefetched flag;
+  * per tier and slot, arrays hold the id owning the slot (-1: free), the copy's state and readers.
+A block has at least one copy and a copy holds one slot, so ids never outnumber the slots of all
+tiers together: the per-slot columns are allocated once, the per-id ones grow (in place, by a
+quarter) up to that bound as ids are handed out. `get` and iteration build `BlockEntry` snapshots
+from the columns, for inspection and tests; the manager's paths read the columns directly.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterator
+from array import array
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError, KVTierError
@@ -24,9 +40,16 @@ class CopyState(enum.Enum):
     FREEING = "freeing"  # leaving: invisible to new readers, freed when the last reader ends
 
 
+# A copy's state in the `state` columns; FREE: the slot holds no copy.
+FREE, WRITING, READY, FREEING = 0, 1, 2, 3
+NO_TIER = 255  # the `ready` column of a block with no READY copy
+_STATES = (None, CopyState.WRITING, CopyState.READY, CopyState.FREEING)
+_KINDS = tuple(TierKind)
+
+
 @dataclass(slots=True)
 class Copy:
-    """One copy of a block in one tier."""
+    """One copy of a block in one tier (a snapshot: see `BlockIndex.get`)."""
 
     slot: int
     state: CopyState = CopyState.WRITING
@@ -39,53 +62,42 @@ class Copy:
 
 @dataclass(slots=True)
 class BlockEntry:
+    """Everything the index knows of one block, copied out of its columns (changing it changes nothing)."""
+
     key: Hashable
     copies: dict[TierKind, Copy] = field(default_factory=dict)
     pins: int = 0
     hits: int = 0
     checksums: tuple[int, ...] | None = None  # per layer, xxh3_64 of the layer's bytes
     prefetched: bool = False  # brought up by a prefetch and not loaded since
-    ready_tier: TierKind | None = None  # the fastest READY copy; kept by `refresh()` on every state change
+    ready_tier: TierKind | None = None  # the fastest READY copy
 
     def best_ready(self) -> TierKind | None:
         """The fastest tier holding a READY copy, or None."""
-        return self.ready_tier  # cached: lookups run once per key and dominate bookkeeping
-
-    def refresh(self) -> None:
-        """Recomputes `ready_tier`; call after any copy's state changes."""
-        best = None
-        for tier, copy in self.copies.items():
-            if copy.state is _READY and (best is None or tier < best):
-                best = tier
-        self.ready_tier = best
+        return self.ready_tier
 
     def live_copies(self) -> int:
         """Copies that are or will become servable (READY or WRITING)."""
-        n = 0
-        for copy in self.copies.values():
-            if copy.state is not _FREEING:
-                n += 1
-        return n
-
-
-_READY = CopyState.READY
-_FREEING = CopyState.FREEING
+        return sum(c.state is not CopyState.FREEING for c in self.copies.values())
 
 
 class SlotAllocator:
     """A free list over `num_slots` fixed slots of one tier.
 
-    `free` is the list itself, never rebound: the manager's per-block paths pop and append it
+    `free` is the array itself, never rebound: the manager's per-block paths pop and append it
     directly (`slot = free.pop() if free else None` is `allocate()` without a Python call; a
     three-tier replay claims ~3 slots per block access), so the count in use is derived from it.
+    An `array`, not a list: 4 bytes a slot, and nothing for the garbage collector to walk.
     """
 
     def __init__(self, kind: TierKind, num_slots: int) -> None:
         if num_slots < 1:
             raise CapacityError(f"tier {kind.name}: needs at least one slot, got {num_slots}")
+        if num_slots >= 2**31:
+            raise CapacityError(f"tier {kind.name}: at most 2**31 - 1 slots, got {num_slots}")
         self.kind = kind
         self.num_slots = num_slots
-        self.free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.free = array("i", range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property
     def num_used(self) -> int:
@@ -101,7 +113,7 @@ class SlotAllocator:
 
     def take(self, slots: set[int]) -> None:
         """Marks `slots` (all free) as used, e.g. for blocks found on disk at start-up."""
-        self.free[:] = [s for s in self.free if s not in slots]
+        self.free[:] = array("i", [s for s in self.free if s not in slots])
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -110,32 +122,133 @@ class SlotAllocator:
 
 
 class BlockIndex:
-    """Maps keys to entries; the manager's single source of truth."""
+    """Keys to ids, and the columns of every indexed block: the manager's single source of truth.
 
-    def __init__(self) -> None:
-        self._entries: dict[Hashable, BlockEntry] = {}
-        # The manager calls `get` several times per block access: binding the dict's own method
-        # saves a Python frame per call (see bench/bench_simulate.py). Same contract as `get` below.
-        self.get = self._entries.get
+    Args:
+        num_slots: the slots of each configured tier.
 
-    def get(self, key: Hashable) -> BlockEntry | None:  # shadowed per instance by __init__
-        """The entry of `key`, or None."""
-        return self._entries.get(key)
+    Per id (`ids[key]`): `slot[tier][id]` (-1: no copy there), `pins[id]`, `hits[id]`,
+    `ready[id]` (the fastest READY tier's number, `NO_TIER`: none), `prefetched[id]`,
+    `num_copies[id]`, and `checksums` (a dict, id -> per-layer checksums, for blocks that have them).
+    Per tier and slot: `owner[tier][slot]` (the id, -1: free), `state[tier][slot]` (FREE, WRITING,
+    READY, FREEING), `readers[tier][slot]`. Lists indexed by tier hold None for a tier not configured.
+    """
 
-    def get_or_create(self, key: Hashable) -> BlockEntry:
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = BlockEntry(key)
-        return entry
+    def __init__(self, num_slots: Mapping[TierKind, int]) -> None:
+        capacity = sum(num_slots.values())
+        self.capacity = capacity  # ids in use never exceed it: each indexed block holds a slot
+        self.ids: dict[Hashable, int] = {}
+        self.keys: dict[int, Hashable] | None = None  # id -> key once a key is not a 16-byte digest
+        self._blob = bytearray()  # id -> key, 16 bytes each, while every key is a 16-byte digest
+        self._view = memoryview(self._blob)
+        self.checksums: dict[int, tuple] = {}
+        self._reuse = array("i")  # ids of blocks gone, handed out again first
+        self._next_id = 0
+        self._allocated = 0  # length of the per-id columns
+        self.pins = array("i")
+        self.hits = array("i")
+        self.ready = bytearray()
+        self.prefetched = bytearray()
+        self.num_copies = bytearray()  # at most one copy per tier: never above 4
+        tiers = len(_KINDS)
+        self.slot: list[array | None] = [None] * tiers
+        self.owner: list[array | None] = [None] * tiers
+        self.state: list[bytearray | None] = [None] * tiers
+        self.readers: list[array | None] = [None] * tiers
+        for kind, n in num_slots.items():
+            self.slot[kind] = array("i")
+            self.owner[kind] = array("i", [-1]) * n
+            self.state[kind] = bytearray(n)
+            self.readers[kind] = array("i", bytes(4 * n))
+        self._kinds = tuple(sorted(num_slots))
 
-    def discard(self, key: Hashable) -> None:
-        self._entries.pop(key, None)
+    def add(self, key: Hashable) -> int:
+        """Indexes `key` (not indexed yet) with no copy; returns its id."""
+        reuse = self._reuse
+        if reuse:
+            block = reuse.pop()
+        else:
+            block = self._next_id
+            if block == self._allocated:
+                self._grow()
+            self._next_id = block + 1
+        self.ids[key] = block
+        keys = self.keys
+        if keys is not None:
+            keys[block] = key
+        elif key.__class__ is bytes and len(key) == 16:
+            self._view[block << 4:(block + 1) << 4] = key
+        else:
+            self._keys_by_dict()
+            self.keys[block] = key
+        return block
+
+    def key_of(self, block: int) -> Hashable:
+        """The key of block `block`."""
+        keys = self.keys
+        if keys is not None:
+            return keys[block]
+        return self._view[block << 4:(block + 1) << 4].tobytes()
+
+    def remove(self, block: int) -> None:
+        """Forgets block `block` (it holds no copy any more); its id is reused."""
+        keys = self.keys
+        del self.ids[keys.pop(block) if keys is not None else self._view[block << 4:(block + 1) << 4].tobytes()]
+        self.pins[block] = 0
+        self.hits[block] = 0
+        self.ready[block] = NO_TIER
+        self.prefetched[block] = 0
+        self.checksums.pop(block, None)
+        self._reuse.append(block)
+
+    def _grow(self) -> None:
+        """Lengthens every per-id column by a quarter (at least 1024 ids), in place, up to `capacity`."""
+        old = self._allocated
+        more = min(self.capacity, max(old + 1024, old + old // 4)) - old
+        if more <= 0:
+            raise KVTierError(f"the index is full ({self.capacity} blocks): a block without a copy was kept")
+        for column in (self.pins, self.hits):
+            column.extend(array("i", bytes(4 * more)))
+        self.ready.extend(bytes([NO_TIER]) * more)
+        self.prefetched.extend(bytes(more))
+        self.num_copies.extend(bytes(more))
+        for kind in self._kinds:
+            self.slot[kind].extend(array("i", [-1]) * more)
+        if self.keys is None:
+            self._view.release()  # a bytearray with a view cannot grow
+            self._blob.extend(bytes(16 * more))
+            self._view = memoryview(self._blob)
+        self._allocated = old + more
+
+    def _keys_by_dict(self) -> None:
+        """Switches id -> key to a dict, for a key that is not a 16-byte digest (ints in a simulation)."""
+        self.keys = {block: self._view[block << 4:(block + 1) << 4].tobytes() for block in self.ids.values()}
+        self._view.release()
+        self._blob = bytearray()
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    def get(self, key: Hashable) -> BlockEntry | None:
+        """A snapshot of what the index holds for `key`, or None."""
+        block = self.ids.get(key)
+        return None if block is None else self._snapshot(block)
+
+    def _snapshot(self, block: int) -> BlockEntry:
+        copies = {}
+        for kind in self._kinds:
+            slot = self.slot[kind][block]
+            if slot >= 0:
+                copies[kind] = Copy(slot, _STATES[self.state[kind][slot]], self.readers[kind][slot])
+        ready = self.ready[block]
+        return BlockEntry(self.key_of(block), copies, self.pins[block], self.hits[block],
+                          self.checksums.get(block), bool(self.prefetched[block]),
+                          None if ready == NO_TIER else _KINDS[ready])
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return key in self.ids
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.ids)
 
     def __iter__(self) -> Iterator[BlockEntry]:
-        return iter(list(self._entries.values()))
+        return iter([self._snapshot(block) for block in list(self.ids.values())])

@@ -10,12 +10,17 @@ being written is never served and what is being read is never evicted.
 (the trace simulator): the same decision code runs, and the moves it starts are completed inside
 the call, in the order a transfer engine completing each batch at once would complete them.
 
+Blocks are integer ids into the index's columns (`kvtier.index`), and policies track slots: with
+millions of blocks indexed nothing per block is an object the garbage collector walks
+(bench/bench_manager.py measures the pause). A policy that must know block keys (ghost lists,
+Belady's future) is handed them through `_KeyedPolicy`.
+
 Not thread-safe: the runtime serialises calls under one lock.
 
 Size (over STYLE's ~400 lines, on purpose): the manager is one state machine over one index, and
 its per-block paths (evict, demote, release) are inlined into each other because a replay runs
 them a few million times (bench/bench_simulate.py). Spreading the class over modules would
-scatter the invariants those paths keep in step (`_outgoing`, free lists, owners, `ready_tier`)
+scatter the invariants those paths keep in step (`_outgoing`, free lists, owners, `ready`)
 without making any of them smaller; the hypothesis state machine (tests/test_manager.py) and the
 two-path equivalence test (tests/simulate/test_simulate_fastpath.py) guard them instead.
 """
@@ -27,26 +32,68 @@ import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.index import BlockEntry, BlockIndex, Copy, CopyState, SlotAllocator
+from kvtier.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
 from kvtier.plans import LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
 from kvtier.policy.admission import AdmissionKind
+from kvtier.policy.base import EvictionPolicy
 from kvtier.stats import DropReason, Stats
 from kvtier.kinds import CacheMode, TierKind
 
-
-# Enum members as module constants for the per-block hot paths: a class attribute lookup on an Enum
-# costs ~50 ns, a global ~5 ns, and a store or load runs several per block (bench/bench_simulate.py).
-_READY, _WRITING, _FREEING = CopyState.READY, CopyState.WRITING, CopyState.FREEING
+# Module constants for the per-block hot paths: a class attribute lookup on an Enum costs ~50 ns,
+# a global ~5 ns, and a store or load runs several per block (bench/bench_simulate.py).
 _ADMIT_ALL = AdmissionKind.ALL
 _EXCLUSIVE = CacheMode.EXCLUSIVE
+_DEMOTE, _PREFETCH = MoveReason.DEMOTE, MoveReason.PREFETCH
+_EVICTED = DropReason.EVICTED
+_KINDS = tuple(TierKind)  # a tier's number -> its TierKind
 
 
 def _always(key: Hashable) -> bool:
     return True
 
 
-_DEMOTE, _PREFETCH = MoveReason.DEMOTE, MoveReason.PREFETCH  # see _READY above
-_EVICTED = DropReason.EVICTED
+class _KeyedPolicy:
+    """Hands a policy that tracks block keys the manager's slot numbers, translated both ways.
+
+    kvtier's LRU tracks slots (`tracks_slots`); ARC and S3-FIFO keep ghost lists of keys no longer
+    resident, and Belady's MIN looks keys up in the future, so they see keys exactly as before.
+    """
+
+    __slots__ = ("policy", "_ids", "_slot", "_key_of", "_owner", "_protected", "_by_key")
+
+    def __init__(self, policy: EvictionPolicy, index: BlockIndex, tier: TierKind) -> None:
+        self.policy = policy
+        self._ids, self._key_of = index.ids, index.key_of
+        self._slot, self._owner = index.slot[tier], index.owner[tier]
+        self._protected: Callable[[int], bool] | None = None
+        self._by_key: Callable[[Hashable], bool] | None = None
+
+    def insert(self, slot: int) -> None:
+        self.policy.insert(self._key_of(self._owner[slot]))
+
+    def touch(self, slot: int) -> None:
+        self.policy.touch(self._key_of(self._owner[slot]))
+
+    def remove(self, slot: int) -> None:
+        self.policy.remove(self._key_of(self._owner[slot]))
+
+    def evict(self, n: int, protected: Callable[[int], bool]) -> list[int] | None:
+        if protected is not self._protected:  # the manager passes one callback per tier
+            ids, slots = self._ids, self._slot
+
+            def by_key(key: Hashable) -> bool:
+                block = ids.get(key)
+                return block is None or slots[block] < 0 or protected(slots[block])
+
+            self._protected, self._by_key = protected, by_key
+        victims = self.policy.evict(n, self._by_key)
+        if victims is None:
+            return None
+        ids, slots = self._ids, self._slot
+        return [slots[ids[key]] for key in victims]
+
+    def __len__(self) -> int:
+        return len(self.policy)
 
 
 class TierManager:
@@ -75,20 +122,23 @@ class TierManager:
         self.mode = mode
         self.promote_to = promote_to if promote_to in self._tiers else None
         self.stats = stats or Stats()
-        self.index = BlockIndex()
         self._slots = {k: SlotAllocator(k, t.num_slots) for k, t in self._tiers.items()}
-        # Per tier, the key in each slot (None: free). Lists, not dicts: a slot is claimed and freed
-        # per block moved, and a list item is stored without hashing or resizing.
-        self._owner: dict[TierKind, list[Hashable | None]] = {k: [None] * t.num_slots for k, t in self._tiers.items()}
+        index = self.index = BlockIndex({k: t.num_slots for k, t in self._tiers.items()})
+        # The index's columns, bound once (see kvtier.index): lists indexed by tier, arrays by block
+        # id or slot. Blocks are ids everywhere below; a key is looked up once per call.
+        self._ids, self._key_of, self._checksums = index.ids, index.key_of, index.checksums
+        self._slot, self._owner, self._state, self._readers = index.slot, index.owner, index.state, index.readers
+        self._pins, self._hits, self._ready, self._prefetched = index.pins, index.hits, index.ready, index.prefetched
+        self._num_copies = index.num_copies
         self._moves: dict[int, Move] = {}
         self._inbound: dict[Hashable, Move] = {}  # key -> promotion/prefetch in flight
         self._outgoing = dict.fromkeys(self._tiers, 0)  # demotions in flight, per source tier
         self._new_moves: list[Move] = []
-        # Moves started under `store_now` / `load_now`, to complete there: (entry, its source Copy,
-        # src, dst, the Move, or None for a demotion: see `_evict`); None outside those verbs.
-        self._queue: list[tuple[BlockEntry, Copy, TierKind, TierKind, Move | None]] | None = None
+        # Moves started under `store_now` / `load_now`, to complete there: (block, src, dst, the
+        # Move, or None for a demotion: see `_evict`); None outside those verbs.
+        self._queue: list[tuple[int, TierKind, TierKind, Move | None]] | None = None
         self._over_high = True  # see `_rebalance` and `_complete_queued`
-        self._ids = itertools.count(1)
+        self._ids_made = itertools.count(1)
         self._joined: set[int] = set()  # prefetch moves a load has joined while in flight
         self._down: frozenset[TierKind] = frozenset()  # tiers out of the cascade (see `set_available`)
         self._derive_cascade()
@@ -98,7 +148,9 @@ class TierManager:
                                for k, t in self._tiers.items() if t.write_through or mode is not _EXCLUSIVE}
         self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
         self._may_drop = frozenset(k for k, t in self._tiers.items() if t.may_drop)
-        self._policies = {k: t.policy for k, t in self._tiers.items()}
+        # Per tier, the policy as the manager calls it: with slot numbers (see `_KeyedPolicy`).
+        self._policies = {k: t.policy if getattr(t.policy, "tracks_slots", False) else _KeyedPolicy(t.policy, index, k)
+                          for k, t in self._tiers.items()}
         # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
         self._protected = {k: self._protected_in(k) for k in self._tiers}
 
@@ -146,8 +198,14 @@ class TierManager:
 
     def held_elsewhere(self, key: Hashable, tiers: Collection[TierKind]) -> bool:
         """Whether `key` has a live copy (READY or WRITING) outside `tiers`."""
-        entry = self.index.get(key)
-        return entry is not None and any(t not in tiers and c.state is not _FREEING for t, c in entry.copies.items())
+        block = self._ids.get(key)
+        if block is None:
+            return False
+        for t in self.order:
+            slot = self._slot[t][block]
+            if slot >= 0 and t not in tiers and self._state[t][slot] != FREEING:
+                return True
+        return False
 
     def below(self, tier: TierKind) -> tuple[TierKind, ...]:
         """The tiers in service below `tier`, in order: where its victims and failed writes go."""
@@ -158,11 +216,13 @@ class TierManager:
     def lookup(self, keys: Iterable[Hashable]) -> int:
         """Length of the longest prefix of `keys` whose blocks are READY in some tier."""
         n = 0
-        get, down = self.index.get, self._down
+        get, ready, down = self._ids.get, self._ready, self._down
         for key in keys:
-            entry = get(key)
-            tier = entry.ready_tier if entry is not None else None
-            if tier is None or (down and tier in down and self._serving(entry) is None):
+            block = get(key)
+            if block is None:
+                break
+            tier = ready[block]
+            if tier == NO_TIER or (down and tier in down and self._serving(block) is None):
                 break
             n += 1
         return n
@@ -170,10 +230,10 @@ class TierManager:
     def serving_tiers(self, keys: Iterable[Hashable]) -> list[TierKind]:
         """The tier that would serve each block of the longest READY prefix of `keys` (as `lookup`)."""
         tiers = []
-        get = self.index.get
+        get = self._ids.get
         for key in keys:
-            entry = get(key)
-            tier = self._serving(entry) if entry is not None and entry.ready_tier is not None else None
+            block = get(key)
+            tier = self._serving(block) if block is not None else None
             if tier is None:
                 break
             tiers.append(tier)
@@ -185,13 +245,13 @@ class TierManager:
         now (as `lookup`), or False where it is not indexed at all (what a shared tier may hold
         from another process). Compare with `is`: `TierKind.HBM` is 0."""
         out: list[TierKind | bool | None] = []
-        get = self.index.get
+        get = self._ids.get
         for key in keys:
-            entry = get(key)
-            if entry is None:
+            block = get(key)
+            if block is None:
                 out.append(False)
                 continue
-            tier = self._serving(entry) if entry.ready_tier is not None else None
+            tier = self._serving(block)
             out.append(tier)
             if tier is None:
                 break
@@ -202,36 +262,45 @@ class TierManager:
         (its node evicted them under other clients' pressure, restarted, or does not answer):
         a block found again later is adopted afresh. Returns how many copies were dropped; a
         block left with no copy is counted under `DropReason.SHARED_GONE`."""
+        if tier not in self._tiers:
+            return 0
         dropped = 0
-        get = self.index.get
+        get, slots, state = self._ids.get, self._slot[tier], self._state[tier]
         for key in keys:
-            entry = get(key)
-            copy = entry.copies.get(tier) if entry is not None else None
-            if copy is not None and copy.state is _READY:
-                self._retire(entry, tier, DropReason.SHARED_GONE)
+            block = get(key)
+            if block is not None and slots[block] >= 0 and state[slots[block]] == READY:
+                self._retire(block, tier, DropReason.SHARED_GONE)
                 dropped += 1
         return dropped
 
-    def _serving(self, entry: BlockEntry) -> TierKind | None:
-        """The fastest READY copy of `entry` in a tier in service (`ready_tier` when none is down)."""
+    def _serving(self, block: int) -> TierKind | None:
+        """The fastest READY copy of `block` in a tier in service (its `ready` tier when none is down)."""
+        tier = self._ready[block]
+        if tier == NO_TIER:
+            return None
         down = self._down
-        if not down or entry.ready_tier not in down:
-            return entry.ready_tier
-        ready = [t for t, c in entry.copies.items() if c.state is _READY and t not in down]
-        return min(ready, default=None)
+        if not down or tier not in down:
+            return _KINDS[tier]
+        for t in self.order:  # fastest first
+            slot = self._slot[t][block]
+            if slot >= 0 and t not in down and self._state[t][slot] == READY:
+                return t
+        return None
 
     def where(self, key: Hashable) -> TierKind | None:
         """The fastest tier holding a READY copy of `key`, or None."""
-        entry = self.index.get(key)
-        return entry.best_ready() if entry else None
+        block = self._ids.get(key)
+        tier = self._ready[block] if block is not None else NO_TIER
+        return None if tier == NO_TIER else _KINDS[tier]
 
     def touch(self, keys: Iterable[Hashable]) -> None:
         """Marks `keys` as just used in the tier that would serve them."""
+        get = self._ids.get
         for key in keys:
-            entry = self.index.get(key)
-            tier = self._serving(entry) if entry else None
+            block = get(key)
+            tier = self._serving(block) if block is not None else None
             if tier is not None:
-                self._tiers[tier].policy.touch(key)
+                self._policies[tier].touch(self._slot[tier][block])
 
     def num_used(self, tier: TierKind) -> int:
         return self._slots[tier].num_used
@@ -242,7 +311,8 @@ class TierManager:
     def owner(self, tier: TierKind, slot: int) -> Hashable | None:
         """The key whose copy occupies `slot` of `tier`, or None if the slot is free."""
         owners = self._owner[tier]
-        return owners[slot] if 0 <= slot < len(owners) else None
+        block = owners[slot] if 0 <= slot < len(owners) else -1
+        return self._key_of(block) if block >= 0 else None
 
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
@@ -252,7 +322,7 @@ class TierManager:
         joined by no load (a load reading the copy on its way up holds its destination)."""
         keys = []
         for m in moves:
-            if m.reason is _PREFETCH and m.id in self._moves and self.index.get(m.key).copies[m.dst].readers == 0:
+            if m.reason is _PREFETCH and m.id in self._moves and self._readers[m.dst][m.dst_slot] == 0:
                 keys.append(m.key)
         return keys
 
@@ -265,15 +335,16 @@ class TierManager:
             How many were adopted. Call before any store.
         """
         taken: set[int] = set()
+        num_slots, owners = self._slots[tier].num_slots, self._owner[tier]
         for key, slot, checksums in blocks:
-            if key in self.index or slot in taken or not 0 <= slot < self._slots[tier].num_slots:
+            if key in self._ids or slot in taken or not 0 <= slot < num_slots or owners[slot] >= 0:
                 continue
-            entry = self.index.get_or_create(key)
-            entry.copies[tier] = Copy(slot, _READY)
-            entry.refresh()
-            entry.checksums = tuple(checksums)
-            self._owner[tier][slot] = key
-            self._tiers[tier].policy.insert(key)
+            block = self.index.add(key)
+            self._claim(block, tier, slot)
+            self._state[tier][slot] = READY
+            self._refresh(block)
+            self._checksums[block] = tuple(checksums)
+            self._policies[tier].insert(slot)
             taken.add(slot)
         self._slots[tier].take(taken)
         return len(taken)
@@ -297,16 +368,16 @@ class TierManager:
         if tier in self._down:
             return adopted, ()
         for key in keys:
-            if key in self.index:
+            if key in self._ids:
                 break
             slot = self._free_slot(tier, False, 0)
             if slot is None:
                 break
-            entry = self.index.get_or_create(key)
-            entry.copies[tier] = Copy(slot, _READY)
-            entry.refresh()
-            self._owner[tier][slot] = key
-            self._policies[tier].insert(key)
+            block = self.index.add(key)
+            self._claim(block, tier, slot)
+            self._state[tier][slot] = READY
+            self._refresh(block)
+            self._policies[tier].insert(slot)
             adopted.append((key, slot))
         self.stats.count_shared({"adopted": len(adopted)})
         return adopted, self._drain()
@@ -321,10 +392,11 @@ class TierManager:
         loses its pins with it.
         """
         pinned = []
+        get, pins = self._ids.get, self._pins
         for key in keys:
-            entry = self.index.get(key)
-            if entry is not None and entry.live_copies():
-                entry.pins += 1
+            block = get(key)
+            if block is not None and self._live(block):
+                pins[block] += 1
                 pinned.append(key)
         return pinned
 
@@ -336,10 +408,11 @@ class TierManager:
             The keys unpinned, in order, and the demotions that are now possible.
         """
         unpinned = []
+        get, pins = self._ids.get, self._pins
         for key in keys:
-            entry = self.index.get(key)
-            if entry is not None and entry.pins:
-                entry.pins -= 1
+            block = get(key)
+            if block is not None and pins[block]:
+                pins[block] -= 1
                 unpinned.append(key)
         self._rebalance()
         return unpinned, self._drain()
@@ -352,23 +425,23 @@ class TierManager:
         Inclusive mode adds a write-through placement in every lower tier that admits the block.
         """
         placed, present, rejected = self._place(keys, target)
-        placements = tuple([Placement(entry.key, tier, slot) for entry, tier, slot in placed])
+        placements = tuple([Placement(key, tier, slot) for _, tier, slot, key in placed])
         return StorePlan(placements, tuple(present), tuple(rejected), self._drain())
 
     def _place(self, keys: Iterable[Hashable], target: TierKind | None) -> tuple[list, list, list]:
-        """`prepare_store`'s decisions: the (entry, tier, slot) claimed, the keys present, those rejected."""
+        """`prepare_store`'s decisions: the (block, tier, slot, key) claimed, the keys present, those rejected."""
         start = self.order.index(target) if target is not None else 0
-        placed: list[tuple[BlockEntry, TierKind, int]] = []
+        placed: list[tuple[int, TierKind, int, Hashable]] = []
         present: list[Hashable] = []
         rejected: list[Hashable] = []
-        get = self.index.get
+        get = self._ids.get
         tiers = self.order[start:] if not self._down else [t for t in self.order[start:] if t not in self._down]
         for key in keys:
-            entry = get(key)
-            if entry is not None and entry.live_copies():
+            block = get(key)
+            if block is not None and self._live(block):
                 present.append(key)
                 continue
-            if not self._place_new(key, tiers, entry, placed):
+            if not self._place_new(key, tiers, block, placed):
                 rejected.append(key)
                 self.stats.dropped[DropReason.NO_SPACE] += 1
         return placed, present, rejected
@@ -387,17 +460,17 @@ class TierManager:
         Returns the demotions this triggered.
         """
         failed = set(failed)
-        get, stores = self.index.get, self.stats.stores
+        ids, stores, known = self._ids, self.stats.stores, self._checksums
         for p in plan.placements:
-            entry = get(p.key)
+            block = ids[p.key]
             if failed and (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
-                self._release(entry, p.tier, None if p.key in retrying else DropReason.STORE_FAILED)
+                self._release(block, p.tier, None if p.key in retrying else DropReason.STORE_FAILED)
                 continue
-            self._make_ready(entry, p.tier)
+            self._make_ready(block, p.tier)
             stores[p.tier] += 1
-            if checksums and p.key in checksums and entry.checksums is None:
-                entry.checksums = checksums[p.key]
+            if checksums and p.key in checksums and block not in known:
+                known[block] = checksums[p.key]
         self._rebalance()
         return self._drain()
 
@@ -410,21 +483,23 @@ class TierManager:
         move lands; a block already on its way up (promotion or prefetch) joins that move instead
         of issuing a second read.
         """
-        leased: list[tuple[BlockEntry, TierKind]] = []
+        leased: list[tuple[int, TierKind, Hashable]] = []
         missing: list[Hashable] = []
-        get = self.index.get
+        get, ready, slots, readers = self._ids.get, self._ready, self._slot, self._readers
         for key in keys:  # lease every source first: promoting one block must not evict another
-            entry = get(key)
-            tier = entry.ready_tier if entry else None  # `best_ready()`, without the call
-            if tier is not None and self._down:
-                tier = self._serving(entry)
+            block = get(key)
+            tier = ready[block] if block is not None else NO_TIER
+            if tier != NO_TIER:
+                tier = _KINDS[tier] if not self._down else self._serving(block)
+            else:
+                tier = None
             if tier is None:
                 missing.append(key)
                 self.stats.misses += 1
                 continue
-            entry.copies[tier].readers += 1
-            leased.append((entry, tier))
-        sources = tuple([self._load_source(entry, tier) for entry, tier in leased])
+            readers[tier][slots[tier][block]] += 1
+            leased.append((block, tier, key))
+        sources = tuple([self._load_source(block, tier, key) for block, tier, key in leased])
         return LoadPlan(sources, tuple(missing), self._drain())
 
     def complete_load(self, plan: LoadPlan, failed: dict[Hashable, str] | None = None) -> tuple[Move, ...]:
@@ -434,19 +509,19 @@ class TierManager:
         was the last copy); the caller treats those blocks as misses.
         """
         failed = failed or {}
-        get = self.index.get
+        get, slots, readers = self._ids.get, self._slot, self._readers
         for src in plan.sources:
-            entry = get(src.key)
-            copy = entry.copies.get(src.tier) if entry else None
-            if copy is None or copy.slot != src.slot:
+            block = get(src.key)
+            tier = src.tier
+            if block is None or slots[tier][block] != src.slot:
                 continue  # the copy was already discarded by a failed move it had joined
-            copy.readers -= 1
+            readers[tier][src.slot] -= 1
             reason = failed.get(src.key) if failed else None
             if reason in (DropReason.CHECKSUM, DropReason.READ_FAILED):
                 self._count_bad_read(reason)
-                self._retire(entry, src.tier, reason)
+                self._retire(block, tier, reason)
             else:
-                self._settle(entry, src.tier)
+                self._settle(block, tier)
         self._rebalance()
         return self._drain()
 
@@ -466,20 +541,21 @@ class TierManager:
             return ()
         moves: list[Move] = []
         spent = 0
+        get, slots = self._ids.get, self._slot
         for key in keys:
             if spent >= budget_blocks:
                 break
-            entry = self.index.get(key)
-            tier = self._serving(entry) if entry else None
-            if tier is None or tier <= target or key in self._inbound or target in entry.copies:
+            block = get(key)
+            tier = self._serving(block) if block is not None else None
+            if tier is None or tier <= target or key in self._inbound or slots[target][block] >= 0:
                 continue
-            source = entry.copies[tier]
-            source.readers += 1  # so that making room in `target` cannot evict the source itself
+            source, readers = slots[tier][block], self._readers[tier]
+            readers[source] += 1  # so that making room in `target` cannot evict the source itself
             evicted = self.stats.evictions[target]
-            slot = self._free_slot(target, False, entry.hits)
+            slot = self._free_slot(target, False, self._hits[block])
             if slot is not None:
-                moves.append(self._start_move(entry, tier, target, slot, MoveReason.PREFETCH))
-            source.readers -= 1
+                moves.append(self._start_move(block, tier, target, slot, MoveReason.PREFETCH))
+            readers[source] -= 1
             if slot is None and self.stats.evictions[target] == evicted:
                 break  # full of pinned or busy blocks: nothing more can be made room for
             spent += 1
@@ -499,11 +575,11 @@ class TierManager:
         (cancelled) leaves the source as it was.
         """
         move = self._moves.pop(move_id)
-        entry = self._land(move)
+        block = self._land(move)
         if ok:
-            self._finish_move(entry, move, checksums)
+            self._finish_move(block, move, checksums)
         else:
-            self._fail_move(entry, move, failure)
+            self._fail_move(block, move, failure)
         if self._joined:
             self._joined.discard(move_id)
         self._rebalance()
@@ -546,8 +622,8 @@ class TierManager:
             placed = self._place(keys, None)[0]
             self._complete_queued()
             stores = self.stats.stores
-            for entry, tier, _ in placed:  # `complete_store` with every write done
-                self._make_ready(entry, tier)
+            for block, tier, _, _ in placed:  # `complete_store` with every write done
+                self._make_ready(block, tier)
                 stores[tier] += 1
             self._rebalance()
             self._complete_queued()
@@ -586,113 +662,115 @@ class TierManager:
         may now provide. The first completion is always checked: the verb before it claimed slots.
         """
         queue, outgoing, rebalance = self._queue, self._outgoing, self._rebalance
+        slots, readers = self._slot, self._readers
         self._over_high = True
-        for entry, source, src, dst, move in queue:  # completions append to `queue`: the loop reaches those
+        for block, src, dst, move in queue:  # completions append to `queue`: the loop reaches those
             if move is None:  # a demotion queued by `_evict`; `_land` and `_finish_move` for it
                 outgoing[src] -= 1
-                source.readers -= 1
-                if not self._finish_demotion(entry, source, src, dst) or self._over_high:
+                readers[src][slots[src][block]] -= 1
+                if not self._finish_demotion(block, src, dst) or self._over_high:
                     rebalance()
             else:
                 self._complete(move)
         queue.clear()
 
-    def _land(self, move: Move) -> BlockEntry:
+    def _land(self, move: Move) -> int:
         """Ends `move`'s time in flight (its source lease, its place in the in-flight maps)."""
-        entry = self.index.get(move.key)
+        block = self._ids[move.key]
         if move.reason is _DEMOTE:
             self._outgoing[move.src] -= 1
         else:
             self._inbound.pop(move.key, None)
-        entry.copies[move.src].readers -= 1
-        return entry
+        self._readers[move.src][move.src_slot] -= 1
+        return block
 
-    def _finish_move(self, entry: BlockEntry, move: Move, checksums: tuple[int, ...] | None) -> None:
-        if checksums is not None and entry.checksums is None:
-            entry.checksums = checksums
+    def _finish_move(self, block: int, move: Move, checksums: tuple[int, ...] | None) -> None:
+        if checksums is not None and block not in self._checksums:
+            self._checksums[block] = checksums
         src, dst = move.src, move.dst
         if move.reason is _DEMOTE:
-            self._finish_demotion(entry, entry.copies[src], src, dst)
+            self._finish_demotion(block, src, dst)
             return
-        self._make_ready(entry, dst)
+        self._make_ready(block, dst)
         self.stats.promotions[src, dst] += 1
         if move.reason is _PREFETCH and move.id not in self._joined:
-            entry.prefetched = True  # no load joined it on the way: used only if a load comes later
+            self._prefetched[block] = 1  # no load joined it on the way: used only if a load comes later
         if self.mode is _EXCLUSIVE:
-            self._retire(entry, src, _EVICTED)  # never the last copy: dst is READY
+            self._retire(block, src, _EVICTED)  # never the last copy: dst is READY
         else:
-            self._settle(entry, src)
+            self._settle(block, src)
 
-    def _finish_demotion(self, entry: BlockEntry, source: Copy, src: TierKind, dst: TierKind) -> bool:
+    def _finish_demotion(self, block: int, src: TierKind, dst: TierKind) -> bool:
         """The destination copy becomes READY and the source (already out of its policy) leaves.
 
         The source left its policy when `_evict` chose it, and nothing re-inserts a READY copy,
         so `_retire` would only add a no-op `remove`. Returns whether the source was freed at once
         and was the only other copy.
         """
-        copies = entry.copies
-        if source.readers or len(copies) != 2:
-            self._make_ready(entry, dst)
+        source = self._slot[src][block]
+        if self._readers[src][source] or self._num_copies[block] != 2:
+            self._make_ready(block, dst)
             self.stats.demotions[src, dst] += 1
-            self._release(entry, src, _EVICTED)  # never the last copy: dst is READY
+            self._release(block, src, _EVICTED)  # never the last copy: dst is READY
             return False
         # The same where it is simplest, inlined (once per block demoted): the source is unread,
         # so it frees now, and `dst` is the only copy left, hence the fastest READY one.
-        copy = copies[dst]
-        if copy.state is not _WRITING:  # `_make_ready`, from here to the policy's insert
-            raise KVTierError(f"block {_short(entry.key)} in {dst.name} completed twice")
-        copy.state = _READY
-        self._policies[dst].insert(entry.key)
+        slot, state = self._slot[dst][block], self._state[dst]
+        if state[slot] != WRITING:  # `_make_ready`, from here to the policy's insert
+            raise KVTierError(f"block {_short(self._key_of(block))} in {dst.name} completed twice")
+        state[slot] = READY
+        self._policies[dst].insert(slot)
         self.stats.demotions[src, dst] += 1
-        source.state = _FREEING  # `_release(entry, src, EVICTED)`, from here on
-        del copies[src]
-        self._owner[src][source.slot] = None
-        self._free_lists[src].append(source.slot)  # `SlotAllocator.release`, without its range check
-        entry.ready_tier = dst
+        self._slot[src][block] = -1  # `_release(block, src, EVICTED)`, from here on
+        self._state[src][source] = FREE
+        self._owner[src][source] = -1
+        self._free_lists[src].append(source)  # `SlotAllocator.release`, without its range check
+        self._num_copies[block] = 1
+        self._ready[block] = dst
         return True
 
-    def _fail_move(self, entry: BlockEntry, move: Move, failure: str | None) -> None:
+    def _fail_move(self, block: int, move: Move, failure: str | None) -> None:
         # The source may already be leaving (discarded by a failed read): then this was the last copy.
-        self._release(entry, move.dst, failure or DropReason.MOVE_ABORTED)
+        self._release(block, move.dst, failure or DropReason.MOVE_ABORTED)
         if failure in (DropReason.CHECKSUM, DropReason.READ_FAILED):
             self._count_bad_read(failure)
-            self._retire(entry, move.src, failure)
+            self._retire(block, move.src, failure)
         elif failure == DropReason.DEMOTION_FAILED and move.reason is _DEMOTE:  # the destination failed
             self.stats.io_errors += 1
-            self._demote_past(entry, move.src, move.dst)
+            self._demote_past(block, move.src, move.dst)
         elif failure == DropReason.TIER_DOWN and move.reason is _DEMOTE:
-            self._keep_evicted(entry, move.src)
+            self._keep_evicted(block, move.src)
         elif failure is not None and move.reason is MoveReason.DEMOTE:
             self.stats.io_errors += 1
-            self._retire(entry, move.src, failure)  # it was already evicted from above
+            self._retire(block, move.src, failure)  # it was already evicted from above
         else:
             self.stats.io_errors += failure is not None
-            self._settle(entry, move.src)
+            self._settle(block, move.src)
 
-    def _demote_past(self, entry: BlockEntry, src: TierKind, failed: TierKind) -> None:
+    def _demote_past(self, block: int, src: TierKind, failed: TierKind) -> None:
         """A demotion from `src` that `failed` could not take goes on to the next tier in service
         below it that admits it and has (or can make) room; only when none does is it dropped."""
-        if entry.copies[src].state is _FREEING:  # discarded meanwhile (a load found it corrupt)
-            self._settle(entry, src)
+        if self._state[src][self._slot[src][block]] == FREEING:  # discarded meanwhile (a load found it corrupt)
+            self._settle(block, src)
             return
         for lower in self._below[failed]:
-            if lower in entry.copies:
+            if self._slot[lower][block] >= 0:
                 continue
-            slot = self._free_slot(lower, True, entry.hits)
+            slot = self._free_slot(lower, True, self._hits[block])
             if slot is not None:
-                self._start_move(entry, src, lower, slot, _DEMOTE)
+                self._start_move(block, src, lower, slot, _DEMOTE)
                 return
-        self._release(entry, src, DropReason.DEMOTION_FAILED)  # already out of its policy
+        self._release(block, src, DropReason.DEMOTION_FAILED)  # already out of its policy
 
-    def _keep_evicted(self, entry: BlockEntry, tier: TierKind) -> None:
+    def _keep_evicted(self, block: int, tier: TierKind) -> None:
         """A victim that could not be read out of `tier`, because the tier is down, stays there:
         back in its policy, served again if the tier comes back (a hung node), dropped by a failed
         read if it comes back without it (a restarted one)."""
-        copy = entry.copies[tier]
-        if copy.state is _READY:
-            self._policies[tier].insert(entry.key)
+        slot = self._slot[tier][block]
+        if self._state[tier][slot] == READY:
+            self._policies[tier].insert(slot)
         else:
-            self._settle(entry, tier)
+            self._settle(block, tier)
 
     def _count_bad_read(self, reason: str) -> None:
         if reason == DropReason.CHECKSUM:
@@ -702,11 +780,11 @@ class TierManager:
 
     # ---- internals: placement and eviction ----------------------------------------------
 
-    def _place_new(self, key: Hashable, tiers: Sequence[TierKind], entry: BlockEntry | None,
-                   placed: list[tuple[BlockEntry, TierKind, int]]) -> bool:
-        """Claims slots for `key` (whose entry, if any, is `entry`) in the first of `tiers` with room.
+    def _place_new(self, key: Hashable, tiers: Sequence[TierKind], block: int | None,
+                   placed: list[tuple[int, TierKind, int, Hashable]]) -> bool:
+        """Claims slots for `key` (whose block id, if indexed, is `block`) in the first of `tiers` with room.
 
-        Appends each claim to `placed` as (entry, tier, slot); returns whether there was any.
+        Appends each claim to `placed` as (block, tier, slot, key); returns whether there was any.
         """
         claimed = keeper = False  # keeper: the copies so far are all in tiers that may drop them
         for tier in tiers:
@@ -716,14 +794,15 @@ class TierManager:
                 through = self._write_through.get(tier)
                 if through is None or not through(key):
                     continue
-            if entry is not None and tier in entry.copies:
+            if block is not None and self._slot[tier][block] >= 0:
                 continue  # a copy of an earlier life is still leaving this tier
             slot = self._free_slot(tier, False, 0)
             if slot is None:
                 continue
-            entry = entry or self.index.get_or_create(key)
-            self._claim(entry, tier, slot)
-            placed.append((entry, tier, slot))
+            if block is None:
+                block = self.index.add(key)
+            self._claim(block, tier, slot)
+            placed.append((block, tier, slot, key))
             keeper = tier in self._may_drop if not claimed else keeper and tier in self._may_drop
             claimed = True
             if self.mode is _EXCLUSIVE and not self._write_through and not keeper:
@@ -739,86 +818,84 @@ class TierManager:
             return free.pop()
         victims = self._policies[tier].evict(1, self._protected[tier])
         if victims:
-            self._evict(self.index.get(victims[0]), tier)
+            self._evict(self._owner[tier][victims[0]], tier)
         return free.pop() if free else None
 
-    def _evictable(self, key: Hashable, tier: TierKind) -> bool:
-        entry = self.index.get(key)
-        return entry is not None and entry.pins == 0 and entry.copies[tier].evictable
+    def _protected_in(self, tier: TierKind) -> Callable[[int], bool]:
+        """Whether the copy in `slot` of `tier` must stay (pinned, not READY, or being read),
+        inlined: policies call it per candidate."""
+        owners, state, readers, pins = self._owner[tier], self._state[tier], self._readers[tier], self._pins
 
-    def _protected_in(self, tier: TierKind) -> Callable[[Hashable], bool]:
-        """`lambda key: not self._evictable(key, tier)`, inlined: policies call it per candidate."""
-        get = self.index.get
-
-        def protected(key: Hashable) -> bool:
-            entry = get(key)
-            if entry is None or entry.pins:
-                return True
-            copy = entry.copies[tier]
-            return copy.state is not _READY or copy.readers != 0
+        def protected(slot: int) -> bool:
+            block = owners[slot]
+            return block < 0 or pins[block] != 0 or state[slot] != READY or readers[slot] != 0
 
         return protected
 
-    def _evict(self, entry: BlockEntry, tier: TierKind) -> None:
-        """Evicts `entry`'s copy from `tier` (already gone from its policy): release, demote or drop."""
+    def _evict(self, block: int, tier: TierKind) -> None:
+        """Evicts `block`'s copy from `tier` (already gone from its policy): release, demote or drop."""
         self.stats.evictions[tier] += 1
-        if entry.prefetched:
+        if self._prefetched[block]:
             self.stats.prefetch_wasted += 1  # evicted before any load used it
-            entry.prefetched = False
-        copies = entry.copies
+            self._prefetched[block] = 0
+        slots, may_drop = self._slot, self._may_drop
         kept = False  # another live copy exists, in a tier that may lose it on its own
-        if len(copies) > 1:
-            for t, c in copies.items():
-                if t != tier and c.state is not _FREEING:
-                    if t not in self._may_drop:
-                        self._release(entry, tier, _EVICTED)  # never the last copy
+        if self._num_copies[block] > 1:
+            state = self._state
+            for t in self.order:
+                slot = slots[t][block]
+                if slot >= 0 and t != tier and state[t][slot] != FREEING:
+                    if t not in may_drop:
+                        self._release(block, tier, _EVICTED)  # never the last copy
                         return
                     kept = True
         # A copy only in a tier that may drop it on its own (a shared pool node, evicting by its own
         # recency) does not keep the block: the victim is demoted past it, to a tier that keeps it.
         below = self._below[tier]
         if not below:  # the last tier in service: a drop
-            self._release(entry, tier, _EVICTED if tier is self._last or kept else DropReason.LOWER_DOWN)
+            self._release(block, tier, _EVICTED if tier is self._last or kept else DropReason.LOWER_DOWN)
             return
         refused = started = False
-        admits_all, free_lists, may_drop = self._admits_all, self._free_lists, self._may_drop
+        admits_all, free_lists = self._admits_all, self._free_lists
         for lower in below:
-            if lower in copies:
+            lower_slots = slots[lower]
+            if lower_slots[block] >= 0:
                 continue
-            if not admits_all[lower] and not self._tiers[lower].admission.admits(demoted=True, hits=entry.hits):
+            if not admits_all[lower] and not self._tiers[lower].admission.admits(demoted=True, hits=self._hits[block]):
                 refused = True
                 continue
-            # The rest of `_free_slot(lower, True, entry.hits)`, inlined: a call per block demoted
+            # The rest of `_free_slot(lower, True, hits)`, inlined: a call per block demoted
             # cost ~5 % of a three-tier replay, and another one per block dropped from the last.
             free = free_lists[lower]
             if not free:
                 victims = self._policies[lower].evict(1, self._protected[lower])
                 if victims:
-                    self._evict(self.index.get(victims[0]), lower)
+                    self._evict(self._owner[lower][victims[0]], lower)
             slot = free.pop() if free else None
             if slot is None:
                 continue
             queue = self._queue
             if queue is None:
-                self._start_move(entry, tier, lower, slot, _DEMOTE)
+                self._start_move(block, tier, lower, slot, _DEMOTE)
             else:
-                # `_start_move(entry, tier, lower, slot, DEMOTE)` under `store_now` / `load_now`, inlined
+                # `_start_move(block, tier, lower, slot, DEMOTE)` under `store_now` / `load_now`, inlined
                 # (once per block demoted) and without the `Move` and its id, which nothing there looks
                 # up and which were what a replay allocated most. `lower` holds no copy of the block:
                 # checked above, and making room there only moved other blocks.
-                source = copies[tier]
-                source.readers += 1
-                copies[lower] = Copy(slot)
-                self._owner[lower][slot] = entry.key
+                self._readers[tier][slots[tier][block]] += 1
+                lower_slots[block] = slot
+                self._state[lower][slot] = WRITING
+                self._owner[lower][slot] = block
+                self._num_copies[block] += 1
                 self._outgoing[tier] += 1
-                queue.append((entry, source, tier, lower, None))
+                queue.append((block, tier, lower, None))
             if lower not in may_drop:
                 return
             # Into a tier that may drop it: a second copy goes on down to one that keeps it, where
             # one has room (the source is let go once both moves have read it).
             started = kept = True
         if not started:
-            self._release(entry, tier, _EVICTED if kept else DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
+            self._release(block, tier, _EVICTED if kept else DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark.
@@ -835,9 +912,9 @@ class TierManager:
             if used <= high:
                 continue
             target = math.floor(spec.low_watermark * num_slots)
-            evict, protected, get = spec.policy.evict, self._protected[tier], self.index.get
+            evict, protected, owners = self._policies[tier].evict, self._protected[tier], self._owner[tier]
             while used > target:
-                # All `used - target` victims in one call where there are that many: the same keys
+                # All `used - target` victims in one call where there are that many: the same blocks
                 # as one call per victim (an eviction changes only lower tiers, never this tier's
                 # order or which of its blocks are protected), for one call's overhead.
                 victims = evict(used - target, protected) if used - target > 1 else None
@@ -847,52 +924,48 @@ class TierManager:
                         over_high |= used > high
                         break
                 for victim in victims:
-                    self._evict(get(victim), tier)
+                    self._evict(owners[victim], tier)
                 used = num_slots - len(free) - outgoing[tier]
         self._over_high = over_high
 
-    def _load_source(self, entry: BlockEntry, tier: TierKind) -> LoadSource:
-        entry.hits += 1
+    def _load_source(self, block: int, tier: TierKind, key: Hashable) -> LoadSource:
+        self._hits[block] += 1
         self.stats.hits[tier] += 1
-        self._tiers[tier].policy.touch(entry.key)
-        copy = entry.copies[tier]  # already leased by prepare_load
-        inbound = self._inbound.get(entry.key)
-        if entry.prefetched or (inbound is not None and inbound.reason is MoveReason.PREFETCH
-                                and inbound.id not in self._joined):
+        slot = self._slot[tier][block]  # already leased by prepare_load
+        self._policies[tier].touch(slot)
+        inbound = self._inbound.get(key)
+        if self._prefetched[block] or (inbound is not None and inbound.reason is _PREFETCH
+                                       and inbound.id not in self._joined):
             self.stats.prefetch_used += 1
-            entry.prefetched = False
-        if inbound is not None and inbound.reason is MoveReason.PREFETCH:
+            self._prefetched[block] = 0
+        if inbound is not None and inbound.reason is _PREFETCH:
             self._joined.add(inbound.id)
         if inbound is not None:
-            copy.readers -= 1  # read the copy on its way up instead
-            return self._lease_inbound(entry, inbound)
+            self._readers[tier][slot] -= 1  # read the copy on its way up instead
+            return self._lease_inbound(inbound)
         up = self._promote_now
-        if up is not None and tier > up and up not in entry.copies:
-            slot = self._free_slot(up, False, entry.hits)
-            if slot is not None:
-                move = self._start_move(entry, tier, up, slot, MoveReason.PROMOTE)
-                copy.readers -= 1  # the move holds its own lease
-                return self._lease_inbound(entry, move)
-        return LoadSource(entry.key, tier, copy.slot, None, entry.checksums)
+        if up is not None and tier > up and self._slot[up][block] < 0:
+            dst = self._free_slot(up, False, self._hits[block])
+            if dst is not None:
+                move = self._start_move(block, tier, up, dst, MoveReason.PROMOTE)
+                self._readers[tier][slot] -= 1  # the move holds its own lease
+                return self._lease_inbound(move)
+        return LoadSource(key, tier, slot, None, self._checksums.get(block))
 
-    def _lease_inbound(self, entry: BlockEntry, move: Move) -> LoadSource:
-        entry.copies[move.dst].readers += 1
-        return LoadSource(entry.key, move.dst, move.dst_slot, move.id, entry.checksums)
+    def _lease_inbound(self, move: Move) -> LoadSource:
+        self._readers[move.dst][move.dst_slot] += 1
+        return LoadSource(move.key, move.dst, move.dst_slot, move.id, self._checksums.get(self._ids[move.key]))
 
-    def _start_move(self, entry: BlockEntry, src: TierKind, dst: TierKind, slot: int, reason: MoveReason) -> Move:
+    def _start_move(self, block: int, src: TierKind, dst: TierKind, slot: int, reason: MoveReason) -> Move:
         """Claims `slot` of `dst` and leases the source copy for a move; returns the move.
 
         Under `store_now` / `load_now` the move is queued for them instead of handed out (and a
         demotion there does not come here: `_evict` queues it without a `Move`).
         """
-        copies, key = entry.copies, entry.key
-        if dst in copies:  # `_claim`'s check, inlined with the rest: a move starts per block moved
-            raise KVTierError(f"block {_short(key)} already has a copy in {dst.name}")
-        source = copies[src]
-        move = Move(next(self._ids), key, src, source.slot, dst, slot, reason, entry.checksums)
-        source.readers += 1
-        copies[dst] = Copy(slot)
-        self._owner[dst][slot] = key
+        self._claim(block, dst, slot)  # raises, changing nothing, where `dst` holds a copy already
+        key, source = self._key_of(block), self._slot[src][block]
+        move = Move(next(self._ids_made), key, src, source, dst, slot, reason, self._checksums.get(block))
+        self._readers[src][source] += 1
         self._moves[move.id] = move
         if reason is _DEMOTE:
             self._outgoing[src] += 1
@@ -901,7 +974,7 @@ class TierManager:
         if self._queue is None:
             self._new_moves.append(move)
         else:
-            self._queue.append((entry, source, src, dst, move))
+            self._queue.append((block, src, dst, move))
         return move
 
     def _drain(self) -> tuple[Move, ...]:
@@ -912,73 +985,90 @@ class TierManager:
 
     # ---- internals: copy lifecycle -------------------------------------------------------
 
-    def _claim(self, entry: BlockEntry, tier: TierKind, slot: int) -> None:
-        if tier in entry.copies:
-            raise KVTierError(f"block {_short(entry.key)} already has a copy in {tier.name}")
-        entry.copies[tier] = Copy(slot)
-        self._owner[tier][slot] = entry.key
+    def _live(self, block: int) -> bool:
+        """Whether `block` has a copy that is or will become servable (READY or WRITING)."""
+        slots, state = self._slot, self._state
+        for t in self.order:
+            slot = slots[t][block]
+            if slot >= 0 and state[t][slot] != FREEING:
+                return True
+        return False
 
-    def _make_ready(self, entry: BlockEntry, tier: TierKind) -> None:
-        copy = entry.copies[tier]
-        if copy.state is not _WRITING:
-            raise KVTierError(f"block {_short(entry.key)} in {tier.name} completed twice")
-        copy.state = _READY
-        best = entry.ready_tier  # what `entry.refresh()` would find: one more READY copy
-        if best is None or tier < best:
-            entry.ready_tier = tier
-        self._policies[tier].insert(entry.key)
+    def _refresh(self, block: int) -> None:
+        """Recomputes `block`'s fastest READY tier; after a change other than one more READY copy."""
+        slots, state = self._slot, self._state
+        for t in self.order:  # fastest first
+            slot = slots[t][block]
+            if slot >= 0 and state[t][slot] == READY:
+                self._ready[block] = t
+                return
+        self._ready[block] = NO_TIER
 
-    def _release(self, entry: BlockEntry, tier: TierKind, reason: str | None) -> None:
+    def _claim(self, block: int, tier: TierKind, slot: int) -> None:
+        """Gives `block` a WRITING copy in free `slot` of `tier`."""
+        slots = self._slot[tier]
+        if slots[block] >= 0:
+            raise KVTierError(f"block {_short(self._key_of(block))} already has a copy in {tier.name}")
+        slots[block] = slot
+        self._state[tier][slot] = WRITING
+        self._owner[tier][slot] = block
+        self._num_copies[block] += 1
+
+    def _make_ready(self, block: int, tier: TierKind) -> None:
+        slot, state = self._slot[tier][block], self._state[tier]
+        if slot < 0 or state[slot] != WRITING:
+            raise KVTierError(f"block {_short(self._key_of(block))} in {tier.name} completed twice")
+        state[slot] = READY
+        if tier < self._ready[block]:  # what `_refresh` would find: one more READY copy (NO_TIER is 255)
+            self._ready[block] = tier
+        self._policies[tier].insert(slot)
+
+    def _release(self, block: int, tier: TierKind, reason: str | None) -> None:
         """Takes a copy (already out of its policy) out of service; frees it once unread.
 
         If it was the block's last live copy, the block is dropped and counted under `reason`
         (None: not counted, the caller stores it again elsewhere).
         """
-        copies = entry.copies
-        copy = copies[tier]
-        if copy.state is not _FREEING:
-            copy.state = _FREEING
-            if len(copies) == 1:  # the only copy (once per block dropped): no READY copy is left
-                entry.ready_tier = None
+        slot, state = self._slot[tier][block], self._state[tier]
+        if state[slot] != FREEING:
+            state[slot] = FREEING
+            if self._num_copies[block] == 1:  # the only copy (once per block dropped): no READY copy is left
+                self._ready[block] = NO_TIER
                 if reason is not None:
                     self.stats.dropped[reason] += 1
-                entry.pins = 0
+                self._pins[block] = 0
             else:
-                if entry.ready_tier == tier:  # else the fastest READY copy is still the same one
-                    entry.refresh()
-                for other in copies.values():  # `entry.live_copies() == 0`, inlined
-                    if other.state is not _FREEING:
-                        break
-                else:
+                if self._ready[block] == tier:  # else the fastest READY copy is still the same one
+                    self._refresh(block)
+                if not self._live(block):
                     if reason is not None:
                         self.stats.dropped[reason] += 1
-                    entry.pins = 0
-        if copy.readers == 0:  # what `_settle` checks; the copy is FREEING by now
-            del copies[tier]  # `_free(entry, tier, copy)`, inlined: it runs once per eviction
-            self._owner[tier][copy.slot] = None
-            self._free_lists[tier].append(copy.slot)  # `SlotAllocator.release`, without its range check
-            if not copies:
-                self.index.discard(entry.key)
+                    self._pins[block] = 0
+        if self._readers[tier][slot] == 0:  # what `_settle` checks; the copy is FREEING by now
+            self._free(block, tier, slot)
 
-    def _retire(self, entry: BlockEntry, tier: TierKind, reason: str) -> None:
+    def _retire(self, block: int, tier: TierKind, reason: str) -> None:
         """Like `_release`, for a copy that may still be in its policy."""
-        if entry.copies[tier].state is _READY:
-            self._policies[tier].remove(entry.key)
-        self._release(entry, tier, reason)
+        slot = self._slot[tier][block]
+        if self._state[tier][slot] == READY:
+            self._policies[tier].remove(slot)
+        self._release(block, tier, reason)
 
-    def _settle(self, entry: BlockEntry, tier: TierKind) -> None:
-        copy = entry.copies[tier]
-        if copy.state is _FREEING and copy.readers == 0:
-            self._free(entry, tier, copy)
+    def _settle(self, block: int, tier: TierKind) -> None:
+        slot = self._slot[tier][block]
+        if self._state[tier][slot] == FREEING and self._readers[tier][slot] == 0:
+            self._free(block, tier, slot)
 
-    def _free(self, entry: BlockEntry, tier: TierKind, copy: Copy) -> None:
+    def _free(self, block: int, tier: TierKind, slot: int) -> None:
         """Gives an unread FREEING copy's slot back; the block leaves the index with its last copy."""
-        copies = entry.copies
-        del copies[tier]
-        self._owner[tier][copy.slot] = None
-        self._slots[tier].release(copy.slot)
-        if not copies:
-            self.index.discard(entry.key)
+        self._slot[tier][block] = -1
+        self._state[tier][slot] = FREE
+        self._owner[tier][slot] = -1
+        self._free_lists[tier].append(slot)  # `SlotAllocator.release`, without its range check
+        left = self._num_copies[block] - 1
+        self._num_copies[block] = left
+        if not left:
+            self.index.remove(block)
 
 
 def _short(key: Hashable) -> str:

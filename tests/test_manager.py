@@ -215,8 +215,11 @@ class ManagerMachine(RuleBasedStateMachine):
         for tier in self.m.order:
             policy = self.m._tiers[tier].policy
             leaving = {mv.key for mv in self.m.moves_in_flight() if mv.reason is MoveReason.DEMOTE and mv.src is tier}
-            ready = {e.key for e in self.m.index if e.copies.get(tier) and e.copies[tier].state is CopyState.READY}
-            assert ready - leaving == {k for k in ready if k in policy} and len(policy) == len(ready - leaving)
+            ready = {e.key: e.copies[tier].slot for e in self.m.index
+                     if e.copies.get(tier) and e.copies[tier].state is CopyState.READY}
+            # kvtier's LRU tracks the slot of each copy (`tracks_slots`); the other policies, keys.
+            tracked = {k for k, slot in ready.items() if (slot if getattr(policy, "tracks_slots", False) else k) in policy}
+            assert set(ready) - leaving == tracked and len(policy) == len(set(ready) - leaving)
 
     @invariant()
     def lookups_see_only_tiers_in_service(self):

@@ -12,7 +12,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
-from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.lru import LRUPolicy, SlotLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "LRUPolicy",
     "PolicyKind",
     "S3FIFOPolicy",
+    "SlotLRUPolicy",
     "make_policy",
 ]
 
@@ -49,10 +50,11 @@ def make_policy(kind: PolicyKind | str, capacity_hint: int, **params: Any) -> Ev
     Args:
         kind: which policy; a `PolicyKind` or its value ("lru", "s3fifo", "arc").
         capacity_hint: expected number of resident keys (>= 1); S3-FIFO and ARC size their
-            internal queues from it, LRU ignores it.
+            internal queues from it, LRU its arrays (it grows past it if need be).
         **params: the kind's own parameters (S3-FIFO: small_ratio, ghost_ratio, max_freq).
     Returns:
-        A new policy tracking no keys.
+        A new policy tracking no keys. For LRU, a `SlotLRUPolicy`: its keys are integers >= 0 (the
+        manager hands policies slot numbers); `LRUPolicy` takes any keys.
     Raises:
         ConfigError: unknown kind, a parameter the kind does not take, or a value out of range;
             the message names the parameter.
@@ -64,7 +66,7 @@ def make_policy(kind: PolicyKind | str, capacity_hint: int, **params: Any) -> Ev
     if unknown:
         raise ConfigError(f"policy.{unknown[0]} is not a parameter of policy {kind.value!r}")
     if kind is PolicyKind.LRU:
-        return LRUPolicy()
+        return SlotLRUPolicy(capacity_hint)
     if kind is PolicyKind.S3FIFO:
         return S3FIFOPolicy(capacity_hint, **params)
     return ARCPolicy(capacity_hint)

@@ -1,13 +1,22 @@
 """Least-recently-used eviction: the default policy of every tier.
 
-One `OrderedDict` ordered from least to most recent: insert, touch and remove are O(1); evicting
-`n` victims walks from the least recent end and costs O(n + number of protected keys skipped).
+Two implementations of one order:
+  * `SlotLRUPolicy`, what `make_policy` builds for the manager, which hands its policies slot
+    numbers (`tracks_slots`): a doubly linked list threaded through two arrays indexed by slot
+    (`array.array`, 4 bytes a link), oldest at the head. Nothing per key is an object, so a full
+    garbage collection has nothing to walk (see kvtier.index); keys must be integers >= 0, dense
+    as slot numbers are (the arrays grow to the largest seen).
+  * `LRUPolicy`, for any hashable keys: one `OrderedDict` ordered from least to most recent, which
+    keeps a node per key.
+Both: insert, touch and remove are O(1); evicting `n` victims walks from the least recent end and
+costs O(n + number of protected keys skipped).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 from kvtier.policy.base import EvictionPolicy
 
@@ -75,3 +84,133 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+
+_OUT = -2  # `_prev` of a key not tracked
+_END = -1  # no neighbour
+
+
+class SlotLRUPolicy(EvictionPolicy):
+    """`LRUPolicy` over integer keys (slot numbers), in two arrays: see the module's docstring."""
+
+    __slots__ = ("_prev", "_next", "_head", "_tail", "_len")
+    tracks_slots = True  # the manager may hand it slot numbers as they are
+
+    def __init__(self, capacity_hint: int = 0) -> None:
+        size = max(0, int(capacity_hint))
+        self._prev = array("i", [_OUT]) * size
+        self._next = array("i", [_END]) * size
+        self._head = self._tail = _END  # least and most recent key
+        self._len = 0
+
+    def insert(self, key: int) -> None:
+        """Records that `key` became resident, as the most recent key.
+
+        Raises:
+            KeyError: `key` is already tracked.
+            TypeError: `key` is not an integer >= 0.
+        """
+        prev = self._prev
+        if not (key.__class__ is int and 0 <= key < len(prev)):
+            self._grow(key)
+            prev = self._prev
+        if prev[key] != _OUT:
+            raise KeyError(key)
+        tail = self._tail
+        prev[key] = tail
+        self._next[key] = _END
+        if tail >= 0:
+            self._next[tail] = key
+        else:
+            self._head = key
+        self._tail = key
+        self._len += 1
+
+    def touch(self, key: int) -> None:
+        """Makes a resident `key` the most recent. Unknown keys are ignored."""
+        prev = self._prev
+        if key == self._tail or not (key.__class__ is int and 0 <= key < len(prev)):
+            return
+        before = prev[key]
+        if before == _OUT:
+            return  # a miss is not an error
+        nxt = self._next
+        after = nxt[key]  # not _END: key is not the tail
+        if before >= 0:
+            nxt[before] = after
+        else:
+            self._head = after
+        prev[after] = before
+        tail = self._tail
+        prev[key] = tail
+        nxt[key] = _END
+        nxt[tail] = key
+        self._tail = key
+
+    def remove(self, key: int) -> None:
+        """Forgets `key`. Unknown keys are ignored."""
+        if key in self:
+            self._unlink(key)
+
+    def _unlink(self, key: int) -> None:
+        prev, nxt = self._prev, self._next
+        before, after = prev[key], nxt[key]
+        if before >= 0:
+            nxt[before] = after
+        else:
+            self._head = after
+        if after >= 0:
+            prev[after] = before
+        else:
+            self._tail = before
+        prev[key] = _OUT
+        self._len -= 1
+
+    def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[int] | None:
+        """Chooses the `n` least recent unprotected keys and forgets them."""
+        nxt = self._next
+        key = self._head
+        if n == 1:  # the hot path: one victim per block stored into a full tier
+            while key >= 0:
+                if not protected(key):
+                    self._unlink(key)
+                    return [key]
+                key = nxt[key]
+            return None
+        victims: list[int] = []
+        while key >= 0:
+            if not protected(key):
+                victims.append(key)
+                if len(victims) == n:
+                    break
+            key = nxt[key]
+        else:
+            return None  # fewer than n: nothing changed
+        for key in victims:
+            self._unlink(key)
+        return victims
+
+    def _grow(self, key: object) -> None:
+        """Makes room for `key`, refusing anything but an integer >= 0."""
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise TypeError(f"SlotLRUPolicy tracks slot numbers (integers >= 0), got {key!r}")
+        key = int(key)
+        size = len(self._prev)
+        if key < size:
+            return
+        more = max(key + 1, 2 * size, 16) - size
+        self._prev.extend(array("i", [_OUT]) * more)
+        self._next.extend(array("i", [_END]) * more)
+
+    def __iter__(self) -> Iterator[int]:
+        """The keys from least to most recent (the order `evict` takes them in, unprotected)."""
+        key, nxt = self._head, self._next
+        while key >= 0:
+            yield key
+            key = nxt[key]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key.__class__ is int and 0 <= key < len(self._prev) and self._prev[key] != _OUT
+
+    def __len__(self) -> int:
+        return self._len

@@ -24,6 +24,7 @@ from kvtier.policy import (
     LRUPolicy,
     PolicyKind,
     S3FIFOPolicy,
+    SlotLRUPolicy,
     make_policy,
 )
 from kvtier.testing.policy_contract import CAPACITY_HINT, MakePolicy, PolicyContract, drain, never, policy_machine
@@ -50,6 +51,15 @@ class TestEveryPolicy(PolicyContract):
 TestLRUMachine = policy_machine(lambda hint: make_policy(PolicyKind.LRU, hint), "LRU")
 TestS3FIFOMachine = policy_machine(lambda hint: make_policy(PolicyKind.S3FIFO, hint), "S3FIFO")
 TestARCMachine = policy_machine(lambda hint: make_policy(PolicyKind.ARC, hint), "ARC")
+TestKeyedLRUMachine = policy_machine(lambda hint: LRUPolicy(), "KeyedLRU")
+
+
+class TestKeyedLRU(PolicyContract):
+    """`LRUPolicy`, the LRU for any hashable keys, passes the same contract."""
+
+    @pytest.fixture
+    def new_policy(self) -> MakePolicy:
+        return lambda capacity_hint: LRUPolicy()
 
 
 # --- policy-specific behaviour -----------------------------------------------------------------
@@ -69,8 +79,9 @@ def replay(policy: EvictionPolicy, accesses: Iterable[Hashable], capacity: int) 
     return hits
 
 
-def test_lru_evicts_in_exact_recency_order() -> None:
-    policy = LRUPolicy()
+@pytest.mark.parametrize("lru", [LRUPolicy, SlotLRUPolicy], ids=["keyed", "slots"])
+def test_lru_evicts_in_exact_recency_order(lru) -> None:
+    policy = lru()
     for key in range(6):
         policy.insert(key)
     policy.touch(2)
@@ -197,7 +208,7 @@ def test_s3fifo_forgets_ghosts_beyond_ghost_ratio() -> None:
 
 
 def test_make_policy_builds_each_kind() -> None:
-    assert isinstance(make_policy(PolicyKind.LRU, 4), LRUPolicy)
+    assert isinstance(make_policy(PolicyKind.LRU, 4), SlotLRUPolicy)
     assert isinstance(make_policy("s3fifo", 4, small_ratio=0.2, max_freq=2), S3FIFOPolicy)
     assert isinstance(make_policy(PolicyKind.ARC, 4), ARCPolicy)
 
@@ -251,3 +262,29 @@ def test_admission_rules(rule: AdmissionRule, demoted: bool, hits: int, admitted
 def test_admission_rule_names_the_bad_field(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         AdmissionRule(**fields)
+
+
+def test_slot_lru_orders_as_the_keyed_lru_and_refuses_keys_that_are_not_slot_numbers() -> None:
+    """The manager's LRU over slot numbers evicts in exactly the keyed LRU's order, across growth."""
+    import random
+
+    rng = random.Random(7)
+    keyed, slots = LRUPolicy(), SlotLRUPolicy(4)  # keys go up to 199: the arrays grow past the hint
+    for step in range(5000):
+        key, op = rng.randrange(200), rng.random()
+        victims = []
+        for policy in (keyed, slots):
+            if op < 0.4 and key not in policy:
+                policy.insert(key)
+            elif op < 0.7:
+                policy.touch(key)
+            elif op < 0.8:
+                policy.remove(key)
+            elif op < 0.9:
+                victims.append(policy.evict(3, lambda k: k % 7 == 0))  # some protected: may be None
+        assert len(keyed) == len(slots) and victims[:1] == victims[1:], f"step {step}"
+    assert list(slots) == list(keyed._order)
+    assert drain(slots) == drain(keyed)
+    for bad in ("a", -1, 1.5, True, b"k"):
+        with pytest.raises(TypeError, match="slot numbers"):
+            SlotLRUPolicy(4).insert(bad)
