@@ -32,7 +32,10 @@ then `gc.collect()`. Reported: RSS per block (keys included, and beyond the key 
 cost the child measures first), objects the garbage collector tracks, the pause of a full
 collection (median of 5), `lookup([k])` + `touch([k])` of random stored keys, a store of one new key
 with the demotions it triggers (`store_now`), and the fill's speed, all with the collector on, as in
-a server. `--kvtier PATH` runs the children on another checkout (e.g. the tree before a change),
+a server. `--pool 1000000 10000000` does the same for a pool node's `BlockStore` (sans-I/O: no arena behind
+it): one tenant, N blocks of 64 KiB in 64 MiB regions, each put as the node takes an inline one
+(`put_begin`, the write's access, `commit`), then RSS per block, tracked objects, the full-GC pause,
+and a GET of one random key with its lease released. `--kvtier PATH` runs the children on another checkout (e.g. the tree before a change),
 for a before/after in one run; `--memory-policies` picks the policies (default lru).
 """
 
@@ -130,7 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="measure the index's memory and GC pause at these block counts instead (see above)")
     p.add_argument("--memory-policies", nargs="+", default=["lru"], choices=[k.value for k in PolicyKind])
     p.add_argument("--kvtier", type=Path, help="with --memory: the checkout whose kvtier the children import")
+    p.add_argument("--pool", type=int, nargs="+", metavar="BLOCKS",
+                   help="measure a pool node's block index at these block counts instead (see above)")
     p.add_argument("--memory-child", nargs=2, metavar=("BLOCKS", "POLICY"), help=argparse.SUPPRESS)
+    p.add_argument("--pool-child", type=int, metavar="BLOCKS", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("blocks", "ops", "repeat", "hbm_slots", "dram_slots", "ssd_slots"):
         value = getattr(args, name)
@@ -503,25 +509,99 @@ def memory_child(num_blocks: int, policy: str) -> dict:
             "fill_blocks_per_s": num_blocks / fill_s, "kvtier": str(Path(sys.modules["kvtier"].__file__).parent)}
 
 
-def run_memory(args: argparse.Namespace, console: Console) -> list[dict]:
-    """One child per (policy, block count); prints each result as it comes, then a table."""
+def pool_child(num_blocks: int) -> dict:
+    """A pool node's `BlockStore` holding `num_blocks` committed blocks (run in a fresh process)."""
+    from kvtier.pool.node.store import BlockStore
+
+    block_bytes, region_bytes = 64 << 10, 64 << 20
+    gc.collect()
+    base = rss_bytes()
+    probe = digest_keys(10**12, 200_000)
+    key_bytes = (rss_bytes() - base - 8 * len(probe)) / len(probe)
+    del probe
+    gc.collect()
+    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
+    t = time.perf_counter()
+    gc.collect()
+    empty_pause = time.perf_counter() - t
+    regions = -(-num_blocks * block_bytes // region_bytes) + 1
+    now = [0.0]
+    store = BlockStore(regions * region_bytes, region_bytes, {"t": regions * region_bytes}, lambda: now[0])
+    put_begin, pin, end_access, commit = store.put_begin, store.pin, store.end_access, store.commit
+    started = time.perf_counter()
+    step = 64
+    for start in range(0, num_blocks, step):
+        for key in digest_keys(start, min(step, num_blocks - start)):
+            grant = put_begin("t", key, block_bytes, 30.0)
+            end_access(pin(grant.block, write=True), True)
+            if not commit("t", key, grant.block.gen, 1):
+                raise SystemExit(f"pool bench: the commit of block {start} failed")
+    fill_s = time.perf_counter() - started
+    held = store.stats()["num_blocks"]
+    gc.collect()
+    rss_after, objects_after = rss_bytes(), len(gc.get_objects())
+    pauses = []
+    for _ in range(5):
+        t = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - t)
+    rng = random.Random(0)
+    picks = [digest_keys(rng.randrange(num_blocks), 1)[0] for _ in range(50_000)]
+    get, release = store.get, store.release
+    t = time.perf_counter()
+    found = 0
+    for key in picks:
+        (grant,) = get("t", [key], 30.0)
+        found += grant is not None
+        release("t", [grant.lease])
+    get_us = (time.perf_counter() - t) / len(picks) * 1e6
+    return {"blocks": num_blocks, "indexed": held, "block_bytes": block_bytes, "regions": regions,
+            "rss_per_block": (rss_after - rss_before) / num_blocks, "key_object_bytes": key_bytes,
+            "rss_per_block_beyond_keys": (rss_after - rss_before) / num_blocks - key_bytes,
+            "tracked_objects": objects_after - objects_before, "gc_pause_ms": statistics.median(pauses) * 1e3,
+            "gc_pauses_ms": [p * 1e3 for p in pauses], "gc_pause_ms_before_index": empty_pause * 1e3,
+            "get_release_us": get_us, "gets_found": found, "fill_blocks_per_s": num_blocks / fill_s,
+            "torch_imported": "torch" in sys.modules, "kvtier": str(Path(sys.modules["kvtier"].__file__).parent)}
+
+
+def run_pool(args: argparse.Namespace, console: Console) -> list[dict]:
+    """One child per block count; prints each result as it comes, then a table."""
+    rows = [_child(args, console, ["--pool-child", str(n)], f"pool node, {n:,} blocks") for n in args.pool]
+    t = Table(title="kvtier pool node index: what N blocks of 64 KiB cost (put, commit)"
+                    + (f" — kvtier from {args.kvtier}" if args.kvtier else ""))
+    for col in ("blocks", "RSS B/block", "beyond keys", "tracked objects", "full GC ms", "goal <= 20 ms",
+                "GC ms, no index", "get+release µs", "puts/s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r['blocks']:,}", f"{r['rss_per_block']:.0f}", f"{r['rss_per_block_beyond_keys']:.0f}",
+                  f"{r['tracked_objects']:,}", f"{r['gc_pause_ms']:.1f}",
+                  "[green]pass[/]" if r["gc_pause_ms"] <= 20 else "[red]miss[/]", f"{r['gc_pause_ms_before_index']:.1f}",
+                  f"{r['get_release_us']:.2f}", f"{r['fill_blocks_per_s']:,.0f}")
+    console.print(t)
+    return rows
+
+
+def _child(args: argparse.Namespace, console: Console, child_args: list[str], what: str) -> dict:
+    """Runs this script with `child_args` in a fresh process (on `--kvtier`'s checkout if given)."""
     import subprocess
 
     env = dict(os.environ)
     if args.kvtier:
         env["PYTHONPATH"] = str(args.kvtier.resolve())
-    rows = []
-    for policy in args.memory_policies:
-        for n in args.memory:
-            console.print(f"memory: {policy}, {n:,} blocks (a child process; 10M blocks take a few minutes) ...")
-            out = subprocess.run([sys.executable, __file__, "--memory-child", str(n), policy], env=env,
-                                 capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"memory child failed ({policy}, {n:,} blocks):\n{out.stderr[-3000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            console.print(f"  RSS {row['rss_per_block']:.0f} B/block, full GC {row['gc_pause_ms']:.1f} ms, "
-                          f"{row['tracked_objects']:,} tracked objects")
-            rows.append(row)
+    console.print(f"{what} (a child process; 10M blocks take a few minutes) ...")
+    out = subprocess.run([sys.executable, __file__, *child_args], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{what}: the child failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    console.print(f"  RSS {row['rss_per_block']:.0f} B/block, full GC {row['gc_pause_ms']:.1f} ms, "
+                  f"{row['tracked_objects']:,} tracked objects")
+    return row
+
+
+def run_memory(args: argparse.Namespace, console: Console) -> list[dict]:
+    """One child per (policy, block count); prints each result as it comes, then a table."""
+    rows = [_child(args, console, ["--memory-child", str(n), policy], f"memory: {policy}, {n:,} blocks")
+            for policy in args.memory_policies for n in args.memory]
     t = Table(title="kvtier block index: what N blocks cost (DRAM 0.2 N + SSD 1.2 N slots, store_now)"
                     + (f" — kvtier from {args.kvtier}" if args.kvtier else ""))
     for col in ("policy", "blocks", "RSS B/block", "beyond keys", "tracked objects", "full GC ms",
@@ -541,12 +621,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_child:
         print(json.dumps(memory_child(int(args.memory_child[0]), args.memory_child[1])))
         return 0
+    if args.pool_child:
+        print(json.dumps(pool_child(args.pool_child)))
+        return 0
     console = Console(width=None if sys.stdout.isatty() else 130)
-    if args.memory:
-        rows = run_memory(args, console)
+    if args.memory or args.pool:
+        out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+               "memory": run_memory(args, console) if args.memory else [],
+               "pool": run_pool(args, console) if args.pool else []}
         if args.json:
-            args.json.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                         "python": sys.version.split()[0]}, "memory": rows}, indent=2))
+            args.json.write_text(json.dumps(out, indent=2))
         return 0
     started = time.perf_counter()
     results: list[Result] = []

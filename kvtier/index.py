@@ -14,7 +14,8 @@ per-block object here is one the collector tracks:
   * each indexed key gets an integer id (`ids`: key -> id, a plain dict of bytes and ints, which
     CPython never tracks), reused once the block leaves; id -> key is 16 bytes of one `bytearray`
     per id while every key is a 16-byte digest (`BlockKey`), else a dict (`key_of`);
-  * per id, arrays (`array.array`, `bytearray`: untracked, 1–4 bytes an item) hold the slot of its
+  * per id, arrays (`array.array`, `bytearray`: 1–4 bytes an item, and one object however long,
+    which the collector walks in constant time: it never looks at the items) hold the slot of its
     copy in each tier (-1: none), its pins, hits, fastest READY tier and the prefetched flag;
   * per tier and slot, arrays hold the id owning the slot (-1: free), the copy's state and readers.
 A block has at least one copy and a copy holds one slot, so ids never outnumber the slots of all
@@ -87,7 +88,7 @@ class SlotAllocator:
     `free` is the array itself, never rebound: the manager's per-block paths pop and append it
     directly (`slot = free.pop() if free else None` is `allocate()` without a Python call; a
     three-tier replay claims ~3 slots per block access), so the count in use is derived from it.
-    An `array`, not a list: 4 bytes a slot, and nothing for the garbage collector to walk.
+    An `array`, not a list: 4 bytes a slot, and no item for the garbage collector to walk.
     """
 
     def __init__(self, kind: TierKind, num_slots: int) -> None:

@@ -2,12 +2,23 @@
 
 Plain data; `store.BlockStore` owns every instance and is the only code that changes them
 (`cover` is the one rule kept here: what a WRITING block has had written).
+
+Blocks are columns, not objects (`BlockTable`): a node holding millions of blocks would otherwise
+keep one object per block for the garbage collector to walk on every full collection, a pause of
+the whole node (see kvtier.index, and bench/bench_manager.py --pool). A block has an integer id,
+reused once it is gone; each tenant's index maps keys to ids in a plain dict (bytes and ints, never
+tracked); a region maps its slots to ids in an array; each tenant's recency list per size class is
+threaded through two arrays (`Recency`). `Block` is a handle the store hands out (in a `Grant`, an
+`Access`, a lease): what never changes for one allocation (tenant, key, region, slot, length,
+generation) is copied into it, and the rest (state, leases, coverage, ...) is read and written
+through it in the columns, so a handle kept past its block's end still names that allocation.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvtier.pool.protocol import ErrorCode, GrantStatus
@@ -18,6 +29,10 @@ class BlockState(enum.Enum):
     READY = "ready"
 
 
+_STATES = (BlockState.WRITING, BlockState.READY)
+_STATE_CODES = {BlockState.WRITING: 0, BlockState.READY: 1}
+
+
 @dataclass(eq=False, slots=True)
 class Region:
     id: int
@@ -25,40 +40,249 @@ class Region:
     size: int
     tenant: str | None = None
     slot_bytes: int = 0
-    free: list[int] = field(default_factory=list)
-    blocks: dict[int, Block] = field(default_factory=dict)  # slot -> block
+    free: array = field(default_factory=lambda: array("i"))  # free slots, the next one last
+    ids: array | None = None  # slot -> block id (-1: free), while the region is assigned
+    num_blocks: int = 0
     num_busy: int = 0
     last_use: int = 0
     last_tenant: str | None = None  # whose bytes the region may still hold (None: zeros only)
     dirty_bytes: int = 0  # bytes from the region's start allocated since it was last zeroed
 
+    def block_ids(self) -> list[int]:
+        """The ids of the blocks in this region, by slot."""
+        return [b for b in self.ids if b >= 0] if self.ids is not None else []
 
-@dataclass(eq=False, slots=True)
+
+class BlockTable:
+    """Every block of a node, as columns indexed by block id. Not thread-safe (the store's caller locks).
+
+    Args:
+        regions: the node's regions, by id.
+    """
+
+    _GROW = 1024  # ids added to the columns at least at a time (and a quarter of them at most)
+
+    def __init__(self, regions: list[Region]) -> None:
+        self.regions = regions
+        self.tenant_names: list[str] = []
+        self._tenant_codes: dict[str, int] = {}
+        self.keys: dict[int, bytes] = {}
+        self.islands: dict[int, list[tuple[int, int]]] = {}  # only WRITING blocks written past a gap
+        self.tenant = array("H")
+        self.region = array("i")
+        self.slot = array("i")
+        self.length = array("q")
+        self.gen = array("q")
+        self.state = bytearray()
+        self.mutable = bytearray()
+        self.checksum = array("Q")
+        self.last_use = array("q")
+        self.leases = array("i")
+        self.inflight = array("i")
+        self.written = array("q")
+        self.write_lease = array("q")
+        self.prev = array("i")  # recency lists (see `Recency`)
+        self.next = array("i")
+        self._reuse = array("i")
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, tenant: str, key: bytes, region: Region, slot: int, length: int, gen: int,
+            state: BlockState, mutable: bool) -> int:
+        """A new block's id, its columns set (not busy, nothing written, in no recency list)."""
+        code = self._tenant_codes.get(tenant)
+        if code is None:
+            code = self._tenant_codes[tenant] = len(self.tenant_names)
+            self.tenant_names.append(tenant)
+        if self._reuse:
+            block = self._reuse.pop()
+        else:
+            block = self._next_id
+            self._next_id += 1
+            if block == len(self.gen):
+                self._grow()
+        self.keys[block] = key
+        self.tenant[block], self.region[block], self.slot[block] = code, region.id, slot
+        self.length[block], self.gen[block] = length, gen
+        self.state[block], self.mutable[block] = _STATE_CODES[state], mutable
+        self.checksum[block] = self.last_use[block] = self.leases[block] = self.inflight[block] = 0
+        self.written[block] = self.write_lease[block] = 0
+        return block
+
+    def remove(self, block: int) -> None:
+        del self.keys[block]
+        self.islands.pop(block, None)
+        self.gen[block] = -1  # a handle kept past the end checks this (see `Block.alive`)
+        self._reuse.append(block)
+
+    def _grow(self) -> None:
+        more = max(self._GROW, len(self.gen) // 4)
+        for column in (self.tenant, self.region, self.slot, self.length, self.gen, self.checksum, self.last_use,
+                       self.leases, self.inflight, self.written, self.write_lease, self.prev, self.next):
+            column.extend(array(column.typecode, bytes(column.itemsize * more)))
+        self.state.extend(bytes(more))
+        self.mutable.extend(bytes(more))
+
+
+class Recency:
+    """One tenant's blocks of one size class, least recently used first: a doubly linked list
+    threaded through the table's `prev` / `next` columns (-1: none)."""
+
+    __slots__ = ("_prev", "_next", "head", "tail", "size")
+
+    def __init__(self, table: BlockTable) -> None:
+        self._prev, self._next = table.prev, table.next
+        self.head = self.tail = -1
+        self.size = 0
+
+    def push(self, block: int) -> None:
+        """Appends `block` (in no list) as the most recent."""
+        tail = self.tail
+        self._prev[block], self._next[block] = tail, -1
+        if tail >= 0:
+            self._next[tail] = block
+        else:
+            self.head = block
+        self.tail = block
+        self.size += 1
+
+    def unlink(self, block: int) -> None:
+        before, after = self._prev[block], self._next[block]
+        if before >= 0:
+            self._next[before] = after
+        else:
+            self.head = after
+        if after >= 0:
+            self._prev[after] = before
+        else:
+            self.tail = before
+        self.size -= 1
+
+    def move_to_end(self, block: int) -> None:
+        if block != self.tail:
+            self.unlink(block)
+            self.push(block)
+
+    def __iter__(self) -> Iterator[int]:
+        block, nxt = self.head, self._next
+        while block >= 0:
+            yield block
+            block = nxt[block]
+
+    def __len__(self) -> int:
+        return self.size
+
+
 class Block:
-    tenant: str
-    key: bytes
-    region: Region
-    slot: int
-    length: int
-    gen: int
-    state: BlockState
-    mutable: bool = False
-    checksum: int = 0
-    last_use: int = 0
-    leases: int = 0
-    inflight: int = 0
-    written: int = 0  # while WRITING: [0, written) was written (see `cover`); commit needs all of it
-    islands: list[tuple[int, int]] | None = None  # written ranges past a gap, sorted and disjoint
-    write_lease: int = 0
+    """A handle on one block of a `BlockTable` (see the module's docstring)."""
+
+    __slots__ = ("_table", "id", "tenant", "key", "region", "slot", "length", "gen", "mutable")
+
+    def __init__(self, table: BlockTable, block: int) -> None:
+        self._table, self.id = table, block
+        self.tenant = table.tenant_names[table.tenant[block]]
+        self.key = table.keys[block]
+        self.region = table.regions[table.region[block]]
+        self.slot, self.length, self.gen = table.slot[block], table.length[block], table.gen[block]
+        self.mutable = bool(table.mutable[block])
+
+    # What changes during an allocation, in the table's columns (spelled out: a generic
+    # property by column name cost a getattr per access, on the node's per-request path).
+
+    @property
+    def checksum(self) -> int:
+        return self._table.checksum[self.id]
+
+    @checksum.setter
+    def checksum(self, value: int) -> None:
+        self._table.checksum[self.id] = value
+
+    @property
+    def last_use(self) -> int:
+        return self._table.last_use[self.id]
+
+    @last_use.setter
+    def last_use(self, value: int) -> None:
+        self._table.last_use[self.id] = value
+
+    @property
+    def leases(self) -> int:
+        return self._table.leases[self.id]
+
+    @leases.setter
+    def leases(self, value: int) -> None:
+        self._table.leases[self.id] = value
+
+    @property
+    def inflight(self) -> int:
+        return self._table.inflight[self.id]
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._table.inflight[self.id] = value
+
+    @property
+    def written(self) -> int:
+        return self._table.written[self.id]
+
+    @written.setter
+    def written(self, value: int) -> None:
+        self._table.written[self.id] = value
+
+    @property
+    def write_lease(self) -> int:
+        return self._table.write_lease[self.id]
+
+    @write_lease.setter
+    def write_lease(self, value: int) -> None:
+        self._table.write_lease[self.id] = value
+
+
+    @property
+    def state(self) -> BlockState:
+        return _STATES[self._table.state[self.id]]
+
+    @state.setter
+    def state(self, value: BlockState) -> None:
+        self._table.state[self.id] = _STATE_CODES[value]
+
+    @property
+    def islands(self) -> list[tuple[int, int]] | None:
+        """Written ranges past a gap, sorted and disjoint (while WRITING; see `cover`)."""
+        return self._table.islands.get(self.id)
+
+    @islands.setter
+    def islands(self, value: list[tuple[int, int]] | None) -> None:
+        if value:
+            self._table.islands[self.id] = value
+        else:
+            self._table.islands.pop(self.id, None)
+
+    @property
+    def alive(self) -> bool:
+        """Whether this allocation still holds its slot (a handle may outlive it)."""
+        return self._table.gen[self.id] == self.gen
 
     @property
     def busy(self) -> bool:
-        return self.leases > 0 or self.inflight > 0
+        table, block = self._table, self.id
+        return table.leases[block] > 0 or table.inflight[block] > 0
 
     @property
     def offset(self) -> int:
         """Byte offset of the block in its region."""
         return self.slot * self.region.slot_bytes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Block) and other._table is self._table and (other.id, other.gen) == (self.id, self.gen)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.gen))
+
+    def __repr__(self) -> str:
+        return f"Block({self.tenant!r}, {self.key!r}, region {self.region.id} slot {self.slot}, gen {self.gen})"
 
 
 @dataclass(eq=False, slots=True)
@@ -66,8 +290,8 @@ class TenantState:
     quota_bytes: int
     counters: dict[str, int]  # this tenant's own events (what its STATS shows)
     used_bytes: int = 0
-    index: dict[bytes, Block] = field(default_factory=dict)
-    lru: dict[int, OrderedDict] = field(default_factory=dict)  # slot_bytes -> key -> Block, oldest first
+    index: dict[bytes, int] = field(default_factory=dict)  # key -> block id
+    lru: dict[int, Recency] = field(default_factory=dict)  # slot_bytes -> its blocks, oldest first
     open_regions: dict[int, dict[int, Region]] = field(default_factory=dict)  # slot_bytes -> regions with free slots
 
 

@@ -20,13 +20,14 @@ whereas puts are the hot path (their blocks are only readable once written whole
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable, Mapping
 
-from kvtier.pool.node.blocks import Block, BlockState, Grant, Region, TenantState
+from kvtier.pool.node.blocks import Block, BlockState, BlockTable, Grant, Recency, Region, TenantState
 from kvtier.pool.protocol import GrantStatus
 
 CLASS_ALIGN_BYTES = 4096
+_READY_CODE = 1  # BlockState.READY in the table's `state` column
 TENANT_COUNTERS = ("hits", "misses", "puts", "evictions", "leases_expired", "stale", "bounds", "forbidden",
                    "rejected_full", "rejected_quota", "rejected_busy", "rejected_limit", "deleted", "aborted",
                    "bytes_in", "bytes_out", "duplicate_put_bytes")
@@ -41,7 +42,8 @@ def no_memory(region: Region, start: int, length: int, hand_over: bool) -> int:
 
 
 class Slabs:
-    """Regions, free regions, and each tenant's index, recency lists and use. Not thread-safe.
+    """Regions, free regions, the blocks (`table`), and each tenant's index, recency lists and use.
+    Not thread-safe.
 
     Args:
         capacity_bytes: the arena; rounded down to whole regions.
@@ -63,6 +65,7 @@ class Slabs:
         self.region_bytes = region_bytes
         self.regions = [Region(i, i * region_bytes, region_bytes) for i in range(num_regions)]
         self.free_regions = list(reversed(self.regions))
+        self.table = BlockTable(self.regions)
         self.tenants = {name: TenantState(q, dict.fromkeys(TENANT_COUNTERS, 0)) for name, q in quotas.items()}
         self.counters = dict.fromkeys(("region_handovers", "scrubbed_bytes"), 0)
         self._scrub = scrub
@@ -90,40 +93,48 @@ class Slabs:
             self.counters["scrubbed_bytes"] += self._scrub(region, offset, length, False)
         region.dirty_bytes = max(region.dirty_bytes, offset + slot_bytes)
         self._gen += 1
-        block = Block(tenant, key, region, slot, length, self._gen, state, mutable)
-        region.blocks[slot] = block
+        block = self.table.add(tenant, key, region, slot, length, self._gen, state, mutable)
+        region.ids[slot] = block
+        region.num_blocks += 1
         t.index[key] = block
         lru = t.lru.get(slot_bytes)
         if lru is None:
-            lru = t.lru[slot_bytes] = OrderedDict()
-        lru[key] = block
+            lru = t.lru[slot_bytes] = Recency(self.table)
+        lru.push(block)
         t.used_bytes += slot_bytes
-        self.touch(block)
-        return Grant(GrantStatus.GRANTED, block)
+        handle = Block(self.table, block)
+        self.touch(handle)
+        return Grant(GrantStatus.GRANTED, handle)
+
+    def block(self, block: int) -> Block:
+        """A handle on block id `block`."""
+        return Block(self.table, block)
 
     def remove(self, block: Block) -> None:
         """Frees the block's slot (and its region once empty). The block must not be busy."""
         t, region = self.tenants[block.tenant], block.region
         del t.index[block.key]
-        del t.lru[region.slot_bytes][block.key]
-        del region.blocks[block.slot]
+        t.lru[region.slot_bytes].unlink(block.id)
+        region.ids[block.slot] = -1
+        region.num_blocks -= 1
+        self.table.remove(block.id)
         region.free.append(block.slot)
         t.used_bytes -= region.slot_bytes
         t.open_regions.setdefault(region.slot_bytes, {})[region.id] = region
-        if not region.blocks:
+        if not region.num_blocks:
             del t.open_regions[region.slot_bytes][region.id]
-            region.tenant, region.slot_bytes, region.free = None, 0, []
+            region.tenant, region.slot_bytes, region.free, region.ids = None, 0, array("i"), None
             self.free_regions.append(region)
 
     def touch(self, block: Block) -> None:
         """Makes `block` (and its region) the most recently used."""
         self._tick += 1
-        block.last_use = block.region.last_use = self._tick
-        self.tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.key)
+        self.table.last_use[block.id] = block.region.last_use = self._tick
+        self.tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.id)
 
     def _fit_quota(self, t: TenantState, slot_bytes: int) -> bool:
         while t.used_bytes + slot_bytes > t.quota_bytes:
-            victim = min(filter(None, (_oldest_idle(lru) for lru in t.lru.values())),
+            victim = min(filter(None, (self._oldest_idle(lru) for lru in t.lru.values())),
                          key=lambda b: b.last_use, default=None)
             if victim is None:
                 return False
@@ -140,7 +151,7 @@ class Slabs:
                 region = self._assign(self.free_regions[-1], tenant, t, slot_bytes)
                 self.free_regions.pop()
                 return region
-            own = _oldest_idle(t.lru.get(slot_bytes, {}))
+            own = self._oldest_idle(t.lru.get(slot_bytes))
             idle = [r for r in self.regions if r.num_busy == 0 and r.tenant is not None]
             region = min(idle, key=lambda r: r.last_use, default=None)
             if own is None and region is None:
@@ -148,8 +159,8 @@ class Slabs:
             if own is not None and (region is None or own.last_use <= region.last_use):
                 self._evict(own)
             else:
-                for block in list(region.blocks.values()):
-                    self._evict(block)
+                for block in region.block_ids():
+                    self._evict(Block(self.table, block))
 
     def _assign(self, region: Region, tenant: str, t: TenantState, slot_bytes: int) -> Region:
         """Hands a free region to `tenant` for class `slot_bytes`, zeroed first when it may hold
@@ -160,14 +171,23 @@ class Slabs:
             region.dirty_bytes = 0
         region.last_tenant = tenant
         region.tenant, region.slot_bytes = tenant, slot_bytes
-        region.free = list(reversed(range(region.size // slot_bytes)))
+        slots = region.size // slot_bytes
+        region.free = array("i", range(slots - 1, -1, -1))
+        region.ids = array("i", [-1]) * slots
         t.open_regions.setdefault(slot_bytes, {})[region.id] = region
         return region
+
+    def _oldest_idle(self, lru: Recency | None) -> Block | None:
+        """The least recently used block of `lru` that is READY and idle."""
+        if lru is None:
+            return None
+        table = self.table
+        leases, inflight, state = table.leases, table.inflight, table.state
+        for block in lru:
+            if not leases[block] and not inflight[block] and state[block] == _READY_CODE:
+                return Block(table, block)
+        return None
 
     def _evict(self, block: Block) -> None:
         self.tenants[block.tenant].counters["evictions"] += 1  # the owner's: it sees its blocks go
         self.remove(block)
-
-
-def _oldest_idle(lru: Mapping[bytes, Block]) -> Block | None:
-    return next((b for b in lru.values() if not b.busy and b.state is BlockState.READY), None)

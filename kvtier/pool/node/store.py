@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-from kvtier.pool.node.blocks import Access, AccessError, Block, BlockState, Grant, cover
+from kvtier.pool.node.blocks import Access, AccessError, Block, BlockState, Grant, TenantState, cover
 from kvtier.pool.node.leases import Lease, LeaseTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
 from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
 
+_READY = 1  # BlockState.READY in the block table's `state` column
 MAX_LEASES_PER_OWNER = 16384  # 4 full GET frames: a client's pipelined gets release theirs with the next
 MAX_LEASES_PER_TENANT = 131072  # ~32 MiB of bookkeeping at most per tenant
 
@@ -54,7 +55,7 @@ class BlockStore:
                  max_leases_per_tenant: int = MAX_LEASES_PER_TENANT) -> None:
         self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base)
         self.region_bytes, self.regions = region_bytes, self._slabs.regions
-        self._tenants = self._slabs.tenants
+        self._tenants, self._table = self._slabs.tenants, self._slabs.table
         self._num_inflight = 0
         self._leases = LeaseTable(clock, max_lease_s, max_leases_per_owner, max_leases_per_tenant, id_base)
         self._dropped_on_close = 0
@@ -83,7 +84,7 @@ class BlockStore:
         until `commit`. LIMIT when the tenant or the owner holds as many leases as it may."""
         self._expire()
         t = self._tenants[tenant]
-        old = t.index.get(key)
+        old = self._find(t, key)
         if old is not None:
             if old.state is BlockState.WRITING:
                 t.counters["rejected_busy"] += 1
@@ -102,7 +103,7 @@ class BlockStore:
     def alloc(self, tenant: str, key: bytes, length: int) -> Grant:
         """A mutable, READY block for `key` (its existing one if of the same length); never leased."""
         self._expire()
-        old = self._tenants[tenant].index.get(key)
+        old = self._find(self._tenants[tenant], key)
         if old is not None:
             if old.mutable and old.length == length:
                 self._slabs.touch(old)
@@ -123,7 +124,7 @@ class BlockStore:
         """
         self._expire()
         t = self._tenants[tenant]
-        block = t.index.get(key)
+        block = self._find(t, key)
         if block is None or block.gen != gen or block.state is not BlockState.WRITING:
             return False
         self._drop_lease(block.write_lease)
@@ -139,7 +140,7 @@ class BlockStore:
 
     def abort(self, tenant: str, key: bytes, gen: int) -> None:
         self._expire()
-        block = self._tenants[tenant].index.get(key)
+        block = self._find(self._tenants[tenant], key)
         if block is not None and block.gen == gen and block.state is BlockState.WRITING:
             self._drop_lease(block.write_lease)
             if not block.busy:
@@ -163,15 +164,17 @@ class BlockStore:
         """The READY, immutable block under each key (None: a miss); counts hits and misses."""
         self._expire()
         t = self._tenants[tenant]
-        index, counters = t.index, t.counters
+        index, counters, table = t.index, t.counters, self._slabs.table
+        state, mutable = table.state, table.mutable
         out: list[Block | None] = []
         for key in keys:
-            block = index.get(key)
-            if block is None or block.state is not BlockState.READY or block.mutable:
+            found = index.get(key)
+            if found is None or state[found] != _READY or mutable[found]:
                 counters["misses"] += 1
                 out.append(None)
                 continue
             counters["hits"] += 1
+            block = self._slabs.block(found)
             self._slabs.touch(block)
             out.append(block)
         return out
@@ -216,21 +219,22 @@ class BlockStore:
         """Whether the tenant holds a READY shared block under each key; `touch`: each one found
         becomes the most recently used (a client's CONTAINS: it asks for a block it is about to
         load, or one it would have sent again, so that block should not be the next evicted)."""
-        index, found = self._tenants[tenant].index, []
+        index, found, table = self._tenants[tenant].index, [], self._slabs.table
+        state, mutable = table.state, table.mutable
         for key in keys:
             block = index.get(key)
-            hit = block is not None and block.state is BlockState.READY and not block.mutable
+            hit = block is not None and state[block] == _READY and not mutable[block]
             if hit and touch:
-                self._slabs.touch(block)
+                self._slabs.touch(self._slabs.block(block))
             found.append(hit)
         return found
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Drops the tenant's blocks under `keys`; busy blocks are skipped (recency evicts them later)."""
         self._expire()
-        index, n = self._tenants[tenant].index, 0
+        t, n = self._tenants[tenant], 0
         for key in keys:
-            block = index.get(key)
+            block = self._find(t, key)
             if block is not None and not block.busy:
                 self._slabs.remove(block)
                 n += 1
@@ -260,7 +264,8 @@ class BlockStore:
             raise self._refused(tenant, "bounds", ErrorCode.BOUNDS, f"[{offset}, {offset + length}) is outside "
                                                                     f"region {region_id} of {region.size} bytes")
         slot, within = divmod(offset, region.slot_bytes)
-        block = region.blocks.get(slot)
+        found = region.ids[slot] if region.ids is not None and slot < len(region.ids) else -1
+        block = self._slabs.block(found) if found >= 0 else None
         where = f"region {region_id} slot {slot}"
         if block is None or block.gen != gen:
             raise self._refused(tenant, "stale", ErrorCode.STALE, f"{where} no longer holds generation {gen}")
@@ -324,11 +329,20 @@ class BlockStore:
 
     # ---- internals --------------------------------------------------------------------------
 
+    def _find(self, t: TenantState, key: bytes) -> Block | None:
+        """A handle on the tenant's block under `key`, or None."""
+        block = t.index.get(key)
+        return None if block is None else self._slabs.block(block)
+
     def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
-        was = block.leases > 0 or block.inflight > 0  # `Block.busy`, inline: three calls per request
-        block.leases += leases
-        block.inflight += inflight
-        now = block.leases > 0 or block.inflight > 0
+        # On the table's columns, not the handle's properties: three calls per request.
+        table, i = self._table, block.id
+        held, moving = table.leases[i], table.inflight[i]
+        was = held > 0 or moving > 0
+        held += leases
+        moving += inflight
+        table.leases[i], table.inflight[i] = held, moving
+        now = held > 0 or moving > 0
         if now is not was:
             block.region.num_busy += 1 if now else -1
 
