@@ -195,11 +195,11 @@ class BlockIndex:
         """Forgets block `block` (it holds no copy any more); its id is reused."""
         keys = self.keys
         del self.ids[keys.pop(block) if keys is not None else self._view[block << 4:(block + 1) << 4].tobytes()]
-        self.pins[block] = 0
+        # Its pins are 0 and its `ready` NO_TIER already: a block with no copy has neither.
         self.hits[block] = 0
-        self.ready[block] = NO_TIER
         self.prefetched[block] = 0
-        self.checksums.pop(block, None)
+        if self.checksums:
+            self.checksums.pop(block, None)
         self._reuse.append(block)
 
     def _grow(self) -> None:

@@ -794,14 +794,18 @@ class TierManager:
                 through = self._write_through.get(tier)
                 if through is None or not through(key):
                     continue
-            if block is not None and self._slot[tier][block] >= 0:
+            slots = self._slot[tier]
+            if block is not None and slots[block] >= 0:
                 continue  # a copy of an earlier life is still leaving this tier
             slot = self._free_slot(tier, False, 0)
             if slot is None:
                 continue
             if block is None:
                 block = self.index.add(key)
-            self._claim(block, tier, slot)
+            slots[block] = slot  # `_claim(block, tier, slot)`, inlined (once per block stored): checked above
+            self._state[tier][slot] = WRITING
+            self._owner[tier][slot] = block
+            self._num_copies[block] += 1
             placed.append((block, tier, slot, key))
             keeper = tier in self._may_drop if not claimed else keeper and tier in self._may_drop
             claimed = True
@@ -1029,7 +1033,8 @@ class TierManager:
         If it was the block's last live copy, the block is dropped and counted under `reason`
         (None: not counted, the caller stores it again elsewhere).
         """
-        slot, state = self._slot[tier][block], self._state[tier]
+        slots, state = self._slot[tier], self._state[tier]
+        slot = slots[block]
         if state[slot] != FREEING:
             state[slot] = FREEING
             if self._num_copies[block] == 1:  # the only copy (once per block dropped): no READY copy is left
@@ -1037,6 +1042,14 @@ class TierManager:
                 if reason is not None:
                     self.stats.dropped[reason] += 1
                 self._pins[block] = 0
+                if self._readers[tier][slot] == 0:  # `_free`, inlined: once per block dropped
+                    slots[block] = -1
+                    state[slot] = FREE
+                    self._owner[tier][slot] = -1
+                    self._free_lists[tier].append(slot)
+                    self._num_copies[block] = 0
+                    self.index.remove(block)
+                return
             else:
                 if self._ready[block] == tier:  # else the fastest READY copy is still the same one
                     self._refresh(block)

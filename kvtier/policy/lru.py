@@ -5,7 +5,7 @@ Two implementations of one order:
     numbers (`tracks_slots`): a doubly linked list threaded through two arrays indexed by slot
     (`array.array`, 4 bytes a link), oldest at the head. Nothing per key is an object, so a full
     garbage collection has nothing to walk (see kvtier.index); keys must be integers >= 0, dense
-    as slot numbers are (the arrays grow to the largest seen).
+    as slot numbers are (the arrays grow to the largest seen); a bool counts as 0 or 1.
   * `LRUPolicy`, for any hashable keys: one `OrderedDict` ordered from least to most recent, which
     keeps a node per key.
 Both: insert, touch and remove are O(1); evicting `n` victims walks from the least recent end and
@@ -111,29 +111,34 @@ class SlotLRUPolicy(EvictionPolicy):
             TypeError: `key` is not an integer >= 0.
         """
         prev = self._prev
-        if not (key.__class__ is int and 0 <= key < len(prev)):
-            self._grow(key)
-            prev = self._prev
-        if prev[key] != _OUT:
-            raise KeyError(key)
+        try:
+            tracked = prev[key] != _OUT
+        except (IndexError, TypeError):  # past the arrays (they grow), or not an integer (refused)
+            self._grow(key)  # in place: `prev` is still the array
+            tracked = False
+        if tracked or key < 0:
+            raise KeyError(key) if key >= 0 else TypeError(f"SlotLRUPolicy tracks slot numbers (integers >= 0), got {key!r}")
         tail = self._tail
         prev[key] = tail
-        self._next[key] = _END
         if tail >= 0:
             self._next[tail] = key
         else:
             self._head = key
+        self._next[key] = _END
         self._tail = key
         self._len += 1
 
     def touch(self, key: int) -> None:
         """Makes a resident `key` the most recent. Unknown keys are ignored."""
-        prev = self._prev
-        if key == self._tail or not (key.__class__ is int and 0 <= key < len(prev)):
+        if key == self._tail:
             return
-        before = prev[key]
-        if before == _OUT:
+        prev = self._prev
+        try:
+            before = prev[key]
+        except (IndexError, TypeError):
             return  # a miss is not an error
+        if before == _OUT or key < 0:
+            return
         nxt = self._next
         after = nxt[key]  # not _END: key is not the tail
         if before >= 0:
@@ -173,7 +178,18 @@ class SlotLRUPolicy(EvictionPolicy):
         if n == 1:  # the hot path: one victim per block stored into a full tier
             while key >= 0:
                 if not protected(key):
-                    self._unlink(key)
+                    prev = self._prev  # `_unlink(key)`, inlined
+                    before, after = prev[key], nxt[key]
+                    if before >= 0:
+                        nxt[before] = after
+                    else:
+                        self._head = after
+                    if after >= 0:
+                        prev[after] = before
+                    else:
+                        self._tail = before
+                    prev[key] = _OUT
+                    self._len -= 1
                     return [key]
                 key = nxt[key]
             return None
@@ -192,7 +208,7 @@ class SlotLRUPolicy(EvictionPolicy):
 
     def _grow(self, key: object) -> None:
         """Makes room for `key`, refusing anything but an integer >= 0."""
-        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        if not isinstance(key, int) or key < 0:
             raise TypeError(f"SlotLRUPolicy tracks slot numbers (integers >= 0), got {key!r}")
         key = int(key)
         size = len(self._prev)
