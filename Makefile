@@ -62,8 +62,10 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvtier demo
 
+# Two pytest workers (the suite's engines, servers and pool nodes are mostly waiting or single-threaded);
+# a test file stays on one worker, so its module fixtures (tiny models, reference runs) are built once.
 test: $(STAMP) system $(VENV)/pyverbs/pyverbs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(BIN)/python tests/guest/rdma_guest.py --install --skip-unavailable
 
 # The `rdma` tests on real kernel verbs: soft-RoCE in a guest under QEMU's emulation (this host's

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -262,11 +264,13 @@ def cmdlines_mentioning(text: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_tiny_run_end_to_end(tmp_path):
+def test_a_tiny_run_end_to_end(tmp_path, request):
     """plain vLLM and kvtier DRAM + pool node + SSD, real servers, few prompts: the JSON has every
     figure the issue asks for, the outputs are identical, kvtier served prefix hits, nothing is left running."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # A short TMPDIR of its own: vLLM puts IPC sockets there, and a socket path may not pass 107
+    # bytes (tmp_path is long under pytest-xdist's workers).
+    tmp = Path(tempfile.mkdtemp(prefix="kvs-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(BENCH / "bench_serve.py"), "--quick", "--configs", "dram+pool+ssd",
            "--num-prompts", "6", "--num-prefixes", "2", "--prefix-tokens", "600", "--suffix-tokens", "64",
