@@ -454,19 +454,36 @@ def digest_keys(start: int, count: int) -> list[bytes]:
     return [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(start, start + count)]
 
 
-def memory_child(num_blocks: int, policy: str) -> dict:
-    """One measurement (run in a fresh process): see the module's docstring."""
+def before_index() -> tuple[float, int, int, float]:
+    """What a 16-byte key object costs here (to tell the index's own bytes from its keys'), then the
+    tracked objects, RSS and full-GC pause of the process before the index (imports, interpreter)."""
     gc.collect()
-    # What a 16-byte key object costs here, to tell the index's own bytes from its keys'.
     base = rss_bytes()
     probe = digest_keys(10**12, 200_000)
     key_bytes = (rss_bytes() - base - 8 * len(probe)) / len(probe)
     del probe
     gc.collect()
-    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
+    objects, rss = len(gc.get_objects()), rss_bytes()
     t = time.perf_counter()
     gc.collect()
-    empty_pause = time.perf_counter() - t  # the process before the index: imports, the interpreter
+    return key_bytes, objects, rss, time.perf_counter() - t
+
+
+def after_index() -> tuple[int, int, list[float]]:
+    """RSS and tracked objects once the index is built, and five full-GC pauses (seconds)."""
+    gc.collect()
+    rss, objects = rss_bytes(), len(gc.get_objects())
+    pauses = []
+    for _ in range(5):
+        t = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - t)
+    return rss, objects, pauses
+
+
+def memory_child(num_blocks: int, policy: str) -> dict:
+    """One measurement (run in a fresh process): see the module's docstring."""
+    key_bytes, objects_before, rss_before, empty_pause = before_index()
     dram, ssd = max(1, num_blocks // 5), max(1, num_blocks * 6 // 5)
     manager = TierManager([TierSlots(DRAM, dram, make_policy(policy, dram)), TierSlots(SSD, ssd, make_policy(policy, ssd))])
     started = time.perf_counter()
@@ -475,13 +492,7 @@ def memory_child(num_blocks: int, policy: str) -> dict:
         manager.store_now(digest_keys(start, min(step, num_blocks - start)))
     fill_s = time.perf_counter() - started
     indexed = len(manager.index)
-    gc.collect()
-    rss_after, objects_after = rss_bytes(), len(gc.get_objects())
-    pauses = []
-    for _ in range(5):
-        t = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - t)
+    rss_after, objects_after, pauses = after_index()
     rng = random.Random(0)
     picks = [digest_keys(rng.randrange(num_blocks), 1)[0] for _ in range(50_000)]
     lookup, touch = manager.lookup, manager.touch
@@ -514,16 +525,7 @@ def pool_child(num_blocks: int) -> dict:
     from kvtier.pool.node.store import BlockStore
 
     block_bytes, region_bytes = 64 << 10, 64 << 20
-    gc.collect()
-    base = rss_bytes()
-    probe = digest_keys(10**12, 200_000)
-    key_bytes = (rss_bytes() - base - 8 * len(probe)) / len(probe)
-    del probe
-    gc.collect()
-    objects_before, rss_before = len(gc.get_objects()), rss_bytes()
-    t = time.perf_counter()
-    gc.collect()
-    empty_pause = time.perf_counter() - t
+    key_bytes, objects_before, rss_before, empty_pause = before_index()
     regions = -(-num_blocks * block_bytes // region_bytes) + 1
     now = [0.0]
     store = BlockStore(regions * region_bytes, region_bytes, {"t": regions * region_bytes}, lambda: now[0])
@@ -538,13 +540,7 @@ def pool_child(num_blocks: int) -> dict:
                 raise SystemExit(f"pool bench: the commit of block {start} failed")
     fill_s = time.perf_counter() - started
     held = store.stats()["num_blocks"]
-    gc.collect()
-    rss_after, objects_after = rss_bytes(), len(gc.get_objects())
-    pauses = []
-    for _ in range(5):
-        t = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - t)
+    rss_after, objects_after, pauses = after_index()
     rng = random.Random(0)
     picks = [digest_keys(rng.randrange(num_blocks), 1)[0] for _ in range(50_000)]
     get, release = store.get, store.release

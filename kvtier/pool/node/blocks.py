@@ -30,7 +30,8 @@ class BlockState(enum.Enum):
 
 
 _STATES = (BlockState.WRITING, BlockState.READY)
-_STATE_CODES = {BlockState.WRITING: 0, BlockState.READY: 1}
+_STATE_CODES = {state: code for code, state in enumerate(_STATES)}
+READY_CODE = _STATE_CODES[BlockState.READY]  # a READY block in the table's `state` column
 
 
 @dataclass(eq=False, slots=True)

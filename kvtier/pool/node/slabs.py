@@ -23,11 +23,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Mapping
 
-from kvtier.pool.node.blocks import Block, BlockState, BlockTable, Grant, Recency, Region, TenantState
+from kvtier.pool.node.blocks import READY_CODE, Block, BlockState, BlockTable, Grant, Recency, Region, TenantState
 from kvtier.pool.protocol import GrantStatus
 
 CLASS_ALIGN_BYTES = 4096
-_READY_CODE = 1  # BlockState.READY in the table's `state` column
 TENANT_COUNTERS = ("hits", "misses", "puts", "evictions", "leases_expired", "stale", "bounds", "forbidden",
                    "rejected_full", "rejected_quota", "rejected_busy", "rejected_limit", "deleted", "aborted",
                    "bytes_in", "bytes_out", "duplicate_put_bytes")
@@ -184,7 +183,7 @@ class Slabs:
         table = self.table
         leases, inflight, state = table.leases, table.inflight, table.state
         for block in lru:
-            if not leases[block] and not inflight[block] and state[block] == _READY_CODE:
+            if not leases[block] and not inflight[block] and state[block] == READY_CODE:
                 return Block(table, block)
         return None
 

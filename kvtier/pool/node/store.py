@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-from kvtier.pool.node.blocks import Access, AccessError, Block, BlockState, Grant, TenantState, cover
+from kvtier.pool.node.blocks import READY_CODE, Access, AccessError, Block, BlockState, Grant, TenantState, cover
 from kvtier.pool.node.leases import Lease, LeaseTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
 from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
 
-_READY = 1  # BlockState.READY in the block table's `state` column
 MAX_LEASES_PER_OWNER = 16384  # 4 full GET frames: a client's pipelined gets release theirs with the next
 MAX_LEASES_PER_TENANT = 131072  # ~32 MiB of bookkeeping at most per tenant
 
@@ -169,7 +168,7 @@ class BlockStore:
         out: list[Block | None] = []
         for key in keys:
             found = index.get(key)
-            if found is None or state[found] != _READY or mutable[found]:
+            if found is None or state[found] != READY_CODE or mutable[found]:
                 counters["misses"] += 1
                 out.append(None)
                 continue
@@ -223,7 +222,7 @@ class BlockStore:
         state, mutable = table.state, table.mutable
         for key in keys:
             block = index.get(key)
-            hit = block is not None and state[block] == _READY and not mutable[block]
+            hit = block is not None and state[block] == READY_CODE and not mutable[block]
             if hit and touch:
                 self._slabs.touch(self._slabs.block(block))
             found.append(hit)
