@@ -31,8 +31,9 @@ tier of 1.2 N slots, one policy, N new 16-byte keys stored through `store_now` i
 then `gc.collect()`. Reported: RSS per block (keys included, and beyond the key objects, whose own
 cost the child measures first), objects the garbage collector tracks, the pause of a full
 collection (median of 5), `lookup([k])` + `touch([k])` of random stored keys, a store of one new key
-with the demotions it triggers (`store_now`), and the fill's speed, all with the collector on, as in
-a server. `--pool 1000000 10000000` does the same for a pool node's `BlockStore` (sans-I/O: no arena behind
+with the demotions it triggers (`store_now`), the fill's speed, and a replay's (`replay_at_scale`:
+20,000 requests of 16 blocks, 60 % of them back to blocks stored long ago), all with the collector
+on, as in a server. `--pool 1000000 10000000` does the same for a pool node's `BlockStore` (sans-I/O: no arena behind
 it): one tenant, N blocks of 64 KiB in 64 MiB regions, each put as the node takes an inline one
 (`put_begin`, the write's access, `commit`), then RSS per block, tracked objects, the full-GC pause,
 and a GET of one random key with its lease released. `--kvtier PATH` runs the children on another checkout (e.g. the tree before a change),
@@ -508,6 +509,7 @@ def memory_child(num_blocks: int, policy: str) -> dict:
     for request in new:
         store_now(request)
     store_us = (time.perf_counter() - t) / len(new) * 1e6
+    replay_per_s, replay = replay_at_scale(manager, num_blocks)
     grown = rss_bytes() - rss_before
     return {"blocks": num_blocks, "policy": policy, "dram_slots": dram, "ssd_slots": ssd, "indexed": indexed,
             "rss_per_block": (rss_after - rss_before) / num_blocks, "key_object_bytes": key_bytes,
@@ -517,7 +519,45 @@ def memory_child(num_blocks: int, policy: str) -> dict:
             "gc_pause_ms": statistics.median(pauses) * 1e3, "gc_pauses_ms": [p * 1e3 for p in pauses],
             "gc_pause_ms_before_index": empty_pause * 1e3, "torch_imported": "torch" in sys.modules,
             "lookup_touch_us": lookup_us, "lookups_found": found, "store_us": store_us,
-            "fill_blocks_per_s": num_blocks / fill_s, "kvtier": str(Path(sys.modules["kvtier"].__file__).parent)}
+            "fill_blocks_per_s": num_blocks / fill_s, "replay_accesses_per_s": replay_per_s, "replay": replay,
+            "kvtier": str(Path(sys.modules["kvtier"].__file__).parent)}
+
+
+REPLAY_REQUESTS, REPLAY_BLOCKS, REPLAY_REUSE = 20_000, 16, 0.6
+
+
+def replay_at_scale(manager: TierManager, num_blocks: int) -> tuple[float, dict]:
+    """Replays requests against the filled index as `kvtier simulate` does (`lookup`, `load_now` of
+    the prefix found, `store_now` of the rest), with the collector on as in a server: 60 % of
+    the requests come back to the first 16 blocks of one of the fill's requests (uniformly: most
+    are in the SSD, and a load promotes them into DRAM, demoting others), the rest are 16 new
+    blocks. Returns block accesses per second, and what the replay did."""
+    rng = random.Random(1)
+    chunks = max(1, num_blocks // 64)
+    fresh = num_blocks + 20_000  # past the keys the store timing used
+    requests = []
+    for _ in range(REPLAY_REQUESTS):
+        if rng.random() < REPLAY_REUSE:
+            start = rng.randrange(chunks) * 64
+            requests.append(digest_keys(start, min(REPLAY_BLOCKS, num_blocks - start)))
+        else:
+            requests.append(digest_keys(fresh, REPLAY_BLOCKS))
+            fresh += REPLAY_BLOCKS
+    lookup, load_now, store_now = manager.lookup, manager.load_now, manager.store_now
+    stats = manager.stats
+    hits_before = sum(stats.hits.values())
+    accesses = 0
+    t = time.perf_counter()
+    for keys in requests:
+        n = lookup(keys)
+        if n:
+            load_now(keys[:n])
+        if n < len(keys):
+            store_now(keys[n:])
+        accesses += len(keys)
+    elapsed = time.perf_counter() - t
+    hits = sum(stats.hits.values()) - hits_before
+    return accesses / elapsed, {"requests": len(requests), "accesses": accesses, "hit_rate": hits / accesses}
 
 
 def pool_child(num_blocks: int) -> dict:
@@ -601,13 +641,15 @@ def run_memory(args: argparse.Namespace, console: Console) -> list[dict]:
     t = Table(title="kvtier block index: what N blocks cost (DRAM 0.2 N + SSD 1.2 N slots, store_now)"
                     + (f" — kvtier from {args.kvtier}" if args.kvtier else ""))
     for col in ("policy", "blocks", "RSS B/block", "beyond keys", "tracked objects", "full GC ms",
-                "goal <= 20 ms", "GC ms, no index", "lookup+touch µs", "store µs", "fill blocks/s"):
+                "goal <= 20 ms", "GC ms, no index", "lookup+touch µs", "store µs", "fill blocks/s",
+                "replay acc/s"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in rows:
         t.add_row(r["policy"], f"{r['blocks']:,}", f"{r['rss_per_block']:.0f}", f"{r['rss_per_block_beyond_keys']:.0f}",
                   f"{r['tracked_objects']:,}", f"{r['gc_pause_ms']:.1f}",
                   "[green]pass[/]" if r["gc_pause_ms"] <= 20 else "[red]miss[/]", f"{r['gc_pause_ms_before_index']:.1f}",
-                  f"{r['lookup_touch_us']:.2f}", f"{r['store_us']:.2f}", f"{r['fill_blocks_per_s']:,.0f}")
+                  f"{r['lookup_touch_us']:.2f}", f"{r['store_us']:.2f}", f"{r['fill_blocks_per_s']:,.0f}",
+                  f"{r['replay_accesses_per_s']:,.0f}" if "replay_accesses_per_s" in r else "-")
     console.print(t)
     return rows
 

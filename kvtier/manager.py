@@ -27,6 +27,7 @@ two-path equivalence test (tests/simulate/test_simulate_fastpath.py) guard them 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
@@ -57,40 +58,40 @@ class _KeyedPolicy:
 
     kvtier's LRU tracks slots (`tracks_slots`); ARC and S3-FIFO keep ghost lists of keys no longer
     resident, and Belady's MIN looks keys up in the future, so they see keys exactly as before.
+    `protected` (the manager's rule, asked of keys: see `TierManager._protected_in`) is given once
+    here, so that its check per candidate is one call, as it is for a policy of slots.
     """
 
-    __slots__ = ("policy", "_ids", "_slot", "_key_of", "_owner", "_protected", "_by_key")
+    __slots__ = ("policy", "_index", "_ids", "_slot", "_owner", "_by_key")
 
-    def __init__(self, policy: EvictionPolicy, index: BlockIndex, tier: TierKind) -> None:
+    def __init__(self, policy: EvictionPolicy, index: BlockIndex, tier: TierKind,
+                 protected: Callable[[Hashable], bool]) -> None:
         self.policy = policy
-        self._ids, self._key_of = index.ids, index.key_of
+        self._index, self._ids = index, index.ids  # `index.key_of` changes with the keys it holds
         self._slot, self._owner = index.slot[tier], index.owner[tier]
-        self._protected: Callable[[int], bool] | None = None
-        self._by_key: Callable[[Hashable], bool] | None = None
+        self._by_key = protected
 
     def insert(self, slot: int) -> None:
-        self.policy.insert(self._key_of(self._owner[slot]))
+        self.policy.insert(self._index.key_of(self._owner[slot]))
 
     def touch(self, slot: int) -> None:
-        self.policy.touch(self._key_of(self._owner[slot]))
+        self.policy.touch(self._index.key_of(self._owner[slot]))
 
     def remove(self, slot: int) -> None:
-        self.policy.remove(self._key_of(self._owner[slot]))
+        self.policy.remove(self._index.key_of(self._owner[slot]))
 
-    def evict(self, n: int, protected: Callable[[int], bool]) -> list[int] | None:
-        if protected is not self._protected:  # the manager passes one callback per tier
-            ids, slots = self._ids, self._slot
-
-            def by_key(key: Hashable) -> bool:
-                block = ids.get(key)
-                return block is None or slots[block] < 0 or protected(slots[block])
-
-            self._protected, self._by_key = protected, by_key
+    def evict(self, n: int) -> list[int] | None:
+        """The slots of `n` victims (see `EvictionPolicy.evict`), or None."""
         victims = self.policy.evict(n, self._by_key)
         if victims is None:
             return None
         ids, slots = self._ids, self._slot
         return [slots[ids[key]] for key in victims]
+
+    def evict_one(self) -> int | None:
+        """The slot of one victim, or None."""
+        victims = self.policy.evict(1, self._by_key)
+        return self._slot[self._ids[victims[0]]] if victims else None
 
     def __len__(self) -> int:
         return len(self.policy)
@@ -126,7 +127,7 @@ class TierManager:
         index = self.index = BlockIndex({k: t.num_slots for k, t in self._tiers.items()})
         # The index's columns, bound once (see kvtier.index): lists indexed by tier, arrays by block
         # id or slot. Blocks are ids everywhere below; a key is looked up once per call.
-        self._ids, self._key_of, self._checksums = index.ids, index.key_of, index.checksums
+        self._ids, self._checksums = index.ids, index.checksums  # (`index.key_of` is rebound as keys come)
         self._slot, self._owner, self._state, self._readers = index.slot, index.owner, index.state, index.readers
         self._pins, self._hits, self._ready, self._prefetched = index.pins, index.hits, index.ready, index.prefetched
         self._num_copies = index.num_copies
@@ -148,11 +149,22 @@ class TierManager:
                                for k, t in self._tiers.items() if t.write_through or mode is not _EXCLUSIVE}
         self._free_lists = {k: s.free for k, s in self._slots.items()}  # see SlotAllocator
         self._may_drop = frozenset(k for k, t in self._tiers.items() if t.may_drop)
-        # Per tier, the policy as the manager calls it: with slot numbers (see `_KeyedPolicy`).
-        self._policies = {k: t.policy if getattr(t.policy, "tracks_slots", False) else _KeyedPolicy(t.policy, index, k)
-                          for k, t in self._tiers.items()}
-        # One `protected` callback per tier, built once: evict(1) runs on every store into a full tier.
-        self._protected = {k: self._protected_in(k) for k in self._tiers}
+        # Per tier, the policy as the manager calls it, with slot numbers (see `_KeyedPolicy`), and
+        # its victims as the manager asks for them: `_victim[tier]()`, one victim's slot or None
+        # (once per block stored into a full tier), `_victims[tier](n)`, n slots or None. Each with
+        # the tier's `protected` rule, built once.
+        self._policies, self._victim, self._victims = {}, {}, {}
+        for k, t in self._tiers.items():
+            if getattr(t.policy, "tracks_slots", False):
+                policy, protected = t.policy, self._protected_in(k)
+                self._victim[k] = functools.partial(policy.evict_one, protected)
+                self._victims[k] = functools.partial(policy.evict, protected=protected)
+            else:
+                policy = _KeyedPolicy(t.policy, index, k, self._protected_in(k, by_key=True))
+                self._victim[k], self._victims[k] = policy.evict_one, policy.evict
+            self._policies[k] = policy
+        # Per tier number, its policy's `touch` (`touch` reads tier numbers out of the index's columns).
+        self._touch_at = [self._policies[k].touch if k in self._policies else None for k in _KINDS]
 
     def _derive_cascade(self) -> None:
         """The per-tier tables that follow from the order and the tiers out of service."""
@@ -295,12 +307,19 @@ class TierManager:
 
     def touch(self, keys: Iterable[Hashable]) -> None:
         """Marks `keys` as just used in the tier that would serve them."""
-        get = self._ids.get
+        get, ready, slots, touch_at, down = self._ids.get, self._ready, self._slot, self._touch_at, self._down
         for key in keys:
             block = get(key)
-            tier = self._serving(block) if block is not None else None
-            if tier is not None:
-                self._policies[tier].touch(self._slot[tier][block])
+            if block is None:
+                continue
+            tier = ready[block]  # `_serving(block)`, inlined where no tier is down
+            if tier == NO_TIER:
+                continue
+            if down and tier in down:
+                tier = self._serving(block)
+                if tier is None:
+                    continue
+            touch_at[tier](slots[tier][block])
 
     def num_used(self, tier: TierKind) -> int:
         return self._slots[tier].num_used
@@ -312,7 +331,7 @@ class TierManager:
         """The key whose copy occupies `slot` of `tier`, or None if the slot is free."""
         owners = self._owner[tier]
         block = owners[slot] if 0 <= slot < len(owners) else -1
-        return self._key_of(block) if block >= 0 else None
+        return self.index.key_of(block) if block >= 0 else None
 
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
@@ -717,7 +736,7 @@ class TierManager:
         # so it frees now, and `dst` is the only copy left, hence the fastest READY one.
         slot, state = self._slot[dst][block], self._state[dst]
         if state[slot] != WRITING:  # `_make_ready`, from here to the policy's insert
-            raise KVTierError(f"block {_short(self._key_of(block))} in {dst.name} completed twice")
+            raise KVTierError(f"block {_short(self.index.key_of(block))} in {dst.name} completed twice")
         state[slot] = READY
         self._policies[dst].insert(slot)
         self.stats.demotions[src, dst] += 1
@@ -820,21 +839,29 @@ class TierManager:
         free = self._free_lists[tier]
         if free:
             return free.pop()
-        victims = self._policies[tier].evict(1, self._protected[tier])
-        if victims:
-            self._evict(self._owner[tier][victims[0]], tier)
+        victim = self._victim[tier]()
+        if victim is not None:
+            self._evict(self._owner[tier][victim], tier)
         return free.pop() if free else None
 
-    def _protected_in(self, tier: TierKind) -> Callable[[int], bool]:
+    def _protected_in(self, tier: TierKind, by_key: bool = False) -> Callable[[int], bool]:
         """Whether the copy in `slot` of `tier` must stay (pinned, not READY, or being read),
-        inlined: policies call it per candidate."""
+        inlined: policies call it per candidate. `by_key`: asked of the block's key instead."""
         owners, state, readers, pins = self._owner[tier], self._state[tier], self._readers[tier], self._pins
+        ids, slots = self._ids, self._slot[tier]
 
         def protected(slot: int) -> bool:
             block = owners[slot]
             return block < 0 or pins[block] != 0 or state[slot] != READY or readers[slot] != 0
 
-        return protected
+        def protected_key(key: Hashable) -> bool:
+            block = ids.get(key)
+            if block is None:
+                return True
+            slot = slots[block]
+            return slot < 0 or pins[block] != 0 or state[slot] != READY or readers[slot] != 0
+
+        return protected_key if by_key else protected
 
     def _evict(self, block: int, tier: TierKind) -> None:
         """Evicts `block`'s copy from `tier` (already gone from its policy): release, demote or drop."""
@@ -872,9 +899,9 @@ class TierManager:
             # cost ~5 % of a three-tier replay, and another one per block dropped from the last.
             free = free_lists[lower]
             if not free:
-                victims = self._policies[lower].evict(1, self._protected[lower])
-                if victims:
-                    self._evict(self._owner[lower][victims[0]], lower)
+                victim = self._victim[lower]()
+                if victim is not None:
+                    self._evict(self._owner[lower][victim], lower)
             slot = free.pop() if free else None
             if slot is None:
                 continue
@@ -916,17 +943,18 @@ class TierManager:
             if used <= high:
                 continue
             target = math.floor(spec.low_watermark * num_slots)
-            evict, protected, owners = self._policies[tier].evict, self._protected[tier], self._owner[tier]
+            victims_of, one_victim, owners = self._victims[tier], self._victim[tier], self._owner[tier]
             while used > target:
                 # All `used - target` victims in one call where there are that many: the same blocks
                 # as one call per victim (an eviction changes only lower tiers, never this tier's
                 # order or which of its blocks are protected), for one call's overhead.
-                victims = evict(used - target, protected) if used - target > 1 else None
+                victims = victims_of(used - target) if used - target > 1 else None
                 if victims is None:
-                    victims = evict(1, protected)
-                    if not victims:
+                    one = one_victim()
+                    if one is None:
                         over_high |= used > high
                         break
+                    victims = (one,)
                 for victim in victims:
                     self._evict(owners[victim], tier)
                 used = num_slots - len(free) - outgoing[tier]
@@ -967,7 +995,7 @@ class TierManager:
         demotion there does not come here: `_evict` queues it without a `Move`).
         """
         self._claim(block, dst, slot)  # raises, changing nothing, where `dst` holds a copy already
-        key, source = self._key_of(block), self._slot[src][block]
+        key, source = self.index.key_of(block), self._slot[src][block]
         move = Move(next(self._ids_made), key, src, source, dst, slot, reason, self._checksums.get(block))
         self._readers[src][source] += 1
         self._moves[move.id] = move
@@ -1012,7 +1040,7 @@ class TierManager:
         """Gives `block` a WRITING copy in free `slot` of `tier`."""
         slots = self._slot[tier]
         if slots[block] >= 0:
-            raise KVTierError(f"block {_short(self._key_of(block))} already has a copy in {tier.name}")
+            raise KVTierError(f"block {_short(self.index.key_of(block))} already has a copy in {tier.name}")
         slots[block] = slot
         self._state[tier][slot] = WRITING
         self._owner[tier][slot] = block
@@ -1021,7 +1049,7 @@ class TierManager:
     def _make_ready(self, block: int, tier: TierKind) -> None:
         slot, state = self._slot[tier][block], self._state[tier]
         if slot < 0 or state[slot] != WRITING:
-            raise KVTierError(f"block {_short(self._key_of(block))} in {tier.name} completed twice")
+            raise KVTierError(f"block {_short(self.index.key_of(block))} in {tier.name} completed twice")
         state[slot] = READY
         if tier < self._ready[block]:  # what `_refresh` would find: one more READY copy (NO_TIER is 255)
             self._ready[block] = tier

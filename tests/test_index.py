@@ -86,6 +86,48 @@ def test_keys_other_than_16_byte_digests_switch_the_index_to_a_dict_and_keep_eve
     assert owners == {*first, 7, "eight", b"short"}
 
 
+@pytest.mark.parametrize("stranger", [True, 2**63, -(2**63) - 1, "nine", b"x" * 16, 9.0],
+                         ids=["bool", "past int64", "below int64", "str", "digest", "float"])
+def test_int_keys_live_in_an_array_until_a_key_does_not_fit_it(stranger):
+    """A simulation's hash ids (ints) are kept in an int64 array; the first key that is not an int
+    within int64 (a bool too: it would come back as 1) moves every key to a dict, unchanged."""
+    m = two_tiers(PolicyKind.LRU, 4, 16)
+    ints = [0, -5, 2**63 - 1, -(2**63), 12345678901234]
+    m.store_now(ints)
+    index = m.index
+    assert index._ints is not None and index.keys is None and index.key_of(index.ids[-5]) == -5
+    m.store_now([stranger])
+    assert index._ints is None and index.keys is not None
+    for key in [*ints, stranger]:
+        assert m.lookup([key]) == 1
+        assert type(index.get(key).key) is type(key) and index.get(key).key == key
+    owners = [m.owner(t, s) for t in (D, S) for s in range(m.num_slots(t))]
+    assert sorted(map(repr, filter(lambda k: k is not None, owners))) == sorted(map(repr, [*ints, stranger]))
+
+
+def test_int_keys_reuse_ids_and_grow_the_array_in_place():
+    m = two_tiers(PolicyKind.LRU, 500, 2_000)
+    for i in range(0, 20_000, 100):  # past the first allocation of ids, and dropping from the SSD
+        m.store_now(list(range(i, i + 100)))
+    index = m.index
+    held = len(index)
+    assert index._ints is not None and held == m.num_used(D) + m.num_used(S) and index._next_id <= 2_500
+    assert all(index.key_of(block) == key for key, block in index.ids.items())
+    assert sum(m.lookup([key]) for key in range(20_000)) == held
+    assert m.lookup(range(19_900, 20_000)) == 100  # the last request is all there
+
+
+def test_an_index_of_digests_stays_a_blob_and_one_of_ints_starts_as_an_array():
+    index = BlockIndex({D: 8})
+    index.add(b"a" * 16)
+    index.add(3)  # not the first key: the digest already there stays readable, in a dict
+    assert index.keys == {0: b"a" * 16, 1: 3}
+    fresh = BlockIndex({D: 8})
+    fresh.remove(fresh.add(b"b" * 16))  # every earlier key gone: the next int may start the array
+    block = fresh.add(4)
+    assert fresh._ints is not None and fresh.key_of(block) == 4 and fresh.keys is None
+
+
 def test_an_index_refuses_more_ids_than_slots():
     index = BlockIndex({D: 2})
     index.add(b"a" * 16)

@@ -51,6 +51,12 @@ class EvictionPolicy(ABC):
             return None
         return self._evict(n, protected)
 
+    def evict_one(self, protected: Callable[[Hashable], bool]) -> Hashable | None:
+        """`evict(1, protected)`'s victim, or None where there is none: the manager's per-block
+        path (once per block stored into a full tier), without the list."""
+        victims = self.evict(1, protected) if len(self) else None
+        return victims[0] if victims else None
+
     @abstractmethod
     def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
         """`evict` once its arguments are checked: 1 <= n <= len(self)."""

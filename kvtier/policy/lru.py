@@ -173,26 +173,11 @@ class SlotLRUPolicy(EvictionPolicy):
 
     def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[int] | None:
         """Chooses the `n` least recent unprotected keys and forgets them."""
+        if n == 1:
+            key = self.evict_one(protected)
+            return None if key is None else [key]
         nxt = self._next
         key = self._head
-        if n == 1:  # the hot path: one victim per block stored into a full tier
-            while key >= 0:
-                if not protected(key):
-                    prev = self._prev  # `_unlink(key)`, inlined
-                    before, after = prev[key], nxt[key]
-                    if before >= 0:
-                        nxt[before] = after
-                    else:
-                        self._head = after
-                    if after >= 0:
-                        prev[after] = before
-                    else:
-                        self._tail = before
-                    prev[key] = _OUT
-                    self._len -= 1
-                    return [key]
-                key = nxt[key]
-            return None
         victims: list[int] = []
         while key >= 0:
             if not protected(key):
@@ -205,6 +190,28 @@ class SlotLRUPolicy(EvictionPolicy):
         for key in victims:
             self._unlink(key)
         return victims
+
+    def evict_one(self, protected: Callable[[Hashable], bool]) -> int | None:
+        """The least recent unprotected key, forgotten, or None: the hot path (see `EvictionPolicy`)."""
+        nxt = self._next
+        key = self._head
+        while key >= 0:
+            if not protected(key):
+                prev = self._prev  # `_unlink(key)`, inlined
+                before, after = prev[key], nxt[key]
+                if before >= 0:
+                    nxt[before] = after
+                else:
+                    self._head = after
+                if after >= 0:
+                    prev[after] = before
+                else:
+                    self._tail = before
+                prev[key] = _OUT
+                self._len -= 1
+                return key
+            key = nxt[key]
+        return None
 
     def _grow(self, key: object) -> None:
         """Makes room for `key`, refusing anything but an integer >= 0."""
