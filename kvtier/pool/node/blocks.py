@@ -10,7 +10,7 @@ reused once it is gone; each tenant's index maps keys to ids in a plain dict (by
 tracked); a region maps its slots to ids in an array; each tenant's recency list per size class is
 threaded through two arrays (`Recency`). `Block` is a handle the store hands out (in a `Grant`, an
 `Access`, a lease): what never changes for one allocation (tenant, key, region, slot, length,
-generation) is copied into it, and the rest (state, leases, coverage, ...) is read and written
+generation) is copied into it, and the rest (state, busy count, coverage, ...) is read and written
 through it in the columns, so a handle kept past its block's end still names that allocation.
 """
 
@@ -41,13 +41,25 @@ class Region:
     size: int
     tenant: str | None = None
     slot_bytes: int = 0
-    free: array = field(default_factory=lambda: array("i"))  # free slots, the next one last
+    free: array = field(default_factory=lambda: array("i"))  # slots given back, the next one last
+    fresh: int = 0  # slots from here on were never handed out since the region was assigned
+    num_slots: int = 0
     ids: array | None = None  # slot -> block id (-1: free), while the region is assigned
     num_blocks: int = 0
     num_busy: int = 0
     last_use: int = 0
     last_tenant: str | None = None  # whose bytes the region may still hold (None: zeros only)
     dirty_bytes: int = 0  # bytes from the region's start allocated since it was last zeroed
+
+    def has_room(self) -> bool:
+        return bool(self.free) or self.fresh < self.num_slots
+
+    def take_slot(self) -> int:
+        """A free slot (one given back first, then the lowest never used); the region has room."""
+        if self.free:
+            return self.free.pop()
+        self.fresh += 1
+        return self.fresh - 1
 
     def block_ids(self) -> list[int]:
         """The ids of the blocks in this region, by slot."""
@@ -59,36 +71,44 @@ class BlockTable:
 
     Args:
         regions: the node's regions, by id.
+
+    Per id: the key (16 bytes of `_blob` for a 16-byte key, the usual one; others in `_odd_keys`),
+    tenant, region, slot, length, generation (-1: the id is free), state, mutable, checksum, last
+    use, `busy` (live leases plus accesses in flight) and the recency links. What only a WRITING
+    block has (its write lease, its coverage: `written`, `islands`) is kept in dicts by id, as
+    long as it is WRITING: writes in flight are bounded by the lease limits, blocks are not.
     """
 
-    _GROW = 1024  # ids added to the columns at least at a time (and a quarter of them at most)
+    _GROW = 1024  # ids added to the columns at least at a time (and an eighth of them at most)
 
     def __init__(self, regions: list[Region]) -> None:
         self.regions = regions
         self.tenant_names: list[str] = []
         self._tenant_codes: dict[str, int] = {}
-        self.keys: dict[int, bytes] = {}
+        self._blob = bytearray()
+        self._view = memoryview(self._blob)
+        self._odd_keys: dict[int, bytes] = {}  # keys of another length than 16 bytes
+        self._count = 0
         self.islands: dict[int, list[tuple[int, int]]] = {}  # only WRITING blocks written past a gap
+        self.written: dict[int, int] = {}  # WRITING blocks with bytes written from their start
+        self.write_lease: dict[int, int] = {}  # WRITING blocks' write leases
         self.tenant = array("H")
         self.region = array("i")
         self.slot = array("i")
-        self.length = array("q")
+        self.length = array("I")  # a block fits a region (Slabs: under 4 GiB)
         self.gen = array("q")
         self.state = bytearray()
         self.mutable = bytearray()
         self.checksum = array("Q")
         self.last_use = array("q")
-        self.leases = array("i")
-        self.inflight = array("i")
-        self.written = array("q")
-        self.write_lease = array("q")
+        self.busy = array("i")
         self.prev = array("i")  # recency lists (see `Recency`)
         self.next = array("i")
         self._reuse = array("i")
         self._next_id = 0
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self._count
 
     def add(self, tenant: str, key: bytes, region: Region, slot: int, length: int, gen: int,
             state: BlockState, mutable: bool) -> int:
@@ -104,27 +124,45 @@ class BlockTable:
             self._next_id += 1
             if block == len(self.gen):
                 self._grow()
-        self.keys[block] = key
+        if len(key) == 16:
+            self._view[block << 4:(block + 1) << 4] = key
+        else:
+            self._odd_keys[block] = key
+        self._count += 1
         self.tenant[block], self.region[block], self.slot[block] = code, region.id, slot
         self.length[block], self.gen[block] = length, gen
         self.state[block], self.mutable[block] = _STATE_CODES[state], mutable
-        self.checksum[block] = self.last_use[block] = self.leases[block] = self.inflight[block] = 0
-        self.written[block] = self.write_lease[block] = 0
+        self.checksum[block] = self.last_use[block] = self.busy[block] = 0
         return block
 
+    def key_of(self, block: int) -> bytes:
+        odd = self._odd_keys
+        if odd:
+            key = odd.get(block)
+            if key is not None:
+                return key
+        return self._view[block << 4:(block + 1) << 4].tobytes()
+
     def remove(self, block: int) -> None:
-        del self.keys[block]
+        if self._odd_keys:
+            self._odd_keys.pop(block, None)
+        self._count -= 1
         self.islands.pop(block, None)
+        self.written.pop(block, None)
+        self.write_lease.pop(block, None)
         self.gen[block] = -1  # a handle kept past the end checks this (see `Block.alive`)
         self._reuse.append(block)
 
     def _grow(self) -> None:
-        more = max(self._GROW, len(self.gen) // 4)
+        more = max(self._GROW, len(self.gen) // 8)  # an eighth: less slack, still amortised O(1)
         for column in (self.tenant, self.region, self.slot, self.length, self.gen, self.checksum, self.last_use,
-                       self.leases, self.inflight, self.written, self.write_lease, self.prev, self.next):
-            column.extend(array(column.typecode, bytes(column.itemsize * more)))
+                       self.busy, self.prev, self.next):
+            column.frombytes(bytes(column.itemsize * more))
         self.state.extend(bytes(more))
         self.mutable.extend(bytes(more))
+        self._view.release()  # a bytearray with a view cannot grow
+        self._blob.extend(bytes(16 * more))
+        self._view = memoryview(self._blob)
 
 
 class Recency:
@@ -184,7 +222,7 @@ class Block:
     def __init__(self, table: BlockTable, block: int) -> None:
         self._table, self.id = table, block
         self.tenant = table.tenant_names[table.tenant[block]]
-        self.key = table.keys[block]
+        self.key = table.key_of(block)
         self.region = table.regions[table.region[block]]
         self.slot, self.length, self.gen = table.slot[block], table.length[block], table.gen[block]
         self.mutable = bool(table.mutable[block])
@@ -209,24 +247,9 @@ class Block:
         self._table.last_use[self.id] = value
 
     @property
-    def leases(self) -> int:
-        return self._table.leases[self.id]
-
-    @leases.setter
-    def leases(self, value: int) -> None:
-        self._table.leases[self.id] = value
-
-    @property
-    def inflight(self) -> int:
-        return self._table.inflight[self.id]
-
-    @inflight.setter
-    def inflight(self, value: int) -> None:
-        self._table.inflight[self.id] = value
-
-    @property
     def written(self) -> int:
-        return self._table.written[self.id]
+        """Bytes written from the block's start (while WRITING; see `cover`)."""
+        return self._table.written.get(self.id, 0)
 
     @written.setter
     def written(self, value: int) -> None:
@@ -234,12 +257,12 @@ class Block:
 
     @property
     def write_lease(self) -> int:
-        return self._table.write_lease[self.id]
+        """The write lease of a WRITING block (0: none)."""
+        return self._table.write_lease.get(self.id, 0)
 
     @write_lease.setter
     def write_lease(self, value: int) -> None:
         self._table.write_lease[self.id] = value
-
 
     @property
     def state(self) -> BlockState:
@@ -268,8 +291,8 @@ class Block:
 
     @property
     def busy(self) -> bool:
-        table, block = self._table, self.id
-        return table.leases[block] > 0 or table.inflight[block] > 0
+        """Whether a lease or an access in flight holds the block (never evicted, deleted or reused)."""
+        return self._table.busy[self.id] > 0
 
     @property
     def offset(self) -> int:

@@ -51,13 +51,15 @@ class Slabs:
         scrub: zeroes node memory (see `Scrub`).
         id_base: the first generation minus one.
     Raises:
-        ValueError: region_bytes not a positive multiple of 4 KiB, or capacity below one region.
+        ValueError: region_bytes not a positive multiple of 4 KiB or not below 4 GiB, or capacity below one region.
     """
 
     def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
                  scrub: Scrub = no_memory, id_base: int = 0) -> None:
         if region_bytes < CLASS_ALIGN_BYTES or region_bytes % CLASS_ALIGN_BYTES:
             raise ValueError(f"region_bytes must be a positive multiple of {CLASS_ALIGN_BYTES}, got {region_bytes}")
+        if region_bytes >= 2**32:  # a block's length is kept in 32 bits (`BlockTable.length`)
+            raise ValueError(f"region_bytes must be below 4 GiB, got {region_bytes}")
         num_regions = capacity_bytes // region_bytes
         if num_regions < 1:
             raise ValueError(f"capacity {capacity_bytes} bytes is below one region of {region_bytes} bytes")
@@ -84,8 +86,8 @@ class Slabs:
         if region is None:
             t.counters["rejected_full"] += 1
             return Grant(GrantStatus.FULL)
-        slot = region.free.pop()
-        if not region.free:
+        slot = region.take_slot()
+        if not region.has_room():
             t.open_regions[slot_bytes].pop(region.id)
         offset = slot * slot_bytes
         if mutable and offset < region.dirty_bytes:  # readable at once: no older bytes may show
@@ -123,6 +125,7 @@ class Slabs:
         if not region.num_blocks:
             del t.open_regions[region.slot_bytes][region.id]
             region.tenant, region.slot_bytes, region.free, region.ids = None, 0, array("i"), None
+            region.fresh = region.num_slots = 0
             self.free_regions.append(region)
 
     def touch(self, block: Block) -> None:
@@ -171,7 +174,7 @@ class Slabs:
         region.last_tenant = tenant
         region.tenant, region.slot_bytes = tenant, slot_bytes
         slots = region.size // slot_bytes
-        region.free = array("i", range(slots - 1, -1, -1))
+        region.free, region.fresh, region.num_slots = array("i"), 0, slots  # slot 0 is handed out first
         region.ids = array("i", [-1]) * slots
         t.open_regions.setdefault(slot_bytes, {})[region.id] = region
         return region
@@ -181,9 +184,9 @@ class Slabs:
         if lru is None:
             return None
         table = self.table
-        leases, inflight, state = table.leases, table.inflight, table.state
+        busy, state = table.busy, table.state
         for block in lru:
-            if not leases[block] and not inflight[block] and state[block] == READY_CODE:
+            if not busy[block] and state[block] == READY_CODE:
                 return Block(table, block)
         return None
 

@@ -133,6 +133,8 @@ class BlockStore:
             t.counters["aborted"] += 1
             return False
         block.state, block.checksum, block.islands = BlockState.READY, checksum, None
+        self._table.written.pop(block.id, None)  # what only a WRITING block keeps (see BlockTable)
+        self._table.write_lease.pop(block.id, None)
         t.counters["puts"] += 1
         self._slabs.touch(block)
         return True
@@ -334,16 +336,14 @@ class BlockStore:
         return None if block is None else self._slabs.block(block)
 
     def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
-        # On the table's columns, not the handle's properties: three calls per request.
-        table, i = self._table, block.id
-        held, moving = table.leases[i], table.inflight[i]
-        was = held > 0 or moving > 0
-        held += leases
-        moving += inflight
-        table.leases[i], table.inflight[i] = held, moving
-        now = held > 0 or moving > 0
-        if now is not was:
-            block.region.num_busy += 1 if now else -1
+        # On the table's column, not the handle's property: three calls per request. One count of
+        # both: what matters is whether any holds the block.
+        busy, i = self._table.busy, block.id
+        was = busy[i]
+        now = was + leases + inflight
+        busy[i] = now
+        if (now > 0) is not (was > 0):
+            block.region.num_busy += 1 if now > 0 else -1
 
     def _lease(self, block: Block, lease_s: float, write: bool, owner: Hashable | None) -> int:
         self._set_busy(block, leases=+1)
