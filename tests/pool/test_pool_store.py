@@ -368,3 +368,40 @@ def test_a_handle_kept_past_its_block_names_that_allocation_only(clock) -> None:
     with pytest.raises(AccessError) as refused:
         store.begin_access("a", old.region.id, old.offset, BLOCK, old.gen, write=False)
     assert refused.value.code is ErrorCode.STALE
+
+
+def test_keys_of_any_length_come_back_and_only_writing_blocks_keep_write_state(clock) -> None:
+    """16-byte keys live in the table's blob, others in a dict; a block's write lease and coverage
+    are kept only while it is WRITING (committed, aborted or expired: gone)."""
+    store = make_store(clock, regions=4, quotas={"a": 4 * REGION, "b": 4 * REGION})
+    keys = [b"d" * 16, b"k", b"x" * 40, bytes(16), b"e" * 16]
+    for key in keys:
+        assert put(store, key) is GrantStatus.GRANTED
+    assert [read_lease(store, key).block.key for key in keys] == keys
+    aborted = store.put_begin("a", b"a" * 16, BLOCK, lease_s=30)
+    store.abort("a", b"a" * 16, aborted.block.gen)
+    store.put_begin("a", b"expires", BLOCK, lease_s=5)
+    half = store.put_begin("a", b"h" * 16, BLOCK, lease_s=30)
+    access = store.begin_access("a", half.block.region.id, half.block.offset, BLOCK // 2, half.block.gen, write=True)
+    store.end_access(access, ok=True)
+    table = store._slabs.table
+    assert len(table.write_lease) == 2 and table.written == {half.block.id: BLOCK // 2}
+    clock.now += 60  # both leases expire: the half-written put and the one never written go
+    store.stats()
+    assert table.write_lease == {} and table.written == {} and table.islands == {}
+    assert len(table) == len(keys) and store.get("a", [b"h" * 16], 1) == [None]
+
+
+def test_a_region_hands_out_its_slots_lowest_first_and_a_slot_given_back_before_new_ones(clock) -> None:
+    store = make_store(clock, regions=1, quotas={"a": REGION, "b": REGION})
+    for i in range(3):
+        put(store, b"s%d" % i)
+    slots = {i: read_lease(store, b"s%d" % i).block.offset // BLOCK for i in range(3)}
+    assert slots == {0: 0, 1: 1, 2: 2}
+    clock.now += 100  # the read leases expire
+    assert store.delete("a", [b"s1"]) == 1
+    put(store, b"again")
+    put(store, b"last")
+    assert read_lease(store, b"again").block.offset // BLOCK == 1 and read_lease(store, b"last").block.offset // BLOCK == 3
+    assert store.put_begin("a", b"full", BLOCK, lease_s=30).status is GrantStatus.GRANTED  # by evicting s0
+    assert store.get("a", [b"s0"], 1) == [None]
