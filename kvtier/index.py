@@ -11,10 +11,11 @@ Storage: columns, not objects. An engine's process and a pool node index million
 the garbage collector walks every object it tracks on each full collection, a pause of the whole
 server (about 180 ns per object: 550 ms for the three objects per block this used to keep). So no
 per-block object here is one the collector tracks:
-  * each indexed key gets an integer id (`ids`: key -> id, a plain dict of bytes and ints, which
-    CPython never tracks), reused once the block leaves; id -> key (`key_of`) is 16 bytes of one
-    `bytearray` per id while every key is a 16-byte digest (`BlockKey`), 8 bytes of an array while
-    every key is a 64-bit integer (the simulator's hash ids), else a dict;
+  * each indexed key gets an integer id, reused once the block leaves: `ids` maps keys to ids and
+    back (`key_of`) in a `kvtier._keytable.KeyTable` (C), which keeps a 16-byte digest (`BlockKey`)
+    or a 64-bit int (a simulation's hash id) as 16 bytes at its id in an open-addressing table of
+    ids, ~25 bytes a block, where a dict took ~140 (a bytes object per key, an int object per id,
+    its own table); other keys it keeps in a dict on the side;
   * per id, arrays (`array.array`, `bytearray`: 1–4 bytes an item, and one object however long,
     which the collector walks in constant time: it never looks at the items) hold the slot of its
     copy in each tier (-1: none), its pins, hits, fastest READY tier and the prefetched flag;
@@ -32,6 +33,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from kvtier._keytable import KeyTable
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.kinds import TierKind
 
@@ -45,7 +47,6 @@ class CopyState(enum.Enum):
 # A copy's state in the `state` columns; FREE: the slot holds no copy.
 FREE, WRITING, READY, FREEING = 0, 1, 2, 3
 NO_TIER = 255  # the `ready` column of a block with no READY copy
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # the int keys an array("q") holds
 _STATES = (None, CopyState.WRITING, CopyState.READY, CopyState.FREEING)
 _KINDS = tuple(TierKind)
 
@@ -140,13 +141,8 @@ class BlockIndex:
     def __init__(self, num_slots: Mapping[TierKind, int]) -> None:
         capacity = sum(num_slots.values())
         self.capacity = capacity  # ids in use never exceed it: each indexed block holds a slot
-        self.ids: dict[Hashable, int] = {}
-        # id -> key, in one of three forms (see the module's docstring), and `key_of` reads it:
-        self._blob = bytearray()  # 16 bytes an id, while every key is a 16-byte digest
-        self._view = memoryview(self._blob)
-        self._ints: array | None = None  # 8 bytes an id, while every key is a 64-bit int (the first was)
-        self.keys: dict[int, Hashable] | None = None  # once a key fits neither
-        self.key_of: Callable[[int], Hashable] = self._key_in_blob
+        self.ids = KeyTable()  # key -> id, as a dict of them would (see the module's docstring)
+        self.key_of: Callable[[int], Hashable] = self.ids.key_of
         self.checksums: dict[int, tuple] = {}
         self._reuse = array("i")  # ids of blocks gone, handed out again first
         self._next_id = 0
@@ -179,36 +175,11 @@ class BlockIndex:
                 self._grow()
             self._next_id = block + 1
         self.ids[key] = block
-        ints = self._ints
-        if ints is not None:
-            if key.__class__ is int and _INT64_MIN <= key <= _INT64_MAX:  # not a bool: True would come back as 1
-                ints[block] = key
-                return block
-            self._keys_by_dict()
-        keys = self.keys
-        if keys is not None:
-            keys[block] = key
-        elif key.__class__ is bytes and len(key) == 16:
-            self._view[block << 4:(block + 1) << 4] = key
-        elif key.__class__ is int and _INT64_MIN <= key <= _INT64_MAX and len(self.ids) == 1:
-            self._keys_by_ints()  # the first key ever indexed, or every earlier one has left
-            self._ints[block] = key
-        else:
-            self._keys_by_dict()
-            self.keys[block] = key
         return block
-
-    def _key_in_blob(self, block: int) -> Hashable:
-        return self._view[block << 4:(block + 1) << 4].tobytes()
 
     def remove(self, block: int) -> None:
         """Forgets block `block` (it holds no copy any more); its id is reused."""
-        ints = self._ints
-        if ints is not None:
-            del self.ids[ints[block]]
-        else:
-            keys = self.keys
-            del self.ids[keys.pop(block) if keys is not None else self._view[block << 4:(block + 1) << 4].tobytes()]
+        self.ids.pop_id(block)
         # Its pins are 0 and its `ready` NO_TIER already: a block with no copy has neither.
         self.hits[block] = 0
         self.prefetched[block] = 0
@@ -229,32 +200,7 @@ class BlockIndex:
         self.num_copies.extend(bytes(more))
         for kind in self._kinds:
             self.slot[kind].extend(array("i", [-1]) * more)
-        if self._ints is not None:
-            self._ints.frombytes(bytes(8 * more))  # in place: `key_of` is bound to it
-        elif self.keys is None:
-            self._view.release()  # a bytearray with a view cannot grow
-            self._blob.extend(bytes(16 * more))
-            self._view = memoryview(self._blob)
         self._allocated = old + more
-
-    def _keys_by_ints(self) -> None:
-        """Keeps id -> key in an int64 array: the first key is an int (a simulation's hash ids)."""
-        self._ints = array("q", bytes(8 * self._allocated))
-        self.key_of = self._ints.__getitem__
-        self._view.release()
-        self._blob = bytearray()
-
-    def _keys_by_dict(self) -> None:
-        """Switches id -> key to a dict, for a key that fits neither the blob nor the int array.
-
-        Every id in `ids` is converted, the one just added too (the caller then stores its key).
-        """
-        key_of = self.key_of
-        self.keys = {block: key_of(block) for block in self.ids.values()}
-        self.key_of = self.keys.__getitem__
-        self._ints = None
-        self._view.release()
-        self._blob = bytearray()
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -281,4 +227,4 @@ class BlockIndex:
         return len(self.ids)
 
     def __iter__(self) -> Iterator[BlockEntry]:
-        return iter([self._snapshot(block) for block in list(self.ids.values())])
+        return iter([self._snapshot(block) for block in self.ids.values()])

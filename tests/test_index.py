@@ -3,7 +3,7 @@
 Counted, never timed: the pause a full collection costs at 1M and 10M blocks is measured in
 bench/bench_manager.py (`--memory`); here the number of tracked objects a manager holds must not
 grow with the blocks it indexes, for every policy, and the index's bookkeeping (ids reused, columns
-grown in place, keys kept as 16-byte digests or, for other keys, in a dict) must stay consistent.
+grown in place, keys kept compact in the key table, others beside them) must stay consistent.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_indexing_many_blocks_adds_no_object_per_block_that_the_collector_tracks
     after = tracked_objects()
     assert len(m.index) == 5_050 and m.num_used(D) + m.num_used(S) == 5_050
     assert after - before < 50, f"{after - before} more tracked objects for 5,000 more blocks"
-    assert not gc.is_tracked(m.index.ids), "the key -> id dict must hold only bytes and ints"
+    assert gc.get_referents(m.index.ids) == [], "the key -> id table must hold no object per key"
 
 
 def test_ids_are_reused_and_never_outnumber_the_slots():
@@ -75,29 +75,31 @@ def test_columns_grow_in_place_past_their_first_allocation():
     assert m.index.get(keys[0]).key == keys[0]
 
 
-def test_keys_other_than_16_byte_digests_switch_the_index_to_a_dict_and_keep_every_key():
+def test_keys_other_than_digests_and_ints_are_kept_too_and_come_back_unchanged():
     m = two_tiers(PolicyKind.LRU, 4, 16)
     first = digests(0, 6)
     m.store_now(first)
-    m.store_now([7, "eight", b"short"])  # a simulation's ints, anything hashable
-    for key in [*first, 7, "eight", b"short"]:
+    strangers = [7, "eight", b"short", (9, 10)]
+    m.store_now(strangers)  # a simulation's ints, anything hashable: kept on the side of the table
+    assert m.index.ids.mode == "digest" and m.index.ids.num_side == len(strangers)
+    for key in [*first, *strangers]:
         assert m.lookup([key]) == 1 and m.index.get(key).key == key
     owners = {m.owner(t, s) for t in (D, S) for s in range(m.num_slots(t))} - {None}
-    assert owners == {*first, 7, "eight", b"short"}
+    assert owners == {*first, *strangers}
 
 
-@pytest.mark.parametrize("stranger", [True, 2**63, -(2**63) - 1, "nine", b"x" * 16, 9.0],
-                         ids=["bool", "past int64", "below int64", "str", "digest", "float"])
-def test_int_keys_live_in_an_array_until_a_key_does_not_fit_it(stranger):
-    """A simulation's hash ids (ints) are kept in an int64 array; the first key that is not an int
-    within int64 (a bool too: it would come back as 1) moves every key to a dict, unchanged."""
+@pytest.mark.parametrize("stranger", [2**63, -(2**63) - 1, "nine", b"x" * 16, 9.5],
+                         ids=["past int64", "below int64", "str", "digest", "float"])
+def test_int_keys_are_compact_and_a_key_of_another_kind_is_kept_beside_them(stranger):
+    """A simulation's hash ids (ints) are what the table part holds; a key it does not take is kept
+    on the side, and every key comes back as it was stored."""
     m = two_tiers(PolicyKind.LRU, 4, 16)
     ints = [0, -5, 2**63 - 1, -(2**63), 12345678901234]
     m.store_now(ints)
     index = m.index
-    assert index._ints is not None and index.keys is None and index.key_of(index.ids[-5]) == -5
+    assert index.ids.mode == "int" and index.ids.num_side == 0 and index.key_of(index.ids[-5]) == -5
     m.store_now([stranger])
-    assert index._ints is None and index.keys is not None
+    assert index.ids.num_side == 1
     for key in [*ints, stranger]:
         assert m.lookup([key]) == 1
         assert type(index.get(key).key) is type(key) and index.get(key).key == key
@@ -105,27 +107,16 @@ def test_int_keys_live_in_an_array_until_a_key_does_not_fit_it(stranger):
     assert sorted(map(repr, filter(lambda k: k is not None, owners))) == sorted(map(repr, [*ints, stranger]))
 
 
-def test_int_keys_reuse_ids_and_grow_the_array_in_place():
+def test_int_keys_reuse_ids_past_the_first_allocation():
     m = two_tiers(PolicyKind.LRU, 500, 2_000)
     for i in range(0, 20_000, 100):  # past the first allocation of ids, and dropping from the SSD
         m.store_now(list(range(i, i + 100)))
     index = m.index
     held = len(index)
-    assert index._ints is not None and held == m.num_used(D) + m.num_used(S) and index._next_id <= 2_500
+    assert index.ids.mode == "int" and held == m.num_used(D) + m.num_used(S) and index._next_id <= 2_500
     assert all(index.key_of(block) == key for key, block in index.ids.items())
     assert sum(m.lookup([key]) for key in range(20_000)) == held
     assert m.lookup(range(19_900, 20_000)) == 100  # the last request is all there
-
-
-def test_an_index_of_digests_stays_a_blob_and_one_of_ints_starts_as_an_array():
-    index = BlockIndex({D: 8})
-    index.add(b"a" * 16)
-    index.add(3)  # not the first key: the digest already there stays readable, in a dict
-    assert index.keys == {0: b"a" * 16, 1: 3}
-    fresh = BlockIndex({D: 8})
-    fresh.remove(fresh.add(b"b" * 16))  # every earlier key gone: the next int may start the array
-    block = fresh.add(4)
-    assert fresh._ints is not None and fresh.key_of(block) == 4 and fresh.keys is None
 
 
 def test_an_index_refuses_more_ids_than_slots():

@@ -1,0 +1,673 @@
+/* kvtier._keytable: block keys -> block ids, with no object per key.
+ *
+ * An engine's block index and a pool node's index map millions of keys to small integer ids. A
+ * dict does that with a bytes object per key (~64 bytes), an int object per id (32 bytes) and ~42
+ * bytes of its own table: ~140 bytes a block. `KeyTable` keeps each key's bytes at its id (16
+ * bytes for a 16-byte digest, the usual `BlockKey`; 8 for a 64-bit int, a simulation's hash ids),
+ * a 16-bit tag per id (a pool node's tenant: the same key under two tags is two keys), and an
+ * open-addressing table of 32-bit ids (linear probing, at most 3/4 full, deletion by backward
+ * shift: no tombstones): ~25-30 bytes a block, and nothing per key for the garbage collector.
+ *
+ * The table's kind of key is chosen by the first 16-byte `bytes` or int64 `int` stored while the
+ * table part is empty (exact types: a bool is not an int key here, nor a bytes subclass). Any
+ * other key (another kind, length or type) is kept in a dict on the side, as a dict would keep it,
+ * so every hashable key works and only the usual ones are compact. Digests are hashed as Python
+ * hashes bytes (SipHash with the process's random key: a client that picks its keys cannot pick
+ * collisions), ints with a 64-bit mixer.
+ *
+ * Ids are the caller's (0 <= id < 2**31 - 1), one key each. Not thread-safe beyond the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EMPTY (-1)
+#define MIN_SLOTS 64
+#define DIGEST_BYTES 16
+#define MAX_TAG 65535
+
+enum { MODE_NONE = 0, MODE_DIGEST = 1, MODE_INT = 2 };
+enum { UNKNOWN = 0, IN_TABLE = 1, ON_THE_SIDE = 2 };  /* `known[id]` */
+
+typedef struct {
+    PyObject_HEAD
+    int32_t *slots;       /* an id, or EMPTY */
+    size_t mask;          /* number of slots - 1 (a power of two) */
+    Py_ssize_t used;      /* keys in the table part */
+    unsigned char *keys;  /* per id: DIGEST_BYTES (digest mode) or 8 (int mode) */
+    uint16_t *tags;       /* per id */
+    unsigned char *known; /* per id: UNKNOWN, IN_TABLE or ON_THE_SIDE */
+    Py_ssize_t key_cap;   /* ids `keys`, `tags` and `known` have room for */
+    int mode;
+    PyObject *side;       /* (tag, key) -> id, for keys the table part does not take; NULL until one comes */
+    PyObject *side_keys;  /* id -> key, for the same */
+} KeyTable;
+
+/* One key, parsed against the table's mode. */
+typedef struct {
+    const unsigned char *digest;
+    int64_t value;
+    Py_hash_t hash;
+    uint16_t tag;
+} Key;
+
+static inline uint64_t mix64(uint64_t x) {  /* splitmix64's finalizer; mix64(0) == 0 */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* The mode `key` fits, or MODE_NONE. */
+static int mode_of(PyObject *key) {
+    if (PyBytes_CheckExact(key) && PyBytes_GET_SIZE(key) == DIGEST_BYTES)
+        return MODE_DIGEST;
+    if (PyLong_CheckExact(key)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return MODE_NONE;
+        }
+        return overflow ? MODE_NONE : MODE_INT;
+    }
+    return MODE_NONE;
+}
+
+/* Parses `key` for the table part: 1 if it belongs there, 0 if not (a side key), -1 on error. */
+static int parse(KeyTable *t, PyObject *key, uint16_t tag, Key *out) {
+    out->tag = tag;
+    if (t->mode == MODE_DIGEST) {
+        if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != DIGEST_BYTES)
+            return 0;
+        out->digest = (const unsigned char *)PyBytes_AS_STRING(key);
+        Py_hash_t h = PyObject_Hash(key);  /* cached in the bytes object */
+        if (h == -1)
+            return -1;
+        out->hash = (Py_hash_t)((uint64_t)h ^ mix64(tag));
+        return 1;
+    }
+    if (t->mode == MODE_INT) {
+        if (!PyLong_CheckExact(key))
+            return 0;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(key, &overflow);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow)
+            return 0;
+        out->value = (int64_t)v;
+        out->hash = (Py_hash_t)(mix64((uint64_t)v) ^ mix64(tag));
+        return 1;
+    }
+    return 0;
+}
+
+static inline Py_hash_t stored_hash(KeyTable *t, int32_t id) {
+    uint64_t tag = mix64(t->tags[id]);
+    if (t->mode == MODE_DIGEST)
+        return (Py_hash_t)((uint64_t)_Py_HashBytes(t->keys + (size_t)id * DIGEST_BYTES, DIGEST_BYTES) ^ tag);
+    int64_t v;
+    memcpy(&v, t->keys + (size_t)id * 8, 8);
+    return (Py_hash_t)(mix64((uint64_t)v) ^ tag);
+}
+
+static inline int stored_equals(KeyTable *t, int32_t id, const Key *k) {
+    if (t->tags[id] != k->tag)
+        return 0;
+    if (t->mode == MODE_DIGEST)
+        return memcmp(t->keys + (size_t)id * DIGEST_BYTES, k->digest, DIGEST_BYTES) == 0;
+    int64_t v;
+    memcpy(&v, t->keys + (size_t)id * 8, 8);
+    return v == k->value;
+}
+
+/* The slot holding `k`, or -1. */
+static Py_ssize_t find_slot(KeyTable *t, const Key *k) {
+    if (t->slots == NULL)
+        return -1;
+    size_t i = (size_t)k->hash & t->mask;
+    for (;;) {
+        int32_t id = t->slots[i];
+        if (id == EMPTY)
+            return -1;
+        if (stored_equals(t, id, k))
+            return (Py_ssize_t)i;
+        i = (i + 1) & t->mask;
+    }
+}
+
+static int resize(KeyTable *t, size_t num_slots) {
+    int32_t *slots = PyMem_Malloc(num_slots * sizeof(int32_t));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(slots, 0xff, num_slots * sizeof(int32_t));  /* EMPTY everywhere */
+    size_t mask = num_slots - 1;
+    if (t->slots != NULL) {
+        for (size_t j = 0; j <= t->mask; j++) {
+            int32_t id = t->slots[j];
+            if (id == EMPTY)
+                continue;
+            size_t i = (size_t)stored_hash(t, id) & mask;
+            while (slots[i] != EMPTY)
+                i = (i + 1) & mask;
+            slots[i] = id;
+        }
+        PyMem_Free(t->slots);
+    }
+    t->slots = slots;
+    t->mask = mask;
+    return 0;
+}
+
+static int reserve_ids(KeyTable *t, Py_ssize_t id) {
+    if (id < t->key_cap)
+        return 0;
+    Py_ssize_t cap = t->key_cap ? t->key_cap : 1024;
+    while (cap <= id)
+        cap += cap / 4 + 1;
+    unsigned char *keys = PyMem_Realloc(t->keys, (size_t)cap * DIGEST_BYTES);
+    if (keys == NULL)
+        return PyErr_NoMemory(), -1;
+    t->keys = keys;
+    uint16_t *tags = PyMem_Realloc(t->tags, (size_t)cap * sizeof(uint16_t));
+    if (tags == NULL)
+        return PyErr_NoMemory(), -1;
+    t->tags = tags;
+    unsigned char *known = PyMem_Realloc(t->known, (size_t)cap);
+    if (known == NULL)
+        return PyErr_NoMemory(), -1;
+    memset(known + t->key_cap, UNKNOWN, (size_t)(cap - t->key_cap));
+    t->known = known;
+    t->key_cap = cap;
+    return 0;
+}
+
+/* Removes the key in `slot`: backward-shift deletion keeps every probe sequence unbroken. */
+static void delete_slot(KeyTable *t, size_t slot) {
+    t->known[t->slots[slot]] = UNKNOWN;
+    size_t hole = slot, i = slot;
+    for (;;) {
+        i = (i + 1) & t->mask;
+        int32_t id = t->slots[i];
+        if (id == EMPTY)
+            break;
+        size_t home = (size_t)stored_hash(t, id) & t->mask;
+        /* `id` moves back into the hole unless its home lies cyclically in (hole, i]. */
+        if ((i > hole && (home <= hole || home > i)) || (i < hole && home <= hole && home > i)) {
+            t->slots[hole] = id;
+            hole = i;
+        }
+    }
+    t->slots[hole] = EMPTY;
+    t->used--;
+}
+
+static PyObject *table_key(KeyTable *t, int32_t id) {
+    if (t->mode == MODE_DIGEST)
+        return PyBytes_FromStringAndSize((const char *)t->keys + (size_t)id * DIGEST_BYTES, DIGEST_BYTES);
+    int64_t v;
+    memcpy(&v, t->keys + (size_t)id * 8, 8);
+    return PyLong_FromLongLong(v);
+}
+
+/* ---- keys on the side ------------------------------------------------------------------- */
+
+static PyObject *side_key(PyObject *key, uint16_t tag) { return Py_BuildValue("(HO)", tag, key); }
+
+/* 1 found (*id set), 0 not, -1 error. */
+static int side_lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
+    if (t->side == NULL || PyDict_GET_SIZE(t->side) == 0)
+        return 0;
+    PyObject *k = side_key(key, tag);
+    if (k == NULL)
+        return -1;
+    PyObject *v = PyDict_GetItemWithError(t->side, k);  /* borrowed */
+    Py_DECREF(k);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    *id = (int32_t)PyLong_AsLong(v);
+    return 1;
+}
+
+static int side_store(KeyTable *t, PyObject *key, uint16_t tag, long id) {
+    if (t->side == NULL && ((t->side = PyDict_New()) == NULL || (t->side_keys = PyDict_New()) == NULL))
+        return -1;
+    PyObject *k = side_key(key, tag), *v = PyLong_FromLong(id);
+    int rc = k == NULL || v == NULL ? -1 : PyDict_SetItem(t->side, k, v);
+    if (rc == 0)
+        rc = PyDict_SetItem(t->side_keys, v, k);
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    if (rc == 0)
+        t->known[id] = ON_THE_SIDE;
+    return rc;
+}
+
+/* Removes the side key at `id`; returns the key (new reference), NULL on error. */
+static PyObject *side_pop(KeyTable *t, int32_t id) {
+    PyObject *v = PyLong_FromLong(id);
+    if (v == NULL)
+        return NULL;
+    PyObject *k = PyDict_GetItemWithError(t->side_keys, v);  /* borrowed: (tag, key) */
+    if (k == NULL) {
+        Py_DECREF(v);
+        return PyErr_Occurred() ? NULL : (PyErr_SetString(PyExc_SystemError, "KeyTable: side key lost"), NULL);
+    }
+    Py_INCREF(k);
+    int rc = PyDict_DelItem(t->side, k) < 0 || PyDict_DelItem(t->side_keys, v) < 0 ? -1 : 0;
+    Py_DECREF(v);
+    if (rc < 0) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    t->known[id] = UNKNOWN;
+    PyObject *key = PyTuple_GET_ITEM(k, 1);
+    Py_INCREF(key);
+    Py_DECREF(k);
+    return key;
+}
+
+static PyObject *side_key_of(KeyTable *t, int32_t id) {
+    PyObject *v = PyLong_FromLong(id);
+    if (v == NULL)
+        return NULL;
+    PyObject *k = PyDict_GetItemWithError(t->side_keys, v);  /* borrowed */
+    Py_DECREF(v);
+    if (k == NULL)
+        return PyErr_Occurred() ? NULL : (PyErr_SetString(PyExc_SystemError, "KeyTable: side key lost"), NULL);
+    PyObject *key = PyTuple_GET_ITEM(k, 1);
+    Py_INCREF(key);
+    return key;
+}
+
+/* ---- the operations --------------------------------------------------------------------- */
+
+/* 1 found (*id set), 0 not, -1 error. */
+static int lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
+    Key k;
+    int fits = parse(t, key, tag, &k);
+    if (fits < 0)
+        return -1;
+    if (fits) {
+        Py_ssize_t slot = find_slot(t, &k);
+        if (slot >= 0) {
+            *id = t->slots[slot];
+            return 1;
+        }
+        /* Not in the table part; on the side only if it came before the table part took its kind. */
+        return side_lookup(t, key, tag, id);
+    }
+    if (PyErr_Occurred())
+        return -1;
+    /* A side key: unhashable ones are an error, as for a dict. */
+    if (t->side == NULL || PyDict_GET_SIZE(t->side) == 0) {
+        if (PyObject_Hash(key) == -1)
+            return -1;
+        return 0;
+    }
+    return side_lookup(t, key, tag, id);
+}
+
+static int add(KeyTable *t, PyObject *key, long id, long tag) {
+    if (id < 0 || id >= INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: an id must be in [0, 2**31 - 1), got %ld", id);
+        return -1;
+    }
+    if (tag < 0 || tag > MAX_TAG) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: a tag must be in [0, %d], got %ld", MAX_TAG, tag);
+        return -1;
+    }
+    if (reserve_ids(t, id) < 0)
+        return -1;
+    int32_t held;
+    int found = lookup(t, key, (uint16_t)tag, &held);
+    if (found < 0)
+        return -1;
+    if (found) {
+        if (held == id)
+            return 0;
+        PyErr_Format(PyExc_ValueError, "KeyTable: the key is stored at id %d already", held);
+        return -1;
+    }
+    if (t->known[id] != UNKNOWN) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: id %ld holds another key", id);
+        return -1;
+    }
+    if (t->used == 0) {
+        int mode = mode_of(key);
+        if (mode != MODE_NONE)
+            t->mode = mode;  /* the table part is empty: the first key of a kind it takes chooses */
+    }
+    Key k;
+    int fits = parse(t, key, (uint16_t)tag, &k);
+    if (fits < 0)
+        return -1;
+    if (!fits)
+        return side_store(t, key, (uint16_t)tag, id);
+    if (t->slots == NULL || (size_t)(t->used + 1) * 4 > (t->mask + 1) * 3) {
+        if (resize(t, t->slots == NULL ? MIN_SLOTS : (t->mask + 1) * 2) < 0)
+            return -1;
+    }
+    size_t i = (size_t)k.hash & t->mask;
+    while (t->slots[i] != EMPTY)
+        i = (i + 1) & t->mask;
+    t->slots[i] = (int32_t)id;
+    t->used++;
+    if (t->mode == MODE_DIGEST)
+        memcpy(t->keys + (size_t)id * DIGEST_BYTES, k.digest, DIGEST_BYTES);
+    else
+        memcpy(t->keys + (size_t)id * 8, &k.value, 8);
+    t->tags[id] = (uint16_t)tag;
+    t->known[id] = IN_TABLE;
+    return 0;
+}
+
+static int check_id(KeyTable *t, PyObject *arg, int32_t *id) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0 || v >= t->key_cap || t->known[v] == UNKNOWN) {
+        PyErr_Format(PyExc_KeyError, "KeyTable: no key is stored at id %ld", v);
+        return -1;
+    }
+    *id = (int32_t)v;
+    return 0;
+}
+
+/* Removes the key at a known `id`; returns it (new reference) or NULL. */
+static PyObject *pop_id(KeyTable *t, int32_t id) {
+    if (t->known[id] == ON_THE_SIDE)
+        return side_pop(t, id);
+    size_t i = (size_t)stored_hash(t, id) & t->mask;
+    while (t->slots[i] != id)  /* stored: on its probe sequence before any EMPTY */
+        i = (i + 1) & t->mask;
+    PyObject *key = table_key(t, id);
+    if (key != NULL)
+        delete_slot(t, i);
+    return key;
+}
+
+static PyObject *key_of(KeyTable *t, int32_t id) {
+    return t->known[id] == ON_THE_SIDE ? side_key_of(t, id) : table_key(t, id);
+}
+
+/* ---- the type ---------------------------------------------------------------------------- */
+
+static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyTable", kwlist))
+        return NULL;
+    return type->tp_alloc(type, 0);  /* every field zero: no slots, no keys, MODE_NONE */
+}
+
+static int KeyTable_traverse(KeyTable *t, visitproc visit, void *arg) {
+    Py_VISIT(t->side);
+    Py_VISIT(t->side_keys);
+    return 0;
+}
+
+static int KeyTable_clear(KeyTable *t) {
+    Py_CLEAR(t->side);
+    Py_CLEAR(t->side_keys);
+    return 0;
+}
+
+static void KeyTable_dealloc(KeyTable *t) {
+    PyObject_GC_UnTrack(t);
+    KeyTable_clear(t);
+    PyMem_Free(t->slots);
+    PyMem_Free(t->keys);
+    PyMem_Free(t->tags);
+    PyMem_Free(t->known);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t KeyTable_len(KeyTable *t) {
+    return t->used + (t->side ? PyDict_GET_SIZE(t->side) : 0);
+}
+
+static PyObject *KeyTable_subscript(KeyTable *t, PyObject *key) {
+    int32_t id;
+    int found = lookup(t, key, 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return PyLong_FromLong(id);
+}
+
+static int KeyTable_ass_subscript(KeyTable *t, PyObject *key, PyObject *value) {
+    if (value != NULL) {
+        long id = PyLong_AsLong(value);
+        if (id == -1 && PyErr_Occurred())
+            return -1;
+        return add(t, key, id, 0);
+    }
+    int32_t id;
+    int found = lookup(t, key, 0, &id);
+    if (found <= 0) {
+        if (found == 0)
+            PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    PyObject *gone = pop_id(t, id);
+    Py_XDECREF(gone);
+    return gone == NULL ? -1 : 0;
+}
+
+static int KeyTable_contains(KeyTable *t, PyObject *key) {
+    int32_t id;
+    return lookup(t, key, 0, &id);
+}
+
+static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    int32_t id;
+    int found = lookup(t, args[0], 0, &id);
+    if (found < 0)
+        return NULL;
+    if (found)
+        return PyLong_FromLong(id);
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(dflt);
+    return dflt;
+}
+
+static int parse_tag(PyObject *arg, uint16_t *tag) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0 || v > MAX_TAG) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: a tag must be in [0, %d], got %ld", MAX_TAG, v);
+        return -1;
+    }
+    *tag = (uint16_t)v;
+    return 0;
+}
+
+static PyObject *KeyTable_find(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    uint16_t tag;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "find(key, tag)");
+        return NULL;
+    }
+    if (parse_tag(args[1], &tag) < 0)
+        return NULL;
+    int32_t id;
+    int found = lookup(t, args[0], tag, &id);
+    if (found < 0)
+        return NULL;
+    return PyLong_FromLong(found ? id : -1);
+}
+
+static PyObject *KeyTable_add(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add(key, id, tag)");
+        return NULL;
+    }
+    long id = PyLong_AsLong(args[1]);
+    if (id == -1 && PyErr_Occurred())
+        return NULL;
+    long tag = PyLong_AsLong(args[2]);
+    if (tag == -1 && PyErr_Occurred())
+        return NULL;
+    if (add(t, args[0], id, tag) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyTable_key_of(KeyTable *t, PyObject *arg) {
+    int32_t id;
+    return check_id(t, arg, &id) < 0 ? NULL : key_of(t, id);
+}
+
+static PyObject *KeyTable_tag_of(KeyTable *t, PyObject *arg) {
+    int32_t id;
+    if (check_id(t, arg, &id) < 0)
+        return NULL;
+    if (t->known[id] == IN_TABLE)
+        return PyLong_FromLong(t->tags[id]);
+    PyObject *v = PyLong_FromLong(id);
+    PyObject *k = v ? PyDict_GetItemWithError(t->side_keys, v) : NULL;
+    Py_XDECREF(v);
+    if (k == NULL)
+        return NULL;
+    PyObject *tag = PyTuple_GET_ITEM(k, 0);
+    Py_INCREF(tag);
+    return tag;
+}
+
+static PyObject *KeyTable_pop_id(KeyTable *t, PyObject *arg) {
+    int32_t id;
+    return check_id(t, arg, &id) < 0 ? NULL : pop_id(t, id);
+}
+
+static PyObject *collect(KeyTable *t, int what) {  /* 0 keys, 1 ids, 2 (key, id) pairs; by id */
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t id = 0; id < t->key_cap; id++) {
+        if (t->known[id] == UNKNOWN)
+            continue;
+        PyObject *item;
+        if (what == 1) {
+            item = PyLong_FromSsize_t(id);
+        } else {
+            PyObject *key = key_of(t, (int32_t)id);
+            item = what == 0 || key == NULL ? key : Py_BuildValue("(Nn)", key, id);
+        }
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
+static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) { return collect(t, 0); }
+static PyObject *KeyTable_values(KeyTable *t, PyObject *unused) { return collect(t, 1); }
+static PyObject *KeyTable_items(KeyTable *t, PyObject *unused) { return collect(t, 2); }
+
+static PyObject *KeyTable_iter(KeyTable *t) {
+    PyObject *keys = collect(t, 0);
+    if (keys == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *KeyTable_get_nbytes(KeyTable *t, void *unused) {
+    size_t n = (t->slots ? (t->mask + 1) * sizeof(int32_t) : 0)
+               + (size_t)t->key_cap * (DIGEST_BYTES + sizeof(uint16_t) + 1);
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *KeyTable_get_mode(KeyTable *t, void *unused) {
+    if (t->mode == MODE_DIGEST)
+        return PyUnicode_FromString("digest");
+    if (t->mode == MODE_INT)
+        return PyUnicode_FromString("int");
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyTable_get_num_side(KeyTable *t, void *unused) {
+    return PyLong_FromSsize_t(t->side ? PyDict_GET_SIZE(t->side) : 0);
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL, "get(key, default=None): the id of key (tag 0), or default"},
+    {"find", (PyCFunction)(void (*)(void))KeyTable_find, METH_FASTCALL, "find(key, tag): the id of key under tag, or -1"},
+    {"add", (PyCFunction)(void (*)(void))KeyTable_add, METH_FASTCALL, "add(key, id, tag): stores key under tag at id (both new)"},
+    {"key_of", (PyCFunction)KeyTable_key_of, METH_O, "key_of(id): the key stored at id (KeyError if none)"},
+    {"tag_of", (PyCFunction)KeyTable_tag_of, METH_O, "tag_of(id): the tag of the key stored at id"},
+    {"pop_id", (PyCFunction)KeyTable_pop_id, METH_O, "pop_id(id): removes the key stored at id and returns it"},
+    {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "the keys, by id, as a list"},
+    {"values", (PyCFunction)KeyTable_values, METH_NOARGS, "the ids, in order, as a list"},
+    {"items", (PyCFunction)KeyTable_items, METH_NOARGS, "(key, id) pairs, by id, as a list"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef KeyTable_getset[] = {
+    {"nbytes", (getter)KeyTable_get_nbytes, NULL, "bytes the table part holds outside the object", NULL},
+    {"mode", (getter)KeyTable_get_mode, NULL, "the table part's keys: 'digest', 'int', or None before one came", NULL},
+    {"num_side", (getter)KeyTable_get_num_side, NULL, "keys kept on the side (in a dict)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMappingMethods KeyTable_as_mapping = {
+    (lenfunc)KeyTable_len, (binaryfunc)KeyTable_subscript, (objobjargproc)KeyTable_ass_subscript,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.KeyTable",
+    .tp_doc = "Block keys -> ids 0 <= id < 2**31 - 1, compact for 16-byte digests and int64 keys.",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = KeyTable_new,
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_traverse = (traverseproc)KeyTable_traverse,
+    .tp_clear = (inquiry)KeyTable_clear,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_iter = (getiterfunc)KeyTable_iter,
+    .tp_methods = KeyTable_methods,
+    .tp_getset = KeyTable_getset,
+};
+
+static struct PyModuleDef keytable_module = {
+    PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__keytable(void) {
+    if (PyType_Ready(&KeyTableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&keytable_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
