@@ -140,17 +140,24 @@ def test_abandoned_put_is_reclaimed_when_its_write_lease_expires(clock) -> None:
     assert store.stats()["used_bytes"] == 0 and store.put_begin("a", b"k", BLOCK, 2).status is GrantStatus.GRANTED
 
 
-def test_tenants_see_only_their_own_blocks_and_regions(clock) -> None:
+@pytest.mark.parametrize("key", [b"k", b"0123456789abcdef"], ids=["short key", "16-byte key"])
+def test_tenants_see_only_their_own_blocks_and_regions(clock, key) -> None:
+    """Both kinds of key: a 16-byte one lives in the node's key table under the tenant's tag, others beside it."""
     store = make_store(clock)
-    put(store, b"k", tenant="a")
-    assert store.contains("b", [b"k"]) == [False] and store.get("b", [b"k"], 1) == [None]
-    block = read_lease(store, b"k").block
+    put(store, key, tenant="a")
+    assert store.contains("b", [key]) == [False] and store.get("b", [key], 1) == [None]
+    grant = read_lease(store, key)
+    block = grant.block
     with pytest.raises(AccessError) as info:
         store.begin_access("b", block.region.id, block.offset, BLOCK, block.gen, write=False)
     assert info.value.code is ErrorCode.STALE and store.counters["forbidden"] == 1
-    assert store.delete("b", [b"k"]) == 0
-    assert put(store, b"k", tenant="b") is GrantStatus.GRANTED  # b's own "k" is another block
-    assert read_lease(store, b"k", tenant="b").block != block
+    assert store.delete("b", [key]) == 0
+    store.release("a", [grant.lease])
+    assert store.put_begin("b", key, BLOCK, 1).status is GrantStatus.GRANTED  # b's own key is another block
+    assert store.stats("a")["tenant"]["num_blocks"] == 1 and store.stats("b")["tenant"]["num_blocks"] == 1
+    assert store.delete("a", [key]) == 1 and store.get("a", [key], 1) == [None]
+    assert store.contains("b", [key]) == [False]  # b's is still WRITING, and still there
+    assert store.stats("b")["tenant"]["num_blocks"] == 1
 
 
 @pytest.mark.parametrize("offset,length,code", [
@@ -337,21 +344,23 @@ def test_holding_many_blocks_adds_no_object_per_block_that_the_collector_tracks(
     import gc
 
     store = make_store(clock, regions=400, quotas={"a": 200 * REGION, "b": 200 * REGION})  # 800 blocks each
+    digest = lambda name: name.ljust(16, b"_")  # 16 bytes, as a client's block keys are  # noqa: E731
     for i in range(20):
-        put(store, b"warm%d" % i)
+        put(store, digest(b"warm%d" % i))
     gc.collect()
     before = len(gc.get_objects())
     for i in range(3000):  # past "a"'s quota: its least recently used blocks are evicted all along
-        put(store, b"k%d" % i)
+        put(store, digest(b"k%d" % i))
         if i % 3 == 2:  # a read of a recent block, its lease released
-            store.release("a", [read_lease(store, b"k%d" % (i - 1)).lease])
-    put(store, b"other", tenant="b")
+            store.release("a", [read_lease(store, digest(b"k%d" % (i - 1))).lease])
+    put(store, digest(b"k2999"), tenant="b")  # the same key, another tenant: another block
     gc.collect()
     # Per region in use, its free list and slot map (arrays: tracked, but walked in O(1)); per block, nothing.
     regions_in_use = sum(r.tenant is not None for r in store.regions)
     assert len(gc.get_objects()) - before <= 2 * regions_in_use + 50
     assert store.stats()["num_blocks"] == 801 and store.counters["evictions"] == 3020 - 800
-    assert not gc.is_tracked(store._tenants["a"].index)
+    assert gc.get_referents(store._slabs.table.keys) == []  # 16-byte keys: none kept on the side
+    assert read_lease(store, digest(b"k2999"), "b").block.tenant == "b" and read_lease(store, digest(b"k2999")).block.tenant == "a"
     assert len(store._slabs.table.gen) < 2 * 1024  # ids of evicted blocks are reused: the columns stay small
 
 

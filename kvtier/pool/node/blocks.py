@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvtier._keytable import KeyTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
 
 
@@ -30,8 +31,9 @@ class BlockState(enum.Enum):
 
 
 _STATES = (BlockState.WRITING, BlockState.READY)
-_STATE_CODES = {state: code for code, state in enumerate(_STATES)}
-READY_CODE = _STATE_CODES[BlockState.READY]  # a READY block in the table's `state` column
+# A block's state in the table's `state` column. (`is` tests, not a dict: an Enum hashes in Python.)
+WRITING_CODE, READY_CODE = 0, 1
+MAX_TENANTS = 2**16 - 1  # the highest tenant code (a 16-bit tag in the key table)
 
 
 @dataclass(eq=False, slots=True)
@@ -72,9 +74,11 @@ class BlockTable:
     Args:
         regions: the node's regions, by id.
 
-    Per id: the key (16 bytes of `_blob` for a 16-byte key, the usual one; others in `_odd_keys`),
-    tenant, region, slot, length, generation (-1: the id is free), state, mutable, checksum, last
-    use, `busy` (live leases plus accesses in flight) and the recency links. What only a WRITING
+    `keys` is every tenant's index at once: a `KeyTable` (C; see kvtier._keytable) of key -> id
+    under the tenant's code as the tag (the same key of two tenants is two blocks), which keeps a
+    16-byte key at its id and any other in a dict beside it. Per id: tenant, region, slot, length,
+    generation (-1: the id is free), state, mutable, checksum, last use, `busy` (live leases plus
+    accesses in flight) and the recency links. What only a WRITING
     block has (its write lease, its coverage: `written`, `islands`) is kept in dicts by id, as
     long as it is WRITING: writes in flight are bounded by the lease limits, blocks are not.
     """
@@ -83,12 +87,10 @@ class BlockTable:
 
     def __init__(self, regions: list[Region]) -> None:
         self.regions = regions
-        self.tenant_names: list[str] = []
+        self.tenant_names: list[str] = []  # by code (see `tenant_code`)
         self._tenant_codes: dict[str, int] = {}
-        self._blob = bytearray()
-        self._view = memoryview(self._blob)
-        self._odd_keys: dict[int, bytes] = {}  # keys of another length than 16 bytes
-        self._count = 0
+        self.keys = KeyTable()
+        self.key_of = self.keys.key_of
         self.islands: dict[int, list[tuple[int, int]]] = {}  # only WRITING blocks written past a gap
         self.written: dict[int, int] = {}  # WRITING blocks with bytes written from their start
         self.write_lease: dict[int, int] = {}  # WRITING blocks' write leases
@@ -108,15 +110,27 @@ class BlockTable:
         self._next_id = 0
 
     def __len__(self) -> int:
-        return self._count
+        return len(self.keys)
+
+    def tenant_code(self, tenant: str) -> int:
+        """The tenant's number: its tag in `keys` and its value in the `tenant` column."""
+        code = self._tenant_codes.get(tenant)
+        if code is None:
+            if len(self.tenant_names) > MAX_TENANTS:
+                raise ValueError(f"a node holds at most {MAX_TENANTS + 1} tenants")
+            code = self._tenant_codes[tenant] = len(self.tenant_names)
+            self.tenant_names.append(tenant)
+        return code
+
+    def find(self, code: int, key: bytes) -> int:
+        """The id of tenant `code`'s block under `key`, or -1."""
+        return self.keys.find(key, code)
 
     def add(self, tenant: str, key: bytes, region: Region, slot: int, length: int, gen: int,
             state: BlockState, mutable: bool) -> int:
-        """A new block's id, its columns set (not busy, nothing written, in no recency list)."""
-        code = self._tenant_codes.get(tenant)
-        if code is None:
-            code = self._tenant_codes[tenant] = len(self.tenant_names)
-            self.tenant_names.append(tenant)
+        """A new block's id, indexed under `key` for `tenant` (who holds none under it), its columns
+        set (not busy, nothing written, in no recency list)."""
+        code = self.tenant_code(tenant)
         if self._reuse:
             block = self._reuse.pop()
         else:
@@ -124,29 +138,16 @@ class BlockTable:
             self._next_id += 1
             if block == len(self.gen):
                 self._grow()
-        if len(key) == 16:
-            self._view[block << 4:(block + 1) << 4] = key
-        else:
-            self._odd_keys[block] = key
-        self._count += 1
+        self.keys.add(key, block, code)
         self.tenant[block], self.region[block], self.slot[block] = code, region.id, slot
         self.length[block], self.gen[block] = length, gen
-        self.state[block], self.mutable[block] = _STATE_CODES[state], mutable
+        self.state[block], self.mutable[block] = READY_CODE if state is BlockState.READY else WRITING_CODE, mutable
         self.checksum[block] = self.last_use[block] = self.busy[block] = 0
         return block
 
-    def key_of(self, block: int) -> bytes:
-        odd = self._odd_keys
-        if odd:
-            key = odd.get(block)
-            if key is not None:
-                return key
-        return self._view[block << 4:(block + 1) << 4].tobytes()
-
     def remove(self, block: int) -> None:
-        if self._odd_keys:
-            self._odd_keys.pop(block, None)
-        self._count -= 1
+        """Forgets block `block`: its key leaves the index and its id is reused."""
+        self.keys.pop_id(block)
         self.islands.pop(block, None)
         self.written.pop(block, None)
         self.write_lease.pop(block, None)
@@ -160,9 +161,6 @@ class BlockTable:
             column.frombytes(bytes(column.itemsize * more))
         self.state.extend(bytes(more))
         self.mutable.extend(bytes(more))
-        self._view.release()  # a bytearray with a view cannot grow
-        self._blob.extend(bytes(16 * more))
-        self._view = memoryview(self._blob)
 
 
 class Recency:
@@ -270,7 +268,7 @@ class Block:
 
     @state.setter
     def state(self, value: BlockState) -> None:
-        self._table.state[self.id] = _STATE_CODES[value]
+        self._table.state[self.id] = READY_CODE if value is BlockState.READY else WRITING_CODE
 
     @property
     def islands(self) -> list[tuple[int, int]] | None:
@@ -313,8 +311,9 @@ class Block:
 class TenantState:
     quota_bytes: int
     counters: dict[str, int]  # this tenant's own events (what its STATS shows)
+    code: int  # its tag in the table's key index (`BlockTable.tenant_code`)
     used_bytes: int = 0
-    index: dict[bytes, int] = field(default_factory=dict)  # key -> block id
+    num_blocks: int = 0
     lru: dict[int, Recency] = field(default_factory=dict)  # slot_bytes -> its blocks, oldest first
     open_regions: dict[int, dict[int, Region]] = field(default_factory=dict)  # slot_bytes -> regions with free slots
 
@@ -348,15 +347,21 @@ def cover(block: Block, start: int, end: int) -> None:
     range past a gap waits in `islands` until the gap fills. Past MAX_WRITE_ISLANDS a range is not
     recorded (memory stays bounded): coverage may then fall short, never claim an unwritten byte.
     """
-    if start > block.written:
-        islands = block.islands or []
+    table, i = block._table, block.id  # the columns, not the handle's properties: once per write
+    written = table.written.get(i, 0)
+    if start > written:
+        islands = table.islands.get(i) or []
         if len(islands) < MAX_WRITE_ISLANDS:
-            block.islands = _merged(islands, start, end)
+            table.islands[i] = _merged(islands, start, end)
         return
-    block.written = max(block.written, end)
-    if block.islands:
-        while block.islands and block.islands[0][0] <= block.written:
-            block.written = max(block.written, block.islands.pop(0)[1])
+    written = max(written, end)
+    islands = table.islands.get(i)
+    if islands:
+        while islands and islands[0][0] <= written:
+            written = max(written, islands.pop(0)[1])
+        if not islands:
+            del table.islands[i]
+    table.written[i] = written
 
 
 def _merged(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:

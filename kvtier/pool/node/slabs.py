@@ -67,7 +67,8 @@ class Slabs:
         self.regions = [Region(i, i * region_bytes, region_bytes) for i in range(num_regions)]
         self.free_regions = list(reversed(self.regions))
         self.table = BlockTable(self.regions)
-        self.tenants = {name: TenantState(q, dict.fromkeys(TENANT_COUNTERS, 0)) for name, q in quotas.items()}
+        self.tenants = {name: TenantState(q, dict.fromkeys(TENANT_COUNTERS, 0), self.table.tenant_code(name))
+                        for name, q in quotas.items()}
         self.counters = dict.fromkeys(("region_handovers", "scrubbed_bytes"), 0)
         self._scrub = scrub
         self._tick = 0
@@ -97,7 +98,7 @@ class Slabs:
         block = self.table.add(tenant, key, region, slot, length, self._gen, state, mutable)
         region.ids[slot] = block
         region.num_blocks += 1
-        t.index[key] = block
+        t.num_blocks += 1
         lru = t.lru.get(slot_bytes)
         if lru is None:
             lru = t.lru[slot_bytes] = Recency(self.table)
@@ -111,15 +112,19 @@ class Slabs:
         """A handle on block id `block`."""
         return Block(self.table, block)
 
-    def remove(self, block: Block) -> None:
-        """Frees the block's slot (and its region once empty). The block must not be busy."""
-        t, region = self.tenants[block.tenant], block.region
-        del t.index[block.key]
-        t.lru[region.slot_bytes].unlink(block.id)
-        region.ids[block.slot] = -1
+    def remove(self, block: Block | int) -> None:
+        """Frees the block's slot (and its region once empty); `block`: a handle or an id. The block
+        must not be busy."""
+        i = block if block.__class__ is int else block.id
+        table = self.table
+        region, slot = self.regions[table.region[i]], table.slot[i]
+        t = self.tenants[region.tenant]
+        t.num_blocks -= 1
+        t.lru[region.slot_bytes].unlink(i)
+        region.ids[slot] = -1
         region.num_blocks -= 1
-        self.table.remove(block.id)
-        region.free.append(block.slot)
+        table.remove(i)
+        region.free.append(slot)
         t.used_bytes -= region.slot_bytes
         t.open_regions.setdefault(region.slot_bytes, {})[region.id] = region
         if not region.num_blocks:
@@ -134,11 +139,20 @@ class Slabs:
         self.table.last_use[block.id] = block.region.last_use = self._tick
         self.tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.id)
 
+    def touch_id(self, block: int) -> None:
+        """`touch` of block id `block`."""
+        table = self.table
+        region = self.regions[table.region[block]]
+        self._tick += 1
+        table.last_use[block] = region.last_use = self._tick
+        self.tenants[region.tenant].lru[region.slot_bytes].move_to_end(block)
+
     def _fit_quota(self, t: TenantState, slot_bytes: int) -> bool:
         while t.used_bytes + slot_bytes > t.quota_bytes:
-            victim = min(filter(None, (self._oldest_idle(lru) for lru in t.lru.values())),
-                         key=lambda b: b.last_use, default=None)
-            if victim is None:
+            last_use = self.table.last_use
+            victim = min(filter(lambda b: b >= 0, (self._oldest_idle(lru) for lru in t.lru.values())),
+                         key=last_use.__getitem__, default=-1)
+            if victim < 0:
                 return False
             self._evict(victim)
         return True
@@ -156,13 +170,13 @@ class Slabs:
             own = self._oldest_idle(t.lru.get(slot_bytes))
             idle = [r for r in self.regions if r.num_busy == 0 and r.tenant is not None]
             region = min(idle, key=lambda r: r.last_use, default=None)
-            if own is None and region is None:
+            if own < 0 and region is None:
                 return None
-            if own is not None and (region is None or own.last_use <= region.last_use):
+            if own >= 0 and (region is None or self.table.last_use[own] <= region.last_use):
                 self._evict(own)
             else:
                 for block in region.block_ids():
-                    self._evict(Block(self.table, block))
+                    self._evict(block)
 
     def _assign(self, region: Region, tenant: str, t: TenantState, slot_bytes: int) -> Region:
         """Hands a free region to `tenant` for class `slot_bytes`, zeroed first when it may hold
@@ -179,17 +193,19 @@ class Slabs:
         t.open_regions.setdefault(slot_bytes, {})[region.id] = region
         return region
 
-    def _oldest_idle(self, lru: Recency | None) -> Block | None:
-        """The least recently used block of `lru` that is READY and idle."""
+    def _oldest_idle(self, lru: Recency | None) -> int:
+        """The id of the least recently used block of `lru` that is READY and idle, or -1."""
         if lru is None:
-            return None
+            return -1
         table = self.table
         busy, state = table.busy, table.state
         for block in lru:
             if not busy[block] and state[block] == READY_CODE:
-                return Block(table, block)
-        return None
+                return block
+        return -1
 
-    def _evict(self, block: Block) -> None:
-        self.tenants[block.tenant].counters["evictions"] += 1  # the owner's: it sees its blocks go
+    def _evict(self, block: int) -> None:
+        """Evicts block id `block` (idle)."""
+        region = self.regions[self.table.region[block]]
+        self.tenants[region.tenant].counters["evictions"] += 1  # the owner's: it sees its blocks go
         self.remove(block)

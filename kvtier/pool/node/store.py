@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-from kvtier.pool.node.blocks import READY_CODE, Access, AccessError, Block, BlockState, Grant, TenantState, cover
+from kvtier.pool.node.blocks import READY_CODE, WRITING_CODE, Access, AccessError, Block, BlockState, Grant, TenantState, cover
 from kvtier.pool.node.leases import Lease, LeaseTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
 from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
@@ -83,9 +83,9 @@ class BlockStore:
         until `commit`. LIMIT when the tenant or the owner holds as many leases as it may."""
         self._expire()
         t = self._tenants[tenant]
-        old = self._find(t, key)
-        if old is not None:
-            if old.state is BlockState.WRITING:
+        old = self._table.find(t.code, key)
+        if old >= 0:
+            if self._table.state[old] == WRITING_CODE:
                 t.counters["rejected_busy"] += 1
                 return Grant(GrantStatus.BUSY)
             return Grant(GrantStatus.EXISTS)
@@ -122,21 +122,20 @@ class BlockStore:
                 since the client's checksum is of the whole block it meant to write.
         """
         self._expire()
-        t = self._tenants[tenant]
-        block = self._find(t, key)
-        if block is None or block.gen != gen or block.state is not BlockState.WRITING:
+        t, table = self._tenants[tenant], self._table
+        i = table.find(t.code, key)  # on the columns: a handle only where the block goes
+        if i < 0 or table.gen[i] != gen or table.state[i] != WRITING_CODE:
             return False
-        self._drop_lease(block.write_lease)
-        if block.written < block.length and not (holds is not None and holds(block, checksum)):
-            if not block.busy:
-                self._slabs.remove(block)
+        self._drop_lease_of(i, table.write_lease.pop(i, 0))
+        if table.written.pop(i, 0) < table.length[i] and not (holds is not None and holds(self._slabs.block(i), checksum)):
+            if not table.busy[i]:
+                self._slabs.remove(i)
             t.counters["aborted"] += 1
             return False
-        block.state, block.checksum, block.islands = BlockState.READY, checksum, None
-        self._table.written.pop(block.id, None)  # what only a WRITING block keeps (see BlockTable)
-        self._table.write_lease.pop(block.id, None)
+        table.state[i], table.checksum[i] = READY_CODE, checksum
+        table.islands.pop(i, None)  # what only a WRITING block keeps (see BlockTable)
         t.counters["puts"] += 1
-        self._slabs.touch(block)
+        self._slabs.touch_id(i)
         return True
 
     def abort(self, tenant: str, key: bytes, gen: int) -> None:
@@ -165,12 +164,12 @@ class BlockStore:
         """The READY, immutable block under each key (None: a miss); counts hits and misses."""
         self._expire()
         t = self._tenants[tenant]
-        index, counters, table = t.index, t.counters, self._slabs.table
-        state, mutable = table.state, table.mutable
+        counters, table, code = t.counters, self._slabs.table, t.code
+        find, state, mutable = table.keys.find, table.state, table.mutable
         out: list[Block | None] = []
         for key in keys:
-            found = index.get(key)
-            if found is None or state[found] != READY_CODE or mutable[found]:
+            found = find(key, code)
+            if found < 0 or state[found] != READY_CODE or mutable[found]:
                 counters["misses"] += 1
                 out.append(None)
                 continue
@@ -220,11 +219,11 @@ class BlockStore:
         """Whether the tenant holds a READY shared block under each key; `touch`: each one found
         becomes the most recently used (a client's CONTAINS: it asks for a block it is about to
         load, or one it would have sent again, so that block should not be the next evicted)."""
-        index, found, table = self._tenants[tenant].index, [], self._slabs.table
-        state, mutable = table.state, table.mutable
+        code, found, table = self._tenants[tenant].code, [], self._slabs.table
+        find, state, mutable = table.keys.find, table.state, table.mutable
         for key in keys:
-            block = index.get(key)
-            hit = block is not None and state[block] == READY_CODE and not mutable[block]
+            block = find(key, code)
+            hit = block >= 0 and state[block] == READY_CODE and not mutable[block]
             if hit and touch:
                 self._slabs.touch(self._slabs.block(block))
             found.append(hit)
@@ -286,12 +285,13 @@ class BlockStore:
     def end_access(self, access: Access, ok: bool) -> None:
         """Ends an access; a successful write into a WRITING block covers its range toward the commit."""
         block = access.block
-        if ok and access.write and block.state is BlockState.WRITING:
+        writing = self._table.state[block.id] == WRITING_CODE and block.alive
+        if ok and access.write and writing:
             start = access.arena_offset - block.region.base - block.offset
             cover(block, start, start + access.length)
         self._set_busy(block, inflight=-1)
         self._num_inflight -= 1
-        if block.state is BlockState.WRITING and not block.busy and self._leases.get(block.write_lease) is None:
+        if writing and not block.busy and self._leases.get(block.write_lease) is None:
             self._slabs.remove(block)  # its writer's lease expired while this access was in flight
 
     # ---- facts ------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class BlockStore:
         tenants = self._tenants.values()
         out: dict[str, object] = {
             **self.facts(), "used_bytes": sum(t.used_bytes for t in tenants),
-            "free_regions": len(self._slabs.free_regions), "num_blocks": sum(len(t.index) for t in tenants),
+            "free_regions": len(self._slabs.free_regions), "num_blocks": sum(t.num_blocks for t in tenants),
             "active_leases": len(self._leases),
             "lease_heap_entries": self._leases.heap_entries, "accesses_in_flight": self._num_inflight, **self.counters}
         if tenant is not None:
@@ -326,14 +326,14 @@ class BlockStore:
     def _tenant_facts(self, tenant: str) -> dict[str, object]:
         t = self._tenants[tenant]
         return {"name": tenant, "used_bytes": t.used_bytes, "quota_bytes": t.quota_bytes,
-                "num_blocks": len(t.index), "active_leases": self._leases.count(tenant)}
+                "num_blocks": t.num_blocks, "active_leases": self._leases.count(tenant)}
 
     # ---- internals --------------------------------------------------------------------------
 
     def _find(self, t: TenantState, key: bytes) -> Block | None:
         """A handle on the tenant's block under `key`, or None."""
-        block = t.index.get(key)
-        return None if block is None else self._slabs.block(block)
+        block = self._table.find(t.code, key)
+        return None if block < 0 else self._slabs.block(block)
 
     def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
         # On the table's column, not the handle's property: three calls per request. One count of
@@ -354,6 +354,14 @@ class BlockStore:
         if lease is not None:
             self._set_busy(lease.block, leases=-1)
         return lease
+
+    def _drop_lease_of(self, block: int, lease_id: int) -> None:
+        """`_drop_lease` of a lease on block id `block` (the lease's own handle is not needed)."""
+        if self._leases.drop(lease_id) is not None:
+            busy = self._table.busy
+            busy[block] -= 1
+            if busy[block] == 0:
+                self.regions[self._table.region[block]].num_busy -= 1
 
     def _end_lease(self, lease: Lease) -> None:
         """After a lease was dropped unreleased (expired, or its connection closed): an abandoned
