@@ -653,12 +653,361 @@ static PyTypeObject KeyTableType = {
     .tp_getset = KeyTable_getset,
 };
 
+/* ---- KeyList: an ordered set of keys (what an OrderedDict of key -> None does) ----------- */
+
+/* A policy's queues (ARC's T1/T2/B1/B2, S3-FIFO's small/main/ghost) hold a share of every block's
+ * key: as OrderedDicts the garbage collector walked each entry on every full collection (0.6-0.9 s
+ * at 10M blocks). A KeyList keeps its keys in a KeyTable (key -> node id) and its order in two
+ * arrays of 32-bit links: nothing per key for the collector, ~34 bytes a key. */
+
+typedef struct {
+    PyObject_HEAD
+    KeyTable *index;      /* key -> node id (tag 0) */
+    int32_t *prev, *next; /* per node id; EMPTY: none */
+    int32_t head, tail;   /* oldest, newest; EMPTY when empty */
+    int32_t *free;        /* ids given back, the next one last */
+    Py_ssize_t num_free, next_id, cap;
+    Py_ssize_t version;   /* changes with every change: an iterator refuses to go on after one */
+} KeyList;
+
+static PyTypeObject KeyListType;
+static PyTypeObject KeyListIterType;
+
+static PyObject *KeyList_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyList", kwlist))
+        return NULL;
+    KeyList *l = (KeyList *)type->tp_alloc(type, 0);
+    if (l == NULL)
+        return NULL;
+    l->index = (KeyTable *)KeyTableType.tp_alloc(&KeyTableType, 0);
+    if (l->index == NULL) {
+        Py_DECREF(l);
+        return NULL;
+    }
+    l->head = l->tail = EMPTY;
+    return (PyObject *)l;
+}
+
+static int KeyList_traverse(KeyList *l, visitproc visit, void *arg) {
+    Py_VISIT(l->index);
+    return 0;
+}
+
+static int KeyList_clear(KeyList *l) {
+    Py_CLEAR(l->index);
+    return 0;
+}
+
+static void KeyList_dealloc(KeyList *l) {
+    PyObject_GC_UnTrack(l);
+    KeyList_clear(l);
+    PyMem_Free(l->prev);
+    PyMem_Free(l->next);
+    PyMem_Free(l->free);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static Py_ssize_t KeyList_len(KeyList *l) { return l->index ? KeyTable_len(l->index) : 0; }
+
+static int32_t new_node(KeyList *l) {
+    if (l->num_free)
+        return l->free[--l->num_free];
+    if (l->next_id >= INT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "KeyList: too many keys");
+        return EMPTY;
+    }
+    if (l->next_id == l->cap) {
+        Py_ssize_t cap = l->cap ? l->cap + l->cap / 4 + 1 : 1024;
+        int32_t *prev = PyMem_Realloc(l->prev, (size_t)cap * sizeof(int32_t));
+        if (prev == NULL)
+            return PyErr_NoMemory(), EMPTY;
+        l->prev = prev;
+        int32_t *next = PyMem_Realloc(l->next, (size_t)cap * sizeof(int32_t));
+        if (next == NULL)
+            return PyErr_NoMemory(), EMPTY;
+        l->next = next;
+        int32_t *free_ = PyMem_Realloc(l->free, (size_t)cap * sizeof(int32_t));
+        if (free_ == NULL)
+            return PyErr_NoMemory(), EMPTY;
+        l->free = free_;
+        l->cap = cap;
+    }
+    return (int32_t)l->next_id++;
+}
+
+static void link_at(KeyList *l, int32_t id, int last) {
+    if (last) {
+        l->prev[id] = l->tail;
+        l->next[id] = EMPTY;
+        if (l->tail != EMPTY)
+            l->next[l->tail] = id;
+        else
+            l->head = id;
+        l->tail = id;
+    } else {
+        l->next[id] = l->head;
+        l->prev[id] = EMPTY;
+        if (l->head != EMPTY)
+            l->prev[l->head] = id;
+        else
+            l->tail = id;
+        l->head = id;
+    }
+}
+
+static void unlink_node(KeyList *l, int32_t id) {
+    int32_t before = l->prev[id], after = l->next[id];
+    if (before != EMPTY)
+        l->next[before] = after;
+    else
+        l->head = after;
+    if (after != EMPTY)
+        l->prev[after] = before;
+    else
+        l->tail = before;
+}
+
+/* Removes node `id` (linked) and its key; returns the key (new reference) or NULL. */
+static PyObject *drop_node(KeyList *l, int32_t id) {
+    PyObject *key = pop_id(l->index, id);
+    if (key == NULL)
+        return NULL;
+    unlink_node(l, id);
+    l->free[l->num_free++] = id;
+    l->version++;
+    return key;
+}
+
+/* Appends `key` (absent) at the newest end, or the oldest (`last` 0). 0 ok, -1 error. */
+static int append_key(KeyList *l, PyObject *key, int last) {
+    int32_t id = new_node(l);
+    if (id == EMPTY)
+        return -1;
+    if (add(l->index, key, id, 0) < 0) {
+        l->free[l->num_free++] = id;
+        return -1;
+    }
+    link_at(l, id, last);
+    l->version++;
+    return 0;
+}
+
+static int KeyList_contains(KeyList *l, PyObject *key) {
+    int32_t id;
+    return lookup(l->index, key, 0, &id);
+}
+
+static int KeyList_ass_subscript(KeyList *l, PyObject *key, PyObject *value) {
+    int32_t id;
+    int found = lookup(l->index, key, 0, &id);
+    if (found < 0)
+        return -1;
+    if (value != NULL) {
+        if (value != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "KeyList holds keys only: l[key] = None appends key");
+            return -1;
+        }
+        return found ? 0 : append_key(l, key, 1);  /* as an OrderedDict: a present key keeps its place */
+    }
+    if (!found) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    PyObject *gone = drop_node(l, id);
+    Py_XDECREF(gone);
+    return gone == NULL ? -1 : 0;
+}
+
+static PyObject *KeyList_subscript(KeyList *l, PyObject *key) {
+    int32_t id;
+    int found = lookup(l->index, key, 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    int32_t id;
+    int found = lookup(l->index, args[0], 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        if (nargs == 2) {
+            Py_INCREF(args[1]);
+            return args[1];
+        }
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    PyObject *gone = drop_node(l, id);
+    if (gone == NULL)
+        return NULL;
+    Py_DECREF(gone);
+    Py_RETURN_NONE;  /* the value an OrderedDict of key -> None would return */
+}
+
+static PyObject *KeyList_move_to_end(KeyList *l, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"key", "last", NULL};
+    PyObject *key;
+    int last = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:move_to_end", kwlist, &key, &last))
+        return NULL;
+    int32_t id;
+    int found = lookup(l->index, key, 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    if (last ? id != l->tail : id != l->head) {
+        unlink_node(l, id);
+        link_at(l, id, last);
+        l->version++;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyList_popitem(KeyList *l, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"last", NULL};
+    int last = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:popitem", kwlist, &last))
+        return NULL;
+    int32_t id = last ? l->tail : l->head;
+    if (id == EMPTY) {
+        PyErr_SetString(PyExc_KeyError, "popitem(): KeyList is empty");
+        return NULL;
+    }
+    PyObject *key = drop_node(l, id);
+    return key == NULL ? NULL : Py_BuildValue("(NO)", key, Py_None);
+}
+
+static PyObject *KeyList_first(KeyList *l, PyObject *unused) {
+    if (l->head == EMPTY) {
+        PyErr_SetString(PyExc_KeyError, "first(): KeyList is empty");
+        return NULL;
+    }
+    return key_of(l->index, l->head);
+}
+
+typedef struct {
+    PyObject_HEAD
+    KeyList *list;
+    int32_t at;
+    Py_ssize_t version;
+} KeyListIter;
+
+static PyObject *KeyList_iter(KeyList *l) {
+    KeyListIter *it = PyObject_GC_New(KeyListIter, &KeyListIterType);
+    if (it == NULL)
+        return NULL;
+    Py_INCREF(l);
+    it->list = l;
+    it->at = l->head;
+    it->version = l->version;
+    PyObject_GC_Track(it);
+    return (PyObject *)it;
+}
+
+static PyObject *KeyListIter_next(KeyListIter *it) {
+    KeyList *l = it->list;
+    if (l->version != it->version) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyList mutated during iteration");
+        return NULL;
+    }
+    if (it->at == EMPTY)
+        return NULL;
+    int32_t id = it->at;
+    it->at = l->next[id];
+    return key_of(l->index, id);
+}
+
+static int KeyListIter_traverse(KeyListIter *it, visitproc visit, void *arg) {
+    Py_VISIT(it->list);
+    return 0;
+}
+
+static void KeyListIter_dealloc(KeyListIter *it) {
+    PyObject_GC_UnTrack(it);
+    Py_XDECREF(it->list);
+    PyObject_GC_Del(it);
+}
+
+static PyTypeObject KeyListIterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.KeyListIterator",
+    .tp_basicsize = sizeof(KeyListIter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)KeyListIter_dealloc,
+    .tp_traverse = (traverseproc)KeyListIter_traverse,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)KeyListIter_next,
+};
+
+static PyObject *KeyList_get_nbytes(KeyList *l, void *unused) {
+    PyObject *n = KeyTable_get_nbytes(l->index, NULL);
+    if (n == NULL)
+        return NULL;
+    size_t own = PyLong_AsSize_t(n) + (size_t)l->cap * 3 * sizeof(int32_t);
+    Py_DECREF(n);
+    return PyLong_FromSize_t(own);
+}
+
+static PyMethodDef KeyList_methods[] = {
+    {"pop", (PyCFunction)(void (*)(void))KeyList_pop, METH_FASTCALL, "pop(key[, default]): removes key (None), or default"},
+    {"move_to_end", (PyCFunction)(void (*)(void))KeyList_move_to_end, METH_VARARGS | METH_KEYWORDS,
+     "move_to_end(key, last=True): to the newest end, or the oldest"},
+    {"popitem", (PyCFunction)(void (*)(void))KeyList_popitem, METH_VARARGS | METH_KEYWORDS,
+     "popitem(last=True): (key, None) of the newest key, or the oldest, removed"},
+    {"first", (PyCFunction)KeyList_first, METH_NOARGS, "the oldest key"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef KeyList_getset[] = {
+    {"nbytes", (getter)KeyList_get_nbytes, NULL, "bytes held outside the objects", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMappingMethods KeyList_as_mapping = {
+    (lenfunc)KeyList_len, (binaryfunc)KeyList_subscript, (objobjargproc)KeyList_ass_subscript,
+};
+
+static PySequenceMethods KeyList_as_sequence = {
+    .sq_contains = (objobjproc)KeyList_contains,
+};
+
+static PyTypeObject KeyListType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.KeyList",
+    .tp_doc = "Keys in order, oldest first, as an OrderedDict of key -> None, with no object per key.",
+    .tp_basicsize = sizeof(KeyList),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = KeyList_new,
+    .tp_dealloc = (destructor)KeyList_dealloc,
+    .tp_traverse = (traverseproc)KeyList_traverse,
+    .tp_clear = (inquiry)KeyList_clear,
+    .tp_as_mapping = &KeyList_as_mapping,
+    .tp_as_sequence = &KeyList_as_sequence,
+    .tp_iter = (getiterfunc)KeyList_iter,
+    .tp_methods = KeyList_methods,
+    .tp_getset = KeyList_getset,
+};
+
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
-    if (PyType_Ready(&KeyTableType) < 0)
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keytable_module);
     if (m == NULL)
@@ -666,6 +1015,12 @@ PyMODINIT_FUNC PyInit__keytable(void) {
     Py_INCREF(&KeyTableType);
     if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
         Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KeyListType);
+    if (PyModule_AddObject(m, "KeyList", (PyObject *)&KeyListType) < 0) {
+        Py_DECREF(&KeyListType);
         Py_DECREF(m);
         return NULL;
     }

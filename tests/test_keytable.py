@@ -194,3 +194,83 @@ def test_keys_of_the_usual_kind_cost_tens_of_bytes_each_and_the_collector_walks_
         del table[block.to_bytes(16, "little")]
     assert len(table) == n - len(range(0, n, 3))
     assert table.get((1).to_bytes(16, "little")) == 1 and table.get((3).to_bytes(16, "little")) is None
+
+
+class _ListModel(RuleBasedStateMachine):
+    """A KeyList against an OrderedDict of key -> None: the same order after every operation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from collections import OrderedDict
+
+        from kvtier._keytable import KeyList
+
+        self.keys, self.model = KeyList(), OrderedDict()
+
+    KEYS = st.one_of(DIGESTS, DIGESTS, st.integers(0, 50), st.text(max_size=2))
+
+    @rule(key=KEYS)
+    def append(self, key) -> None:
+        self.keys[key] = None
+        self.model[key] = None
+
+    @rule(data=st.data())
+    def append_many(self, data) -> None:
+        for key in data.draw(st.lists(DIGESTS, min_size=20, max_size=120)):
+            self.keys[key] = None
+            self.model[key] = None
+
+    @rule(key=KEYS, last=st.booleans())
+    def move(self, key, last) -> None:
+        if key in self.model:
+            self.keys.move_to_end(key, last=last)
+            self.model.move_to_end(key, last=last)
+        else:
+            with pytest.raises(KeyError):
+                self.keys.move_to_end(key, last=last)
+
+    @rule(key=KEYS)
+    def pop(self, key) -> None:
+        assert self.keys.pop(key, "missing") == self.model.pop(key, "missing")
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def delete_present(self, data) -> None:
+        key = data.draw(st.sampled_from(list(self.model)))
+        del self.keys[key]
+        del self.model[key]
+
+    @rule(last=st.booleans())
+    def popitem(self, last) -> None:
+        if self.model:
+            assert self.keys.popitem(last=last) == self.model.popitem(last=last)
+        else:
+            with pytest.raises(KeyError):
+                self.keys.popitem(last=last)
+
+    @invariant()
+    def same_order(self) -> None:
+        assert len(self.keys) == len(self.model) and bool(self.keys) == bool(self.model)
+        assert list(self.keys) == list(self.model)
+        if self.model:
+            assert self.keys.first() == next(iter(self.model))
+
+
+class TestKeyList(_ListModel.TestCase):
+    settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_keys_only():
+    from kvtier._keytable import KeyList
+
+    keys = KeyList()
+    for i in range(5):
+        keys[i.to_bytes(16, "little")] = None
+    it = iter(keys)
+    next(it)
+    keys.move_to_end((0).to_bytes(16, "little"))
+    with pytest.raises(RuntimeError, match="mutated during iteration"):
+        next(it)
+    with pytest.raises(TypeError, match="keys only"):
+        keys[b"x" * 16] = 1
+    assert gc.get_referents(keys) != [] and len(keys) == 5  # its key table, one object

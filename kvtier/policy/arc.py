@@ -15,13 +15,15 @@ so `evict` plans its victims without touching anything and is atomic for free.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 
+from kvtier._keytable import KeyList
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 
-_List = OrderedDict  # key -> None, least recent first
+# Least recent first. A KeyList (C) does what an OrderedDict of key -> None did, with nothing per
+# key for the garbage collector to walk (the four lists hold up to twice the tier's keys).
+_List = KeyList
 
 
 class ARCPolicy(EvictionPolicy):
@@ -41,10 +43,10 @@ class ARCPolicy(EvictionPolicy):
             raise ConfigError(f"arc.capacity_hint must be an integer >= 1, got {capacity_hint!r}")
         self._capacity = capacity_hint
         self._p = 0
-        self._t1: _List = OrderedDict()
-        self._t2: _List = OrderedDict()
-        self._b1: _List = OrderedDict()
-        self._b2: _List = OrderedDict()
+        self._t1: _List = KeyList()
+        self._t2: _List = KeyList()
+        self._b1: _List = KeyList()
+        self._b2: _List = KeyList()
 
     @property
     def target_t1(self) -> int:

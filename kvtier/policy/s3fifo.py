@@ -21,13 +21,15 @@ replayed backwards, leaving the state exactly as it was.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
+from kvtier._keytable import KeyList
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 
-_Queue = OrderedDict  # key -> None, oldest first
+# Oldest first. A KeyList (C) does what an OrderedDict of key -> None did, with nothing per key for
+# the garbage collector to walk.
+_Queue = KeyList
 
 # Journal records, undone in reverse order.
 _POP = 0  # (_POP, queue, key): key popped from the old end of queue (a victim or set aside)
@@ -62,9 +64,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small_target = max(1, round(capacity_hint * small_ratio))
         self._ghost_size = round(capacity_hint * ghost_ratio)
         self._max_freq = max_freq
-        self._small: _Queue = OrderedDict()
-        self._main: _Queue = OrderedDict()
-        self._ghost: _Queue = OrderedDict()
+        self._small: _Queue = KeyList()
+        self._main: _Queue = KeyList()
+        self._ghost: _Queue = KeyList()
         self._freq: dict[Hashable, int] = {}
 
     def insert(self, key: Hashable) -> None:
