@@ -1002,12 +1002,214 @@ static PyTypeObject KeyListType = {
     .tp_getset = KeyList_getset,
 };
 
+/* ---- KeyCounts: key -> a count 0..255 (what a dict of key -> small int does) ------------ */
+
+/* S3-FIFO's per-key access counter (2 bits in the paper). As a dict it kept a key object per
+ * resident block; here the keys live in a KeyTable and the counts in a byte array by id. */
+
+typedef struct {
+    PyObject_HEAD
+    KeyTable *index;   /* key -> id (tag 0) */
+    uint8_t *counts;   /* per id */
+    int32_t *free;     /* ids given back, the next one last */
+    Py_ssize_t num_free, next_id, cap;
+} KeyCounts;
+
+static PyTypeObject KeyCountsType;
+
+static PyObject *KeyCounts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyCounts", kwlist))
+        return NULL;
+    KeyCounts *c = (KeyCounts *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->index = (KeyTable *)KeyTableType.tp_alloc(&KeyTableType, 0);
+    if (c->index == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
+static int KeyCounts_traverse(KeyCounts *c, visitproc visit, void *arg) {
+    Py_VISIT(c->index);
+    return 0;
+}
+
+static int KeyCounts_clear(KeyCounts *c) {
+    Py_CLEAR(c->index);
+    return 0;
+}
+
+static void KeyCounts_dealloc(KeyCounts *c) {
+    PyObject_GC_UnTrack(c);
+    KeyCounts_clear(c);
+    PyMem_Free(c->counts);
+    PyMem_Free(c->free);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static Py_ssize_t KeyCounts_len(KeyCounts *c) { return c->index ? KeyTable_len(c->index) : 0; }
+
+static int parse_count(PyObject *value, uint8_t *out) {
+    long v = PyLong_AsLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < 0 || v > 255) {
+        PyErr_Format(PyExc_ValueError, "KeyCounts: a count must be in [0, 255], got %ld", v);
+        return -1;
+    }
+    *out = (uint8_t)v;
+    return 0;
+}
+
+static int KeyCounts_ass_subscript(KeyCounts *c, PyObject *key, PyObject *value) {
+    int32_t id;
+    int found = lookup(c->index, key, 0, &id);
+    if (found < 0)
+        return -1;
+    if (value == NULL) {
+        if (!found) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        PyObject *gone = pop_id(c->index, id);
+        if (gone == NULL)
+            return -1;
+        Py_DECREF(gone);
+        c->free[c->num_free++] = id;
+        return 0;
+    }
+    uint8_t count;
+    if (parse_count(value, &count) < 0)
+        return -1;
+    if (!found) {
+        if (c->num_free) {
+            id = c->free[--c->num_free];
+        } else {
+            if (c->next_id >= INT32_MAX - 1) {
+                PyErr_SetString(PyExc_OverflowError, "KeyCounts: too many keys");
+                return -1;
+            }
+            if (c->next_id == c->cap) {
+                Py_ssize_t cap = c->cap ? c->cap + c->cap / 4 + 1 : 1024;
+                uint8_t *counts = PyMem_Realloc(c->counts, (size_t)cap);
+                if (counts == NULL)
+                    return PyErr_NoMemory(), -1;
+                c->counts = counts;
+                int32_t *free_ = PyMem_Realloc(c->free, (size_t)cap * sizeof(int32_t));
+                if (free_ == NULL)
+                    return PyErr_NoMemory(), -1;
+                c->free = free_;
+                c->cap = cap;
+            }
+            id = (int32_t)c->next_id++;
+        }
+        if (add(c->index, key, id, 0) < 0) {
+            c->free[c->num_free++] = id;
+            return -1;
+        }
+    }
+    c->counts[id] = count;
+    return 0;
+}
+
+static PyObject *KeyCounts_subscript(KeyCounts *c, PyObject *key) {
+    int32_t id;
+    int found = lookup(c->index, key, 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return PyLong_FromLong(c->counts[id]);
+}
+
+static int KeyCounts_contains(KeyCounts *c, PyObject *key) {
+    int32_t id;
+    return lookup(c->index, key, 0, &id);
+}
+
+static PyObject *KeyCounts_get(KeyCounts *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    int32_t id;
+    int found = lookup(c->index, args[0], 0, &id);
+    if (found < 0)
+        return NULL;
+    if (found)
+        return PyLong_FromLong(c->counts[id]);
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(dflt);
+    return dflt;
+}
+
+static PyObject *KeyCounts_pop(KeyCounts *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    int32_t id;
+    int found = lookup(c->index, args[0], 0, &id);
+    if (found < 0)
+        return NULL;
+    if (!found) {
+        if (nargs == 2) {
+            Py_INCREF(args[1]);
+            return args[1];
+        }
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    long count = c->counts[id];
+    PyObject *gone = pop_id(c->index, id);
+    if (gone == NULL)
+        return NULL;
+    Py_DECREF(gone);
+    c->free[c->num_free++] = id;
+    return PyLong_FromLong(count);
+}
+
+static PyMethodDef KeyCounts_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyCounts_get, METH_FASTCALL, "get(key, default=None): key's count, or default"},
+    {"pop", (PyCFunction)(void (*)(void))KeyCounts_pop, METH_FASTCALL, "pop(key[, default]): removes key, returns its count"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods KeyCounts_as_mapping = {
+    (lenfunc)KeyCounts_len, (binaryfunc)KeyCounts_subscript, (objobjargproc)KeyCounts_ass_subscript,
+};
+
+static PySequenceMethods KeyCounts_as_sequence = {
+    .sq_contains = (objobjproc)KeyCounts_contains,
+};
+
+static PyTypeObject KeyCountsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.KeyCounts",
+    .tp_doc = "Keys -> counts 0..255, as a dict of them, with no object per key.",
+    .tp_basicsize = sizeof(KeyCounts),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = KeyCounts_new,
+    .tp_dealloc = (destructor)KeyCounts_dealloc,
+    .tp_traverse = (traverseproc)KeyCounts_traverse,
+    .tp_clear = (inquiry)KeyCounts_clear,
+    .tp_as_mapping = &KeyCounts_as_mapping,
+    .tp_as_sequence = &KeyCounts_as_sequence,
+    .tp_methods = KeyCounts_methods,
+};
+
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
-    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0)
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0
+        || PyType_Ready(&KeyCountsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keytable_module);
     if (m == NULL)
@@ -1021,6 +1223,12 @@ PyMODINIT_FUNC PyInit__keytable(void) {
     Py_INCREF(&KeyListType);
     if (PyModule_AddObject(m, "KeyList", (PyObject *)&KeyListType) < 0) {
         Py_DECREF(&KeyListType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KeyCountsType);
+    if (PyModule_AddObject(m, "KeyCounts", (PyObject *)&KeyCountsType) < 0) {
+        Py_DECREF(&KeyCountsType);
         Py_DECREF(m);
         return NULL;
     }

@@ -274,3 +274,58 @@ def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_keys_only():
     with pytest.raises(TypeError, match="keys only"):
         keys[b"x" * 16] = 1
     assert gc.get_referents(keys) != [] and len(keys) == 5  # its key table, one object
+
+
+class _CountsModel(RuleBasedStateMachine):
+    """KeyCounts against a dict of key -> count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvtier._keytable import KeyCounts
+
+        self.counts, self.model = KeyCounts(), {}
+
+    KEYS = st.one_of(DIGESTS, DIGESTS, st.integers(0, 40), st.text(max_size=2))
+
+    @rule(key=KEYS, count=st.integers(0, 255))
+    def set(self, key, count) -> None:
+        self.counts[key] = count
+        self.model[key] = count
+
+    @rule(key=KEYS)
+    def pop(self, key) -> None:
+        assert self.counts.pop(key, "missing") == self.model.pop(key, "missing")
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def delete(self, data) -> None:
+        key = data.draw(st.sampled_from(list(self.model)))
+        del self.counts[key]
+        del self.model[key]
+
+    @rule(key=KEYS)
+    def read(self, key) -> None:
+        assert self.counts.get(key) == self.model.get(key) and (key in self.counts) == (key in self.model)
+        if key in self.model:
+            assert self.counts[key] == self.model[key]
+        else:
+            with pytest.raises(KeyError):
+                self.counts[key]
+
+    @invariant()
+    def same_size(self) -> None:
+        assert len(self.counts) == len(self.model)
+
+
+class TestKeyCounts(_CountsModel.TestCase):
+    settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_counts_are_bytes():
+    from kvtier._keytable import KeyCounts
+
+    counts = KeyCounts()
+    for bad in (-1, 256):
+        with pytest.raises(ValueError, match="count must be"):
+            counts[b"k" * 16] = bad
+    assert b"k" * 16 not in counts and len(counts) == 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from kvtier._keytable import KeyList
+from kvtier._keytable import KeyCounts, KeyList
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 
@@ -53,12 +53,12 @@ class S3FIFOPolicy(EvictionPolicy):
             capacity_hint: expected number of resident keys; sizes the small and ghost queues only.
             small_ratio: share of `capacity_hint` the small queue aims to hold, in (0, 1).
             ghost_ratio: ghost entries kept, as a share of `capacity_hint` (>= 0).
-            max_freq: saturation value of the per-key access counter (>= 1).
+            max_freq: saturation value of the per-key access counter, in [1, 255].
         Raises:
             ConfigError: a parameter is out of range; the message names it.
         """
         _check_int("capacity_hint", capacity_hint, minimum=1)
-        _check_int("max_freq", max_freq, minimum=1)
+        _check_int("max_freq", max_freq, minimum=1, maximum=255)
         _check_ratio("small_ratio", small_ratio, open_top=True)
         _check_ratio("ghost_ratio", ghost_ratio, open_top=False)
         self._small_target = max(1, round(capacity_hint * small_ratio))
@@ -67,7 +67,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: _Queue = KeyList()
         self._main: _Queue = KeyList()
         self._ghost: _Queue = KeyList()
-        self._freq: dict[Hashable, int] = {}
+        self._freq = KeyCounts()  # resident key -> its frequency, as a dict of them, no object per key
 
     def insert(self, key: Hashable) -> None:
         """Records that `key` became resident: into main if it is a ghost, else into small.
@@ -223,10 +223,11 @@ def _put_back(queue: _Queue, keys: list[Hashable]) -> None:
         queue.move_to_end(key, last=False)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    """Raises ConfigError naming `name` unless `value` is an int >= `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"s3fifo.{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """Raises ConfigError naming `name` unless `value` is an int in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"s3fifo.{name} must be an integer {bounds}, got {value!r}")
 
 
 def _check_ratio(name: str, value: object, *, open_top: bool) -> None:

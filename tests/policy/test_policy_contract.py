@@ -226,6 +226,7 @@ def test_make_policy_builds_each_kind() -> None:
         (PolicyKind.S3FIFO, 4, {"ghost_ratio": float("inf")}, "ghost_ratio"),
         (PolicyKind.S3FIFO, 4, {"max_freq": 0}, "max_freq"),
         (PolicyKind.S3FIFO, 4, {"max_freq": 2.5}, "max_freq"),
+        (PolicyKind.S3FIFO, 4, {"max_freq": 256}, "max_freq"),  # a count is a byte
     ],
 )
 def test_make_policy_names_the_bad_parameter(kind, capacity_hint, params, named) -> None:
