@@ -4,9 +4,10 @@
  * dict does that with a bytes object per key (~64 bytes), an int object per id (32 bytes) and ~42
  * bytes of its own table: ~140 bytes a block. `KeyTable` keeps each key's bytes at its id (16
  * bytes for a 16-byte digest, the usual `BlockKey`; 8 for a 64-bit int, a simulation's hash ids),
- * a 16-bit tag per id (a pool node's tenant: the same key under two tags is two keys), and an
+ * a 16-bit tag per id (a pool node's tenant: the same key under two tags is two keys), its hash
+ * (so that deleting, resizing or comparing never hashes a stored key again), and an
  * open-addressing table of 32-bit ids (linear probing, at most 3/4 full, deletion by backward
- * shift: no tombstones): ~25-30 bytes a block, and nothing per key for the garbage collector.
+ * shift: no tombstones): ~35-40 bytes a block, and nothing per key for the garbage collector.
  *
  * The table's kind of key is chosen by the first 16-byte `bytes` or int64 `int` stored while the
  * table part is empty (exact types: a bool is not an int key here, nor a bytes subclass). Any
@@ -36,6 +37,7 @@ typedef struct {
     size_t mask;          /* number of slots - 1 (a power of two) */
     Py_ssize_t used;      /* keys in the table part */
     unsigned char *keys;  /* per id: DIGEST_BYTES (digest mode) or 8 (int mode) */
+    Py_hash_t *hashes;    /* per id: its key's hash, tag mixed in (a deletion or a resize rehashes nothing) */
     uint16_t *tags;       /* per id */
     unsigned char *known; /* per id: UNKNOWN, IN_TABLE or ON_THE_SIDE */
     Py_ssize_t key_cap;   /* ids `keys`, `tags` and `known` have room for */
@@ -106,17 +108,10 @@ static int parse(KeyTable *t, PyObject *key, uint16_t tag, Key *out) {
     return 0;
 }
 
-static inline Py_hash_t stored_hash(KeyTable *t, int32_t id) {
-    uint64_t tag = mix64(t->tags[id]);
-    if (t->mode == MODE_DIGEST)
-        return (Py_hash_t)((uint64_t)_Py_HashBytes(t->keys + (size_t)id * DIGEST_BYTES, DIGEST_BYTES) ^ tag);
-    int64_t v;
-    memcpy(&v, t->keys + (size_t)id * 8, 8);
-    return (Py_hash_t)(mix64((uint64_t)v) ^ tag);
-}
+static inline Py_hash_t stored_hash(KeyTable *t, int32_t id) { return t->hashes[id]; }
 
 static inline int stored_equals(KeyTable *t, int32_t id, const Key *k) {
-    if (t->tags[id] != k->tag)
+    if (t->hashes[id] != k->hash || t->tags[id] != k->tag)
         return 0;
     if (t->mode == MODE_DIGEST)
         return memcmp(t->keys + (size_t)id * DIGEST_BYTES, k->digest, DIGEST_BYTES) == 0;
@@ -175,6 +170,10 @@ static int reserve_ids(KeyTable *t, Py_ssize_t id) {
     if (keys == NULL)
         return PyErr_NoMemory(), -1;
     t->keys = keys;
+    Py_hash_t *hashes = PyMem_Realloc(t->hashes, (size_t)cap * sizeof(Py_hash_t));
+    if (hashes == NULL)
+        return PyErr_NoMemory(), -1;
+    t->hashes = hashes;
     uint16_t *tags = PyMem_Realloc(t->tags, (size_t)cap * sizeof(uint16_t));
     if (tags == NULL)
         return PyErr_NoMemory(), -1;
@@ -363,6 +362,7 @@ static int add(KeyTable *t, PyObject *key, long id, long tag) {
         memcpy(t->keys + (size_t)id * DIGEST_BYTES, k.digest, DIGEST_BYTES);
     else
         memcpy(t->keys + (size_t)id * 8, &k.value, 8);
+    t->hashes[id] = k.hash;
     t->tags[id] = (uint16_t)tag;
     t->known[id] = IN_TABLE;
     return 0;
@@ -423,6 +423,7 @@ static void KeyTable_dealloc(KeyTable *t) {
     KeyTable_clear(t);
     PyMem_Free(t->slots);
     PyMem_Free(t->keys);
+    PyMem_Free(t->hashes);
     PyMem_Free(t->tags);
     PyMem_Free(t->known);
     Py_TYPE(t)->tp_free((PyObject *)t);
@@ -592,7 +593,7 @@ static PyObject *KeyTable_iter(KeyTable *t) {
 
 static PyObject *KeyTable_get_nbytes(KeyTable *t, void *unused) {
     size_t n = (t->slots ? (t->mask + 1) * sizeof(int32_t) : 0)
-               + (size_t)t->key_cap * (DIGEST_BYTES + sizeof(uint16_t) + 1);
+               + (size_t)t->key_cap * (DIGEST_BYTES + sizeof(Py_hash_t) + sizeof(uint16_t) + 1);
     return PyLong_FromSize_t(n);
 }
 

@@ -62,23 +62,24 @@ class _KeyedPolicy:
     here, so that its check per candidate is one call, as it is for a policy of slots.
     """
 
-    __slots__ = ("policy", "_index", "_ids", "_slot", "_owner", "_by_key")
+    __slots__ = ("policy", "_key_of", "_ids", "_slot", "_owner", "_by_key", "_insert", "_touch", "_remove")
 
     def __init__(self, policy: EvictionPolicy, index: BlockIndex, tier: TierKind,
                  protected: Callable[[Hashable], bool]) -> None:
         self.policy = policy
-        self._index, self._ids = index, index.ids  # `index.key_of` changes with the keys it holds
+        self._key_of, self._ids = index.key_of, index.ids
         self._slot, self._owner = index.slot[tier], index.owner[tier]
         self._by_key = protected
+        self._insert, self._touch, self._remove = policy.insert, policy.touch, policy.remove
 
     def insert(self, slot: int) -> None:
-        self.policy.insert(self._index.key_of(self._owner[slot]))
+        self._insert(self._key_of(self._owner[slot]))
 
     def touch(self, slot: int) -> None:
-        self.policy.touch(self._index.key_of(self._owner[slot]))
+        self._touch(self._key_of(self._owner[slot]))
 
     def remove(self, slot: int) -> None:
-        self.policy.remove(self._index.key_of(self._owner[slot]))
+        self._remove(self._key_of(self._owner[slot]))
 
     def evict(self, n: int) -> list[int] | None:
         """The slots of `n` victims (see `EvictionPolicy.evict`), or None."""
