@@ -658,13 +658,15 @@ static PyTypeObject KeyTableType = {
 
 /* A policy's queues (ARC's T1/T2/B1/B2, S3-FIFO's small/main/ghost) hold a share of every block's
  * key: as OrderedDicts the garbage collector walked each entry on every full collection (0.6-0.9 s
- * at 10M blocks). A KeyList keeps its keys in a KeyTable (key -> node id) and its order in two
- * arrays of 32-bit links: nothing per key for the collector, ~34 bytes a key. */
+ * at 10M blocks). A KeyList keeps its keys in a KeyTable (key -> node id), its order in two arrays
+ * of 32-bit links and a byte value per key (S3-FIFO's frequency; what `l[key] = None` stores is 0):
+ * nothing per key for the collector, ~50 bytes a key. */
 
 typedef struct {
     PyObject_HEAD
     KeyTable *index;      /* key -> node id (tag 0) */
     int32_t *prev, *next; /* per node id; EMPTY: none */
+    uint8_t *values;      /* per node id: the key's value, 0..255 (None is stored as 0) */
     int32_t head, tail;   /* oldest, newest; EMPTY when empty */
     int32_t *free;        /* ids given back, the next one last */
     Py_ssize_t num_free, next_id, cap;
@@ -705,6 +707,7 @@ static void KeyList_dealloc(KeyList *l) {
     KeyList_clear(l);
     PyMem_Free(l->prev);
     PyMem_Free(l->next);
+    PyMem_Free(l->values);
     PyMem_Free(l->free);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
@@ -728,6 +731,10 @@ static int32_t new_node(KeyList *l) {
         if (next == NULL)
             return PyErr_NoMemory(), EMPTY;
         l->next = next;
+        uint8_t *values = PyMem_Realloc(l->values, (size_t)cap);
+        if (values == NULL)
+            return PyErr_NoMemory(), EMPTY;
+        l->values = values;
         int32_t *free_ = PyMem_Realloc(l->free, (size_t)cap * sizeof(int32_t));
         if (free_ == NULL)
             return PyErr_NoMemory(), EMPTY;
@@ -780,8 +787,8 @@ static PyObject *drop_node(KeyList *l, int32_t id) {
     return key;
 }
 
-/* Appends `key` (absent) at the newest end, or the oldest (`last` 0). 0 ok, -1 error. */
-static int append_key(KeyList *l, PyObject *key, int last) {
+/* Appends `key` (absent) with `value` at the newest end, or the oldest (`last` 0). 0 ok, -1 error. */
+static int append_key(KeyList *l, PyObject *key, uint8_t value, int last) {
     int32_t id = new_node(l);
     if (id == EMPTY)
         return -1;
@@ -789,6 +796,7 @@ static int append_key(KeyList *l, PyObject *key, int last) {
         l->free[l->num_free++] = id;
         return -1;
     }
+    l->values[id] = value;
     link_at(l, id, last);
     l->version++;
     return 0;
@@ -805,11 +813,22 @@ static int KeyList_ass_subscript(KeyList *l, PyObject *key, PyObject *value) {
     if (found < 0)
         return -1;
     if (value != NULL) {
+        uint8_t v = 0;
         if (value != Py_None) {
-            PyErr_SetString(PyExc_TypeError, "KeyList holds keys only: l[key] = None appends key");
-            return -1;
+            long n = PyLong_Check(value) ? PyLong_AsLong(value) : -1;
+            if (n == -1 && PyErr_Occurred())
+                return -1;
+            if (n < 0 || n > 255) {
+                PyErr_Format(PyExc_TypeError, "KeyList values are None or 0..255, got %R", value);
+                return -1;
+            }
+            v = (uint8_t)n;
         }
-        return found ? 0 : append_key(l, key, 1);  /* as an OrderedDict: a present key keeps its place */
+        if (found) {  /* as an OrderedDict: a present key keeps its place, its value changes */
+            l->values[id] = v;
+            return 0;
+        }
+        return append_key(l, key, v, 1);
     }
     if (!found) {
         PyErr_SetObject(PyExc_KeyError, key);
@@ -829,7 +848,23 @@ static PyObject *KeyList_subscript(KeyList *l, PyObject *key) {
         PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
     }
-    Py_RETURN_NONE;
+    return PyLong_FromLong(l->values[id]);
+}
+
+static PyObject *KeyList_get(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    int32_t id;
+    int found = lookup(l->index, args[0], 0, &id);
+    if (found < 0)
+        return NULL;
+    if (found)
+        return PyLong_FromLong(l->values[id]);
+    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(dflt);
+    return dflt;
 }
 
 static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
@@ -849,11 +884,12 @@ static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetObject(PyExc_KeyError, args[0]);
         return NULL;
     }
+    long value = l->values[id];
     PyObject *gone = drop_node(l, id);
     if (gone == NULL)
         return NULL;
     Py_DECREF(gone);
-    Py_RETURN_NONE;  /* the value an OrderedDict of key -> None would return */
+    return PyLong_FromLong(value);
 }
 
 static PyObject *KeyList_move_to_end(KeyList *l, PyObject *args, PyObject *kwds) {
@@ -888,8 +924,9 @@ static PyObject *KeyList_popitem(KeyList *l, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_KeyError, "popitem(): KeyList is empty");
         return NULL;
     }
+    long value = l->values[id];
     PyObject *key = drop_node(l, id);
-    return key == NULL ? NULL : Py_BuildValue("(NO)", key, Py_None);
+    return key == NULL ? NULL : Py_BuildValue("(Nl)", key, value);
 }
 
 static PyObject *KeyList_first(KeyList *l, PyObject *unused) {
@@ -958,17 +995,18 @@ static PyObject *KeyList_get_nbytes(KeyList *l, void *unused) {
     PyObject *n = KeyTable_get_nbytes(l->index, NULL);
     if (n == NULL)
         return NULL;
-    size_t own = PyLong_AsSize_t(n) + (size_t)l->cap * 3 * sizeof(int32_t);
+    size_t own = PyLong_AsSize_t(n) + (size_t)l->cap * (3 * sizeof(int32_t) + 1);
     Py_DECREF(n);
     return PyLong_FromSize_t(own);
 }
 
 static PyMethodDef KeyList_methods[] = {
-    {"pop", (PyCFunction)(void (*)(void))KeyList_pop, METH_FASTCALL, "pop(key[, default]): removes key (None), or default"},
+    {"get", (PyCFunction)(void (*)(void))KeyList_get, METH_FASTCALL, "get(key, default=None): key's value, or default"},
+    {"pop", (PyCFunction)(void (*)(void))KeyList_pop, METH_FASTCALL, "pop(key[, default]): removes key, returns its value, or default"},
     {"move_to_end", (PyCFunction)(void (*)(void))KeyList_move_to_end, METH_VARARGS | METH_KEYWORDS,
      "move_to_end(key, last=True): to the newest end, or the oldest"},
     {"popitem", (PyCFunction)(void (*)(void))KeyList_popitem, METH_VARARGS | METH_KEYWORDS,
-     "popitem(last=True): (key, None) of the newest key, or the oldest, removed"},
+     "popitem(last=True): (key, value) of the newest key, or the oldest, removed"},
     {"first", (PyCFunction)KeyList_first, METH_NOARGS, "the oldest key"},
     {NULL, NULL, 0, NULL},
 };
@@ -989,7 +1027,7 @@ static PySequenceMethods KeyList_as_sequence = {
 static PyTypeObject KeyListType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtier._keytable.KeyList",
-    .tp_doc = "Keys in order, oldest first, as an OrderedDict of key -> None, with no object per key.",
+    .tp_doc = "Keys in order, oldest first, each with a value 0..255, as an OrderedDict of them, with no object per key.",
     .tp_basicsize = sizeof(KeyList),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = KeyList_new,
@@ -1003,214 +1041,12 @@ static PyTypeObject KeyListType = {
     .tp_getset = KeyList_getset,
 };
 
-/* ---- KeyCounts: key -> a count 0..255 (what a dict of key -> small int does) ------------ */
-
-/* S3-FIFO's per-key access counter (2 bits in the paper). As a dict it kept a key object per
- * resident block; here the keys live in a KeyTable and the counts in a byte array by id. */
-
-typedef struct {
-    PyObject_HEAD
-    KeyTable *index;   /* key -> id (tag 0) */
-    uint8_t *counts;   /* per id */
-    int32_t *free;     /* ids given back, the next one last */
-    Py_ssize_t num_free, next_id, cap;
-} KeyCounts;
-
-static PyTypeObject KeyCountsType;
-
-static PyObject *KeyCounts_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyCounts", kwlist))
-        return NULL;
-    KeyCounts *c = (KeyCounts *)type->tp_alloc(type, 0);
-    if (c == NULL)
-        return NULL;
-    c->index = (KeyTable *)KeyTableType.tp_alloc(&KeyTableType, 0);
-    if (c->index == NULL) {
-        Py_DECREF(c);
-        return NULL;
-    }
-    return (PyObject *)c;
-}
-
-static int KeyCounts_traverse(KeyCounts *c, visitproc visit, void *arg) {
-    Py_VISIT(c->index);
-    return 0;
-}
-
-static int KeyCounts_clear(KeyCounts *c) {
-    Py_CLEAR(c->index);
-    return 0;
-}
-
-static void KeyCounts_dealloc(KeyCounts *c) {
-    PyObject_GC_UnTrack(c);
-    KeyCounts_clear(c);
-    PyMem_Free(c->counts);
-    PyMem_Free(c->free);
-    Py_TYPE(c)->tp_free((PyObject *)c);
-}
-
-static Py_ssize_t KeyCounts_len(KeyCounts *c) { return c->index ? KeyTable_len(c->index) : 0; }
-
-static int parse_count(PyObject *value, uint8_t *out) {
-    long v = PyLong_AsLong(value);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    if (v < 0 || v > 255) {
-        PyErr_Format(PyExc_ValueError, "KeyCounts: a count must be in [0, 255], got %ld", v);
-        return -1;
-    }
-    *out = (uint8_t)v;
-    return 0;
-}
-
-static int KeyCounts_ass_subscript(KeyCounts *c, PyObject *key, PyObject *value) {
-    int32_t id;
-    int found = lookup(c->index, key, 0, &id);
-    if (found < 0)
-        return -1;
-    if (value == NULL) {
-        if (!found) {
-            PyErr_SetObject(PyExc_KeyError, key);
-            return -1;
-        }
-        PyObject *gone = pop_id(c->index, id);
-        if (gone == NULL)
-            return -1;
-        Py_DECREF(gone);
-        c->free[c->num_free++] = id;
-        return 0;
-    }
-    uint8_t count;
-    if (parse_count(value, &count) < 0)
-        return -1;
-    if (!found) {
-        if (c->num_free) {
-            id = c->free[--c->num_free];
-        } else {
-            if (c->next_id >= INT32_MAX - 1) {
-                PyErr_SetString(PyExc_OverflowError, "KeyCounts: too many keys");
-                return -1;
-            }
-            if (c->next_id == c->cap) {
-                Py_ssize_t cap = c->cap ? c->cap + c->cap / 4 + 1 : 1024;
-                uint8_t *counts = PyMem_Realloc(c->counts, (size_t)cap);
-                if (counts == NULL)
-                    return PyErr_NoMemory(), -1;
-                c->counts = counts;
-                int32_t *free_ = PyMem_Realloc(c->free, (size_t)cap * sizeof(int32_t));
-                if (free_ == NULL)
-                    return PyErr_NoMemory(), -1;
-                c->free = free_;
-                c->cap = cap;
-            }
-            id = (int32_t)c->next_id++;
-        }
-        if (add(c->index, key, id, 0) < 0) {
-            c->free[c->num_free++] = id;
-            return -1;
-        }
-    }
-    c->counts[id] = count;
-    return 0;
-}
-
-static PyObject *KeyCounts_subscript(KeyCounts *c, PyObject *key) {
-    int32_t id;
-    int found = lookup(c->index, key, 0, &id);
-    if (found < 0)
-        return NULL;
-    if (!found) {
-        PyErr_SetObject(PyExc_KeyError, key);
-        return NULL;
-    }
-    return PyLong_FromLong(c->counts[id]);
-}
-
-static int KeyCounts_contains(KeyCounts *c, PyObject *key) {
-    int32_t id;
-    return lookup(c->index, key, 0, &id);
-}
-
-static PyObject *KeyCounts_get(KeyCounts *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-        return NULL;
-    }
-    int32_t id;
-    int found = lookup(c->index, args[0], 0, &id);
-    if (found < 0)
-        return NULL;
-    if (found)
-        return PyLong_FromLong(c->counts[id]);
-    PyObject *dflt = nargs == 2 ? args[1] : Py_None;
-    Py_INCREF(dflt);
-    return dflt;
-}
-
-static PyObject *KeyCounts_pop(KeyCounts *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
-        return NULL;
-    }
-    int32_t id;
-    int found = lookup(c->index, args[0], 0, &id);
-    if (found < 0)
-        return NULL;
-    if (!found) {
-        if (nargs == 2) {
-            Py_INCREF(args[1]);
-            return args[1];
-        }
-        PyErr_SetObject(PyExc_KeyError, args[0]);
-        return NULL;
-    }
-    long count = c->counts[id];
-    PyObject *gone = pop_id(c->index, id);
-    if (gone == NULL)
-        return NULL;
-    Py_DECREF(gone);
-    c->free[c->num_free++] = id;
-    return PyLong_FromLong(count);
-}
-
-static PyMethodDef KeyCounts_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))KeyCounts_get, METH_FASTCALL, "get(key, default=None): key's count, or default"},
-    {"pop", (PyCFunction)(void (*)(void))KeyCounts_pop, METH_FASTCALL, "pop(key[, default]): removes key, returns its count"},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyMappingMethods KeyCounts_as_mapping = {
-    (lenfunc)KeyCounts_len, (binaryfunc)KeyCounts_subscript, (objobjargproc)KeyCounts_ass_subscript,
-};
-
-static PySequenceMethods KeyCounts_as_sequence = {
-    .sq_contains = (objobjproc)KeyCounts_contains,
-};
-
-static PyTypeObject KeyCountsType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvtier._keytable.KeyCounts",
-    .tp_doc = "Keys -> counts 0..255, as a dict of them, with no object per key.",
-    .tp_basicsize = sizeof(KeyCounts),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = KeyCounts_new,
-    .tp_dealloc = (destructor)KeyCounts_dealloc,
-    .tp_traverse = (traverseproc)KeyCounts_traverse,
-    .tp_clear = (inquiry)KeyCounts_clear,
-    .tp_as_mapping = &KeyCounts_as_mapping,
-    .tp_as_sequence = &KeyCounts_as_sequence,
-    .tp_methods = KeyCounts_methods,
-};
-
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
-    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0
-        || PyType_Ready(&KeyCountsType) < 0)
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keytable_module);
     if (m == NULL)
@@ -1224,12 +1060,6 @@ PyMODINIT_FUNC PyInit__keytable(void) {
     Py_INCREF(&KeyListType);
     if (PyModule_AddObject(m, "KeyList", (PyObject *)&KeyListType) < 0) {
         Py_DECREF(&KeyListType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&KeyCountsType);
-    if (PyModule_AddObject(m, "KeyCounts", (PyObject *)&KeyCountsType) < 0) {
-        Py_DECREF(&KeyCountsType);
         Py_DECREF(m);
         return NULL;
     }

@@ -197,7 +197,8 @@ def test_keys_of_the_usual_kind_cost_tens_of_bytes_each_and_the_collector_walks_
 
 
 class _ListModel(RuleBasedStateMachine):
-    """A KeyList against an OrderedDict of key -> None: the same order after every operation."""
+    """A KeyList against an OrderedDict of key -> value (None stands for 0): the same order and
+    values after every operation."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -208,17 +209,18 @@ class _ListModel(RuleBasedStateMachine):
         self.keys, self.model = KeyList(), OrderedDict()
 
     KEYS = st.one_of(DIGESTS, DIGESTS, st.integers(0, 50), st.text(max_size=2))
+    VALUES = st.one_of(st.none(), st.integers(0, 255))
 
-    @rule(key=KEYS)
-    def append(self, key) -> None:
-        self.keys[key] = None
-        self.model[key] = None
+    @rule(key=KEYS, value=VALUES)
+    def set(self, key, value) -> None:
+        self.keys[key] = value
+        self.model[key] = value or 0
 
     @rule(data=st.data())
     def append_many(self, data) -> None:
-        for key in data.draw(st.lists(DIGESTS, min_size=20, max_size=120)):
+        for key in data.draw(st.lists(DIGESTS, max_size=120)):
             self.keys[key] = None
-            self.model[key] = None
+            self.model[key] = 0
 
     @rule(key=KEYS, last=st.booleans())
     def move(self, key, last) -> None:
@@ -232,6 +234,12 @@ class _ListModel(RuleBasedStateMachine):
     @rule(key=KEYS)
     def pop(self, key) -> None:
         assert self.keys.pop(key, "missing") == self.model.pop(key, "missing")
+
+    @rule(key=KEYS)
+    def read(self, key) -> None:
+        assert self.keys.get(key) == self.model.get(key)
+        if key in self.model:
+            assert self.keys[key] == self.model[key]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -260,7 +268,7 @@ class TestKeyList(_ListModel.TestCase):
     settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 
 
-def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_keys_only():
+def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_byte_values():
     from kvtier._keytable import KeyList
 
     keys = KeyList()
@@ -271,61 +279,7 @@ def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_keys_only():
     keys.move_to_end((0).to_bytes(16, "little"))
     with pytest.raises(RuntimeError, match="mutated during iteration"):
         next(it)
-    with pytest.raises(TypeError, match="keys only"):
-        keys[b"x" * 16] = 1
-    assert gc.get_referents(keys) != [] and len(keys) == 5  # its key table, one object
-
-
-class _CountsModel(RuleBasedStateMachine):
-    """KeyCounts against a dict of key -> count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from kvtier._keytable import KeyCounts
-
-        self.counts, self.model = KeyCounts(), {}
-
-    KEYS = st.one_of(DIGESTS, DIGESTS, st.integers(0, 40), st.text(max_size=2))
-
-    @rule(key=KEYS, count=st.integers(0, 255))
-    def set(self, key, count) -> None:
-        self.counts[key] = count
-        self.model[key] = count
-
-    @rule(key=KEYS)
-    def pop(self, key) -> None:
-        assert self.counts.pop(key, "missing") == self.model.pop(key, "missing")
-
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def delete(self, data) -> None:
-        key = data.draw(st.sampled_from(list(self.model)))
-        del self.counts[key]
-        del self.model[key]
-
-    @rule(key=KEYS)
-    def read(self, key) -> None:
-        assert self.counts.get(key) == self.model.get(key) and (key in self.counts) == (key in self.model)
-        if key in self.model:
-            assert self.counts[key] == self.model[key]
-        else:
-            with pytest.raises(KeyError):
-                self.counts[key]
-
-    @invariant()
-    def same_size(self) -> None:
-        assert len(self.counts) == len(self.model)
-
-
-class TestKeyCounts(_CountsModel.TestCase):
-    settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
-
-
-def test_counts_are_bytes():
-    from kvtier._keytable import KeyCounts
-
-    counts = KeyCounts()
-    for bad in (-1, 256):
-        with pytest.raises(ValueError, match="count must be"):
-            counts[b"k" * 16] = bad
-    assert b"k" * 16 not in counts and len(counts) == 0
+    for bad in (256, -1, "one", 1.5):
+        with pytest.raises(TypeError, match="None or 0..255"):
+            keys[b"x" * 16] = bad
+    assert b"x" * 16 not in keys and gc.get_referents(keys) != [] and len(keys) == 5  # its key table, one object

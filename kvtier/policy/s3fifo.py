@@ -23,12 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from kvtier._keytable import KeyCounts, KeyList
+from kvtier._keytable import KeyList
 from kvtier.errors import ConfigError
 from kvtier.policy.base import EvictionPolicy
 
-# Oldest first. A KeyList (C) does what an OrderedDict of key -> None did, with nothing per key for
-# the garbage collector to walk.
+# Oldest first. A KeyList (C) does what an OrderedDict did, with nothing per key for the garbage
+# collector to walk; in small and main each key's value is its frequency (so a resident key is kept
+# once, in its queue), in the ghost queue it is unused.
 _Queue = KeyList
 
 # Journal records, undone in reverse order.
@@ -67,7 +68,6 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: _Queue = KeyList()
         self._main: _Queue = KeyList()
         self._ghost: _Queue = KeyList()
-        self._freq = KeyCounts()  # resident key -> its frequency, as a dict of them, no object per key
 
     def insert(self, key: Hashable) -> None:
         """Records that `key` became resident: into main if it is a ghost, else into small.
@@ -75,27 +75,27 @@ class S3FIFOPolicy(EvictionPolicy):
         Raises:
             KeyError: `key` is already tracked.
         """
-        if key in self._freq:
+        if key in self._small or key in self._main:
             raise KeyError(key)
-        self._freq[key] = 0
         if self._ghost.pop(key, _MISSING) is _MISSING:
-            self._small[key] = None
+            self._small[key] = 0
         else:
-            self._main[key] = None
+            self._main[key] = 0
 
     def touch(self, key: Hashable) -> None:
         """Counts an access to a resident `key`, up to `max_freq`. Unknown keys are ignored."""
-        freq = self._freq
-        f = freq.get(key)
+        queue = self._small
+        f = queue.get(key)
+        if f is None:
+            queue = self._main
+            f = queue.get(key)
         if f is not None and f < self._max_freq:
-            freq[key] = f + 1
+            queue[key] = f + 1  # its place in the queue stays
 
     def remove(self, key: Hashable) -> None:
         """Forgets `key` without remembering it as a ghost. Unknown keys are ignored."""
-        if self._freq.pop(key, None) is None:
-            return
         if self._small.pop(key, _MISSING) is _MISSING:
-            del self._main[key]
+            self._main.pop(key, None)
 
     def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
         """Chooses `n` victims by the S3-FIFO rules and forgets them."""
@@ -142,13 +142,11 @@ class S3FIFOPolicy(EvictionPolicy):
         self, protected: Callable[[Hashable], bool], journal: list[tuple], aside: list[Hashable]
     ) -> tuple[_Queue, Hashable] | None:
         """Pops small until a victim appears (returned) or small is empty (None)."""
-        small, main, freq = self._small, self._main, self._freq
+        small, main = self._small, self._main
         while small:
-            key = small.popitem(last=False)[0]
-            f = freq[key]
+            key, f = small.popitem(last=False)
             if f > 0:
-                main[key] = None
-                freq[key] = 0
+                main[key] = 0
                 journal.append((_SMALL_TO_MAIN, key, f))
                 continue
             journal.append((_POP, small, key))
@@ -161,13 +159,11 @@ class S3FIFOPolicy(EvictionPolicy):
         self, protected: Callable[[Hashable], bool], journal: list[tuple], aside: list[Hashable]
     ) -> tuple[_Queue, Hashable] | None:
         """Pops main until a victim appears (returned) or main is empty (None)."""
-        main, freq = self._main, self._freq
+        main = self._main
         while main:
-            key = main.popitem(last=False)[0]
-            f = freq[key]
+            key, f = main.popitem(last=False)
             if f > 0:
-                main[key] = None
-                freq[key] = f - 1
+                main[key] = f - 1
                 journal.append((_MAIN_REINSERT, key))
                 continue
             journal.append((_POP, main, key))
@@ -178,27 +174,26 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _undo(self, journal: list[tuple]) -> None:
         """Replays `journal` backwards, restoring the state from before the eviction began."""
-        small, main, freq = self._small, self._main, self._freq
+        small, main = self._small, self._main
         for record in reversed(journal):
             op = record[0]
-            if op == _POP:
+            if op == _POP:  # a key popped with frequency 0 (only those are candidates)
                 _put_back(record[1], [record[2]])
             elif op == _MAIN_REINSERT:
                 key = record[1]
                 main.move_to_end(key, last=False)
-                freq[key] += 1
+                main[key] += 1
             else:  # _SMALL_TO_MAIN
                 key = record[1]
                 del main[key]
                 _put_back(small, [key])
-                freq[key] = record[2]
+                small[key] = record[2]
 
     def _commit(self, victims: list[tuple[_Queue, Hashable]]) -> list[Hashable]:
         """Forgets the victims; those evicted from small are remembered in the ghost queue."""
-        freq, small, ghost = self._freq, self._small, self._ghost
+        small, ghost = self._small, self._ghost
         keys: list[Hashable] = []
-        for queue, key in victims:
-            del freq[key]
+        for queue, key in victims:  # already popped from their queue
             keys.append(key)
             if queue is small and self._ghost_size > 0:
                 ghost[key] = None
@@ -207,10 +202,10 @@ class S3FIFOPolicy(EvictionPolicy):
         return keys
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._freq
+        return key in self._small or key in self._main
 
     def __len__(self) -> int:
-        return len(self._freq)
+        return len(self._small) + len(self._main)
 
 
 _MISSING = object()
@@ -219,7 +214,7 @@ _MISSING = object()
 def _put_back(queue: _Queue, keys: list[Hashable]) -> None:
     """Reinserts `keys` (popped oldest first) at the old end of `queue`, in their original order."""
     for key in reversed(keys):
-        queue[key] = None
+        queue[key] = 0  # a candidate, popped with frequency 0
         queue.move_to_end(key, last=False)
 
 
