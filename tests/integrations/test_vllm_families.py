@@ -47,7 +47,9 @@ def mla_model(tmp_path_factory):
 
 
 def _mla_spec(model, kvtier, phases) -> dict:
-    return _spec(model, kvtier, phases, num_gpu_blocks_override=80, block_size=MLA_BLOCK)
+    # The reference CPU MLA backend, named: on a CPU with AMX vLLM would otherwise pick AMX_MLA,
+    # which takes bf16/fp16/int8 weights only and refuses this fp32 model at start-up.
+    return _spec(model, kvtier, phases, num_gpu_blocks_override=80, block_size=MLA_BLOCK, attention_backend="CPU_MLA")
 
 
 @pytest.fixture(scope="module")
