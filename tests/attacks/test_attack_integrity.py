@@ -45,6 +45,9 @@ def _load(kv, keys) -> tuple[torch.Tensor, object]:
     out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
     handle = kv.load(keys, out)
     handle.wait(WAIT_S)
+    # The promotions into DRAM the load read through have handles of their own: a failed one counts
+    # its checksum error when it is applied, which may come just after the load's handle is done.
+    kv.quiesce(WAIT_S)
     return out, handle
 
 
