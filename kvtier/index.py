@@ -13,8 +13,8 @@ server (about 180 ns per object: 550 ms for the three objects per block this use
 per-block object here is one the collector tracks:
   * each indexed key gets an integer id, reused once the block leaves: `ids` maps keys to ids and
     back (`key_of`) in a `kvtier._keytable.KeyTable` (C), which keeps a 16-byte digest (`BlockKey`)
-    or a 64-bit int (a simulation's hash id) as 16 bytes at its id in an open-addressing table of
-    ids, ~25 bytes a block, where a dict took ~140 (a bytes object per key, an int object per id,
+    or a 64-bit int (a simulation's hash id) as 16 bytes at its id, with its hash, in an
+    open-addressing table of ids, ~37 bytes a block, where a dict took ~140 (a bytes object per key, an int object per id,
     its own table); other keys it keeps in a dict on the side;
   * per id, arrays (`array.array`, `bytearray`: 1–4 bytes an item, and one object however long,
     which the collector walks in constant time: it never looks at the items) hold the slot of its

@@ -128,7 +128,7 @@ class TierManager:
         index = self.index = BlockIndex({k: t.num_slots for k, t in self._tiers.items()})
         # The index's columns, bound once (see kvtier.index): lists indexed by tier, arrays by block
         # id or slot. Blocks are ids everywhere below; a key is looked up once per call.
-        self._ids, self._checksums = index.ids, index.checksums  # (`index.key_of` is rebound as keys come)
+        self._ids, self._key_of, self._checksums = index.ids, index.key_of, index.checksums
         self._slot, self._owner, self._state, self._readers = index.slot, index.owner, index.state, index.readers
         self._pins, self._hits, self._ready, self._prefetched = index.pins, index.hits, index.ready, index.prefetched
         self._num_copies = index.num_copies
@@ -332,7 +332,7 @@ class TierManager:
         """The key whose copy occupies `slot` of `tier`, or None if the slot is free."""
         owners = self._owner[tier]
         block = owners[slot] if 0 <= slot < len(owners) else -1
-        return self.index.key_of(block) if block >= 0 else None
+        return self._key_of(block) if block >= 0 else None
 
     def moves_in_flight(self) -> list[Move]:
         return list(self._moves.values())
@@ -737,7 +737,7 @@ class TierManager:
         # so it frees now, and `dst` is the only copy left, hence the fastest READY one.
         slot, state = self._slot[dst][block], self._state[dst]
         if state[slot] != WRITING:  # `_make_ready`, from here to the policy's insert
-            raise KVTierError(f"block {_short(self.index.key_of(block))} in {dst.name} completed twice")
+            raise KVTierError(f"block {_short(self._key_of(block))} in {dst.name} completed twice")
         state[slot] = READY
         self._policies[dst].insert(slot)
         self.stats.demotions[src, dst] += 1
@@ -996,7 +996,7 @@ class TierManager:
         demotion there does not come here: `_evict` queues it without a `Move`).
         """
         self._claim(block, dst, slot)  # raises, changing nothing, where `dst` holds a copy already
-        key, source = self.index.key_of(block), self._slot[src][block]
+        key, source = self._key_of(block), self._slot[src][block]
         move = Move(next(self._ids_made), key, src, source, dst, slot, reason, self._checksums.get(block))
         self._readers[src][source] += 1
         self._moves[move.id] = move
@@ -1041,7 +1041,7 @@ class TierManager:
         """Gives `block` a WRITING copy in free `slot` of `tier`."""
         slots = self._slot[tier]
         if slots[block] >= 0:
-            raise KVTierError(f"block {_short(self.index.key_of(block))} already has a copy in {tier.name}")
+            raise KVTierError(f"block {_short(self._key_of(block))} already has a copy in {tier.name}")
         slots[block] = slot
         self._state[tier][slot] = WRITING
         self._owner[tier][slot] = block
@@ -1050,7 +1050,7 @@ class TierManager:
     def _make_ready(self, block: int, tier: TierKind) -> None:
         slot, state = self._slot[tier][block], self._state[tier]
         if slot < 0 or state[slot] != WRITING:
-            raise KVTierError(f"block {_short(self.index.key_of(block))} in {tier.name} completed twice")
+            raise KVTierError(f"block {_short(self._key_of(block))} in {tier.name} completed twice")
         state[slot] = READY
         if tier < self._ready[block]:  # what `_refresh` would find: one more READY copy (NO_TIER is 255)
             self._ready[block] = tier

@@ -135,9 +135,7 @@ class Slabs:
 
     def touch(self, block: Block) -> None:
         """Makes `block` (and its region) the most recently used."""
-        self._tick += 1
-        self.table.last_use[block.id] = block.region.last_use = self._tick
-        self.tenants[block.tenant].lru[block.region.slot_bytes].move_to_end(block.id)
+        self.touch_id(block.id)
 
     def touch_id(self, block: int) -> None:
         """`touch` of block id `block`."""

@@ -126,7 +126,7 @@ class BlockStore:
         i = table.find(t.code, key)  # on the columns: a handle only where the block goes
         if i < 0 or table.gen[i] != gen or table.state[i] != WRITING_CODE:
             return False
-        self._drop_lease_of(i, table.write_lease.pop(i, 0))
+        self._drop_lease(table.write_lease.pop(i, 0))
         if table.written.pop(i, 0) < table.length[i] and not (holds is not None and holds(self._slabs.block(i), checksum)):
             if not table.busy[i]:
                 self._slabs.remove(i)
@@ -354,14 +354,6 @@ class BlockStore:
         if lease is not None:
             self._set_busy(lease.block, leases=-1)
         return lease
-
-    def _drop_lease_of(self, block: int, lease_id: int) -> None:
-        """`_drop_lease` of a lease on block id `block` (the lease's own handle is not needed)."""
-        if self._leases.drop(lease_id) is not None:
-            busy = self._table.busy
-            busy[block] -= 1
-            if busy[block] == 0:
-                self.regions[self._table.region[block]].num_busy -= 1
 
     def _end_lease(self, lease: Lease) -> None:
         """After a lease was dropped unreleased (expired, or its connection closed): an abandoned
