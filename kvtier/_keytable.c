@@ -17,6 +17,9 @@
  * collisions), ints with a 64-bit mixer.
  *
  * Ids are the caller's (0 <= id < 2**31 - 1), one key each. Not thread-safe beyond the GIL.
+ *
+ * Also here: `KeyList`, an OrderedDict of keys -> 0..255 built on a KeyTable (ARC's and S3-FIFO's
+ * queues), and `SlotList`, an LRU order over slot numbers (the base of `SlotLRUPolicy`).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -287,16 +290,21 @@ static PyObject *side_key_of(KeyTable *t, int32_t id) {
 
 /* ---- the operations --------------------------------------------------------------------- */
 
-/* 1 found (*id set), 0 not, -1 error. */
-static int lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
+/* 1 found (*id set; *slot, if asked, its slot in the table part or -1 for a side key), 0 not,
+ * -1 error. */
+static int lookup_at(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id, Py_ssize_t *slot) {
     Key k;
     int fits = parse(t, key, tag, &k);
     if (fits < 0)
         return -1;
+    if (slot != NULL)
+        *slot = -1;
     if (fits) {
-        Py_ssize_t slot = find_slot(t, &k);
-        if (slot >= 0) {
-            *id = t->slots[slot];
+        Py_ssize_t i = find_slot(t, &k);
+        if (i >= 0) {
+            *id = t->slots[i];
+            if (slot != NULL)
+                *slot = i;
             return 1;
         }
         /* Not in the table part; on the side only if it came before the table part took its kind. */
@@ -312,6 +320,12 @@ static int lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
     }
     return side_lookup(t, key, tag, id);
 }
+
+static inline int lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
+    return lookup_at(t, key, tag, id, NULL);
+}
+
+static int add_absent(KeyTable *t, PyObject *key, long id, long tag);
 
 static int add(KeyTable *t, PyObject *key, long id, long tag) {
     if (id < 0 || id >= INT32_MAX) {
@@ -338,6 +352,11 @@ static int add(KeyTable *t, PyObject *key, long id, long tag) {
         PyErr_Format(PyExc_ValueError, "KeyTable: id %ld holds another key", id);
         return -1;
     }
+    return add_absent(t, key, id, tag);
+}
+
+/* `add` once its checks are done: `key` is absent under `tag`, `id` is free and reserved. */
+static int add_absent(KeyTable *t, PyObject *key, long id, long tag) {
     if (t->used == 0) {
         int mode = mode_of(key);
         if (mode != MODE_NONE)
@@ -391,6 +410,18 @@ static PyObject *pop_id(KeyTable *t, int32_t id) {
     if (key != NULL)
         delete_slot(t, i);
     return key;
+}
+
+/* Removes the key at `id`, found at `slot` by `lookup_at` (-1: a side key), without returning it.
+ * 0 ok, -1 error. */
+static int remove_at(KeyTable *t, int32_t id, Py_ssize_t slot) {
+    if (slot < 0) {
+        PyObject *gone = side_pop(t, id);
+        Py_XDECREF(gone);
+        return gone == NULL ? -1 : 0;
+    }
+    delete_slot(t, (size_t)slot);
+    return 0;
 }
 
 static PyObject *key_of(KeyTable *t, int32_t id) {
@@ -453,15 +484,14 @@ static int KeyTable_ass_subscript(KeyTable *t, PyObject *key, PyObject *value) {
         return add(t, key, id, 0);
     }
     int32_t id;
-    int found = lookup(t, key, 0, &id);
+    Py_ssize_t slot;
+    int found = lookup_at(t, key, 0, &id, &slot);
     if (found <= 0) {
         if (found == 0)
             PyErr_SetObject(PyExc_KeyError, key);
         return -1;
     }
-    PyObject *gone = pop_id(t, id);
-    Py_XDECREF(gone);
-    return gone == NULL ? -1 : 0;
+    return remove_at(t, id, slot);
 }
 
 static int KeyTable_contains(KeyTable *t, PyObject *key) {
@@ -776,6 +806,16 @@ static void unlink_node(KeyList *l, int32_t id) {
         l->tail = before;
 }
 
+/* Forgets node `id` (linked), whose key `lookup_at` found at `slot`. 0 ok, -1 error. */
+static int drop_node_at(KeyList *l, int32_t id, Py_ssize_t slot) {
+    if (remove_at(l->index, id, slot) < 0)
+        return -1;
+    unlink_node(l, id);
+    l->free[l->num_free++] = id;
+    l->version++;
+    return 0;
+}
+
 /* Removes node `id` (linked) and its key; returns the key (new reference) or NULL. */
 static PyObject *drop_node(KeyList *l, int32_t id) {
     PyObject *key = pop_id(l->index, id);
@@ -787,12 +827,12 @@ static PyObject *drop_node(KeyList *l, int32_t id) {
     return key;
 }
 
-/* Appends `key` (absent) with `value` at the newest end, or the oldest (`last` 0). 0 ok, -1 error. */
-static int append_key(KeyList *l, PyObject *key, uint8_t value, int last) {
+/* Appends `key`, known absent, with `value` at the newest end, or the oldest (`last` 0). 0 ok, -1 error. */
+static int append_absent(KeyList *l, PyObject *key, uint8_t value, int last) {
     int32_t id = new_node(l);
     if (id == EMPTY)
         return -1;
-    if (add(l->index, key, id, 0) < 0) {
+    if (reserve_ids(l->index, id) < 0 || add_absent(l->index, key, id, 0) < 0) {
         l->free[l->num_free++] = id;
         return -1;
     }
@@ -807,36 +847,44 @@ static int KeyList_contains(KeyList *l, PyObject *key) {
     return lookup(l->index, key, 0, &id);
 }
 
+/* `value` as a KeyList value: None is 0. 0 ok, -1 error. */
+static int parse_value(PyObject *value, uint8_t *out) {
+    if (value == Py_None) {
+        *out = 0;
+        return 0;
+    }
+    long n = PyLong_Check(value) ? PyLong_AsLong(value) : -1;
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (n < 0 || n > 255) {
+        PyErr_Format(PyExc_TypeError, "KeyList values are None or 0..255, got %R", value);
+        return -1;
+    }
+    *out = (uint8_t)n;
+    return 0;
+}
+
 static int KeyList_ass_subscript(KeyList *l, PyObject *key, PyObject *value) {
     int32_t id;
-    int found = lookup(l->index, key, 0, &id);
+    Py_ssize_t slot;
+    int found = lookup_at(l->index, key, 0, &id, &slot);
     if (found < 0)
         return -1;
     if (value != NULL) {
-        uint8_t v = 0;
-        if (value != Py_None) {
-            long n = PyLong_Check(value) ? PyLong_AsLong(value) : -1;
-            if (n == -1 && PyErr_Occurred())
-                return -1;
-            if (n < 0 || n > 255) {
-                PyErr_Format(PyExc_TypeError, "KeyList values are None or 0..255, got %R", value);
-                return -1;
-            }
-            v = (uint8_t)n;
-        }
+        uint8_t v;
+        if (parse_value(value, &v) < 0)
+            return -1;
         if (found) {  /* as an OrderedDict: a present key keeps its place, its value changes */
             l->values[id] = v;
             return 0;
         }
-        return append_key(l, key, v, 1);
+        return append_absent(l, key, v, 1);
     }
     if (!found) {
         PyErr_SetObject(PyExc_KeyError, key);
         return -1;
     }
-    PyObject *gone = drop_node(l, id);
-    Py_XDECREF(gone);
-    return gone == NULL ? -1 : 0;
+    return drop_node_at(l, id, slot);
 }
 
 static PyObject *KeyList_subscript(KeyList *l, PyObject *key) {
@@ -873,7 +921,8 @@ static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     int32_t id;
-    int found = lookup(l->index, args[0], 0, &id);
+    Py_ssize_t slot;
+    int found = lookup_at(l->index, args[0], 0, &id, &slot);
     if (found < 0)
         return NULL;
     if (!found) {
@@ -885,25 +934,52 @@ static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     long value = l->values[id];
-    PyObject *gone = drop_node(l, id);
-    if (gone == NULL)
+    if (drop_node_at(l, id, slot) < 0)
         return NULL;
-    Py_DECREF(gone);
     return PyLong_FromLong(value);
 }
 
-static PyObject *KeyList_move_to_end(KeyList *l, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"key", "last", NULL};
-    PyObject *key;
-    int last = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:move_to_end", kwlist, &key, &last))
+/* The `last` argument of move_to_end and popitem, positional at `at` or by keyword. 0 ok, -1 error.
+ * Parsed by hand: PyArg_ParseTupleAndKeywords cost as much as the operation. */
+static int parse_last(const char *name, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      Py_ssize_t at, int *last) {
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs < at || nargs > at + 1 || nargs + nkw > at + 1) {
+        PyErr_Format(PyExc_TypeError, "%s: %s", name, at ? "(key, last=True)" : "(last=True)");
+        return -1;
+    }
+    PyObject *arg = NULL;
+    if (nargs == at + 1)
+        arg = args[at];
+    else if (nkw == 1) {
+        PyObject *kw = PyTuple_GET_ITEM(kwnames, 0);
+        if (!PyUnicode_Check(kw) || PyUnicode_CompareWithASCIIString(kw, "last") != 0) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument %R", name, kw);
+            return -1;
+        }
+        arg = args[nargs];
+    }
+    if (arg == NULL) {
+        *last = 1;
+        return 0;
+    }
+    int v = PyObject_IsTrue(arg);
+    if (v < 0)
+        return -1;
+    *last = v;
+    return 0;
+}
+
+static PyObject *KeyList_move_to_end(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    int last;
+    if (parse_last("move_to_end", args, nargs, kwnames, 1, &last) < 0)
         return NULL;
     int32_t id;
-    int found = lookup(l->index, key, 0, &id);
+    int found = lookup(l->index, args[0], 0, &id);
     if (found < 0)
         return NULL;
     if (!found) {
-        PyErr_SetObject(PyExc_KeyError, key);
+        PyErr_SetObject(PyExc_KeyError, args[0]);
         return NULL;
     }
     if (last ? id != l->tail : id != l->head) {
@@ -914,19 +990,32 @@ static PyObject *KeyList_move_to_end(KeyList *l, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
-static PyObject *KeyList_popitem(KeyList *l, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"last", NULL};
-    int last = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:popitem", kwlist, &last))
+static PyObject *KeyList_popitem(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    int last;
+    if (parse_last("popitem", args, nargs, kwnames, 0, &last) < 0)
         return NULL;
     int32_t id = last ? l->tail : l->head;
     if (id == EMPTY) {
         PyErr_SetString(PyExc_KeyError, "popitem(): KeyList is empty");
         return NULL;
     }
-    long value = l->values[id];
+    PyObject *value = PyLong_FromLong(l->values[id]);
+    if (value == NULL)
+        return NULL;
     PyObject *key = drop_node(l, id);
-    return key == NULL ? NULL : Py_BuildValue("(Nl)", key, value);
+    if (key == NULL) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_New(2);
+    if (pair == NULL) {
+        Py_DECREF(key);
+        Py_DECREF(value);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(pair, 0, key);
+    PyTuple_SET_ITEM(pair, 1, value);
+    return pair;
 }
 
 static PyObject *KeyList_first(KeyList *l, PyObject *unused) {
@@ -1003,9 +1092,9 @@ static PyObject *KeyList_get_nbytes(KeyList *l, void *unused) {
 static PyMethodDef KeyList_methods[] = {
     {"get", (PyCFunction)(void (*)(void))KeyList_get, METH_FASTCALL, "get(key, default=None): key's value, or default"},
     {"pop", (PyCFunction)(void (*)(void))KeyList_pop, METH_FASTCALL, "pop(key[, default]): removes key, returns its value, or default"},
-    {"move_to_end", (PyCFunction)(void (*)(void))KeyList_move_to_end, METH_VARARGS | METH_KEYWORDS,
+    {"move_to_end", (PyCFunction)(void (*)(void))KeyList_move_to_end, METH_FASTCALL | METH_KEYWORDS,
      "move_to_end(key, last=True): to the newest end, or the oldest"},
-    {"popitem", (PyCFunction)(void (*)(void))KeyList_popitem, METH_VARARGS | METH_KEYWORDS,
+    {"popitem", (PyCFunction)(void (*)(void))KeyList_popitem, METH_FASTCALL | METH_KEYWORDS,
      "popitem(last=True): (key, value) of the newest key, or the oldest, removed"},
     {"first", (PyCFunction)KeyList_first, METH_NOARGS, "the oldest key"},
     {NULL, NULL, 0, NULL},
@@ -1041,12 +1130,305 @@ static PyTypeObject KeyListType = {
     .tp_getset = KeyList_getset,
 };
 
+/* ---- SlotList: a recency order over slot numbers -------------------------------------------- */
+
+/* An LRU order over small integers (the manager's slot numbers): a doubly linked list threaded
+ * through two arrays of 32-bit links indexed by slot, oldest at the head. Base type of
+ * `kvtier.policy.lru.SlotLRUPolicy`: insert, touch and remove are single C calls (a Python method
+ * over `array.array`s cost ten times more, and LRU runs once or twice per block moved). Keys are
+ * integers in [0, 2**31 - 2) (a bool counts as 0 or 1); the arrays grow to the largest seen. */
+
+#define OUT (-2)  /* `prev` of a slot not tracked */
+
+typedef struct {
+    PyObject_HEAD
+    int32_t *prev, *next;
+    Py_ssize_t cap;
+    int32_t head, tail;  /* oldest, newest; EMPTY when empty */
+    Py_ssize_t len;
+    Py_ssize_t version;  /* changes with every change: `protected` must not change the order */
+} SlotList;
+
+static PyObject *SlotList_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity_hint", NULL};
+    Py_ssize_t hint = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:SlotList", kwlist, &hint))
+        return NULL;
+    SlotList *l = (SlotList *)type->tp_alloc(type, 0);
+    if (l == NULL)
+        return NULL;
+    l->head = l->tail = EMPTY;
+    if (hint > 0) {
+        if (hint > INT32_MAX - 1)
+            hint = INT32_MAX - 1;
+        l->prev = PyMem_Malloc((size_t)hint * sizeof(int32_t));
+        l->next = PyMem_Malloc((size_t)hint * sizeof(int32_t));
+        if (l->prev == NULL || l->next == NULL) {
+            Py_DECREF(l);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < hint; i++)
+            l->prev[i] = OUT;
+        l->cap = hint;
+    }
+    return (PyObject *)l;
+}
+
+static void SlotList_dealloc(SlotList *l) {
+    PyMem_Free(l->prev);
+    PyMem_Free(l->next);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+/* `key` as a slot: 1 and *slot set; 0 not a slot number (not an int, or out of range); -1 error. */
+static int as_slot(PyObject *key, Py_ssize_t *slot) {
+    if (!PyLong_Check(key))
+        return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(key, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < 0 || v >= INT32_MAX - 1)
+        return 0;
+    *slot = (Py_ssize_t)v;
+    return 1;
+}
+
+static inline int slot_tracked(SlotList *l, Py_ssize_t slot) { return slot < l->cap && l->prev[slot] != OUT; }
+
+static int slot_grow(SlotList *l, Py_ssize_t slot) {
+    Py_ssize_t cap = l->cap * 2;
+    if (cap < slot + 1)
+        cap = slot + 1;
+    if (cap < 16)
+        cap = 16;
+    if (cap > INT32_MAX - 1)
+        cap = INT32_MAX - 1;
+    int32_t *prev = PyMem_Realloc(l->prev, (size_t)cap * sizeof(int32_t));
+    if (prev == NULL)
+        return PyErr_NoMemory(), -1;
+    l->prev = prev;
+    int32_t *next = PyMem_Realloc(l->next, (size_t)cap * sizeof(int32_t));
+    if (next == NULL)
+        return PyErr_NoMemory(), -1;
+    l->next = next;
+    for (Py_ssize_t i = l->cap; i < cap; i++)
+        l->prev[i] = OUT;
+    l->cap = cap;
+    return 0;
+}
+
+static void slot_unlink(SlotList *l, int32_t slot) {
+    int32_t before = l->prev[slot], after = l->next[slot];
+    if (before != EMPTY)
+        l->next[before] = after;
+    else
+        l->head = after;
+    if (after != EMPTY)
+        l->prev[after] = before;
+    else
+        l->tail = before;
+    l->prev[slot] = OUT;
+    l->len--;
+    l->version++;
+}
+
+static void slot_append(SlotList *l, int32_t slot) {
+    l->prev[slot] = l->tail;
+    l->next[slot] = EMPTY;
+    if (l->tail != EMPTY)
+        l->next[l->tail] = slot;
+    else
+        l->head = slot;
+    l->tail = slot;
+    l->len++;
+    l->version++;
+}
+
+static PyObject *SlotList_insert(SlotList *l, PyObject *key) {
+    Py_ssize_t slot;
+    int ok = as_slot(key, &slot);
+    if (ok < 0)
+        return NULL;
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "SlotLRUPolicy tracks slot numbers (integers in [0, 2**31 - 2)), got %R", key);
+        return NULL;
+    }
+    if (slot_tracked(l, slot)) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    if (slot >= l->cap && slot_grow(l, slot) < 0)
+        return NULL;
+    slot_append(l, (int32_t)slot);
+    Py_RETURN_NONE;
+}
+
+static PyObject *SlotList_touch(SlotList *l, PyObject *key) {
+    Py_ssize_t slot;
+    int ok = as_slot(key, &slot);
+    if (ok < 0)
+        return NULL;
+    if (ok && slot != l->tail && slot_tracked(l, slot)) {  /* a miss is not an error */
+        slot_unlink(l, (int32_t)slot);
+        slot_append(l, (int32_t)slot);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *SlotList_remove(SlotList *l, PyObject *key) {
+    Py_ssize_t slot;
+    int ok = as_slot(key, &slot);
+    if (ok < 0)
+        return NULL;
+    if (ok && slot_tracked(l, slot))  /* unknown keys are ignored */
+        slot_unlink(l, (int32_t)slot);
+    Py_RETURN_NONE;
+}
+
+/* protected(slot): 1 yes, 0 no, -1 error; the order must be unchanged by the call. */
+static int slot_protected(SlotList *l, PyObject *protected, int32_t slot) {
+    Py_ssize_t version = l->version;
+    PyObject *arg = PyLong_FromLong(slot);
+    if (arg == NULL)
+        return -1;
+    PyObject *r = PyObject_CallOneArg(protected, arg);
+    Py_DECREF(arg);
+    if (r == NULL)
+        return -1;
+    int yes = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (yes >= 0 && l->version != version) {
+        PyErr_SetString(PyExc_RuntimeError, "SlotLRUPolicy: `protected` changed the policy it was asked for");
+        return -1;
+    }
+    return yes;
+}
+
+static PyObject *SlotList_evict_one(SlotList *l, PyObject *protected) {
+    for (int32_t slot = l->head; slot != EMPTY; slot = l->next[slot]) {
+        int yes = slot_protected(l, protected, slot);
+        if (yes < 0)
+            return NULL;
+        if (!yes) {
+            slot_unlink(l, slot);
+            return PyLong_FromLong(slot);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* _evict(n, protected): the `n` (>= 1) oldest unprotected slots, forgotten, or None (nothing changed). */
+static PyObject *SlotList__evict(SlotList *l, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_evict(n, protected)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *victims = PyList_New(0);
+    if (victims == NULL)
+        return NULL;
+    for (int32_t slot = l->head; slot != EMPTY && PyList_GET_SIZE(victims) < n; slot = l->next[slot]) {
+        int yes = slot_protected(l, args[1], slot);
+        if (yes < 0)
+            goto fail;
+        if (!yes) {
+            PyObject *v = PyLong_FromLong(slot);
+            if (v == NULL || PyList_Append(victims, v) < 0) {
+                Py_XDECREF(v);
+                goto fail;
+            }
+            Py_DECREF(v);
+        }
+    }
+    if (PyList_GET_SIZE(victims) < n) {
+        Py_DECREF(victims);
+        Py_RETURN_NONE;  /* fewer than n: nothing changed */
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        slot_unlink(l, (int32_t)PyLong_AsLong(PyList_GET_ITEM(victims, i)));
+    return victims;
+fail:
+    Py_DECREF(victims);
+    return NULL;
+}
+
+static PyObject *SlotList_iter(SlotList *l) {  /* a snapshot, oldest first */
+    PyObject *out = PyList_New(l->len);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    for (int32_t slot = l->head; slot != EMPTY; slot = l->next[slot]) {
+        PyObject *v = PyLong_FromLong(slot);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i++, v);
+    }
+    PyObject *it = PyObject_GetIter(out);
+    Py_DECREF(out);
+    return it;
+}
+
+static int SlotList_contains(SlotList *l, PyObject *key) {
+    if (!PyLong_CheckExact(key))
+        return 0;  /* as a slot policy's keys are: a bool or a float is never one */
+    Py_ssize_t slot;
+    int ok = as_slot(key, &slot);
+    return ok <= 0 ? ok : slot_tracked(l, slot);
+}
+
+static Py_ssize_t SlotList_len(SlotList *l) { return l->len; }
+
+static PyObject *SlotList_get_nbytes(SlotList *l, void *unused) {
+    return PyLong_FromSize_t((size_t)l->cap * 2 * sizeof(int32_t));
+}
+
+static PyMethodDef SlotList_methods[] = {
+    {"insert", (PyCFunction)SlotList_insert, METH_O, "insert(slot): slot becomes the most recent (KeyError if tracked)"},
+    {"touch", (PyCFunction)SlotList_touch, METH_O, "touch(slot): a tracked slot becomes the most recent"},
+    {"remove", (PyCFunction)SlotList_remove, METH_O, "remove(slot): forgets slot, if tracked"},
+    {"evict_one", (PyCFunction)SlotList_evict_one, METH_O,
+     "evict_one(protected): the least recent slot for which protected(slot) is false, forgotten, or None"},
+    {"_evict", (PyCFunction)(void (*)(void))SlotList__evict, METH_FASTCALL,
+     "_evict(n, protected): the n least recent unprotected slots, forgotten, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef SlotList_getset[] = {
+    {"nbytes", (getter)SlotList_get_nbytes, NULL, "bytes held outside the object", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods SlotList_as_sequence = {
+    .sq_length = (lenfunc)SlotList_len,
+    .sq_contains = (objobjproc)SlotList_contains,
+};
+
+static PyTypeObject SlotListType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.SlotList",
+    .tp_doc = "An LRU order over slot numbers, oldest first, in two arrays of links.",
+    .tp_basicsize = sizeof(SlotList),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = SlotList_new,
+    .tp_dealloc = (destructor)SlotList_dealloc,
+    .tp_as_sequence = &SlotList_as_sequence,
+    .tp_iter = (getiterfunc)SlotList_iter,
+    .tp_methods = SlotList_methods,
+    .tp_getset = SlotList_getset,
+};
+
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
-    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0)
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0
+        || PyType_Ready(&SlotListType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keytable_module);
     if (m == NULL)
@@ -1060,6 +1442,12 @@ PyMODINIT_FUNC PyInit__keytable(void) {
     Py_INCREF(&KeyListType);
     if (PyModule_AddObject(m, "KeyList", (PyObject *)&KeyListType) < 0) {
         Py_DECREF(&KeyListType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SlotListType);
+    if (PyModule_AddObject(m, "SlotList", (PyObject *)&SlotListType) < 0) {
+        Py_DECREF(&SlotListType);
         Py_DECREF(m);
         return NULL;
     }

@@ -283,3 +283,26 @@ def test_a_key_list_refuses_to_iterate_on_after_a_change_and_holds_byte_values()
         with pytest.raises(TypeError, match="None or 0..255"):
             keys[b"x" * 16] = bad
     assert b"x" * 16 not in keys and gc.get_referents(keys) != [] and len(keys) == 5  # its key table, one object
+
+
+def test_a_key_list_takes_last_as_an_ordered_dict_does_and_names_a_bad_call():
+    from collections import OrderedDict
+
+    from kvtier._keytable import KeyList
+
+    keys, model = KeyList(), OrderedDict()
+    for k in range(6):
+        keys[k] = model[k] = k
+    for args, kwargs in (((3,), {}), ((2, False), {}), ((4,), {"last": 0}), ((1,), {"last": True})):
+        keys.move_to_end(*args, **kwargs)
+        model.move_to_end(*args, **kwargs)
+    assert list(keys) == list(model)
+    for args, kwargs in (((), {}), ((False,), {}), ((), {"last": False}), ((1,), {})):
+        assert keys.popitem(*args, **kwargs) == model.popitem(*args, **kwargs)
+    assert list(keys) == list(model)
+    for call, args, kwargs in ((keys.move_to_end, (), {}), (keys.move_to_end, (1, True, 2), {}),
+                               (keys.move_to_end, (1,), {"first": True}), (keys.popitem, (True, 1), {}),
+                               (keys.popitem, (), {"oldest": True}), (keys.popitem, (True,), {"last": True})):
+        with pytest.raises(TypeError, match="move_to_end|popitem"):
+            call(*args, **kwargs)
+    assert list(keys) == list(model)  # a refused call changed nothing

@@ -289,3 +289,30 @@ def test_slot_lru_orders_as_the_keyed_lru_and_refuses_keys_that_are_not_slot_num
     for bad in ("a", -1, 1.5, b"k", None):
         with pytest.raises(TypeError, match="slot numbers"):
             SlotLRUPolicy(4).insert(bad)
+
+
+def test_slot_lru_refuses_a_protected_rule_that_changes_it_and_is_unchanged_when_the_rule_raises() -> None:
+    policy = SlotLRUPolicy(2)
+    for slot in (5, 1, 9):
+        policy.insert(slot)
+
+    def meddles(slot: int) -> bool:
+        policy.remove(9)
+        return False
+
+    with pytest.raises(RuntimeError, match="changed the policy"):
+        policy.evict_one(meddles)
+    policy.insert(9)
+
+    def fails(slot: int) -> bool:
+        if slot == 9:
+            raise ValueError("rule failed")
+        return slot == 5 or slot == 1
+
+    for evict in (lambda: policy.evict_one(fails), lambda: policy.evict(1, fails)):
+        with pytest.raises(ValueError, match="rule failed"):
+            evict()
+        assert list(policy) == [5, 1, 9]  # a victim is taken only once the walk ends well
+    with pytest.raises(TypeError, match="slot numbers"):
+        policy.insert(2**31)
+    assert 2**31 not in policy and policy.nbytes >= 8 * 10
