@@ -62,7 +62,8 @@ class _KeyedPolicy:
     here, so that its check per candidate is one call, as it is for a policy of slots.
     """
 
-    __slots__ = ("policy", "_key_of", "_ids", "_slot", "_owner", "_by_key", "_insert", "_touch", "_remove")
+    __slots__ = ("policy", "_key_of", "_ids", "_slot", "_owner", "_by_key", "_insert", "_touch", "_remove",
+                 "_evict_one")
 
     def __init__(self, policy: EvictionPolicy, index: BlockIndex, tier: TierKind,
                  protected: Callable[[Hashable], bool]) -> None:
@@ -71,6 +72,7 @@ class _KeyedPolicy:
         self._slot, self._owner = index.slot[tier], index.owner[tier]
         self._by_key = protected
         self._insert, self._touch, self._remove = policy.insert, policy.touch, policy.remove
+        self._evict_one = functools.partial(policy.evict_one, protected)
 
     def insert(self, slot: int) -> None:
         self._insert(self._key_of(self._owner[slot]))
@@ -91,8 +93,8 @@ class _KeyedPolicy:
 
     def evict_one(self) -> int | None:
         """The slot of one victim, or None."""
-        victims = self.policy.evict(1, self._by_key)
-        return self._slot[self._ids[victims[0]]] if victims else None
+        key = self._evict_one()
+        return None if key is None else self._slot[self._ids[key]]
 
     def __len__(self) -> int:
         return len(self.policy)

@@ -90,21 +90,24 @@ class ARCPolicy(EvictionPolicy):
 
     def _evict(self, n: int, protected: Callable[[Hashable], bool]) -> list[Hashable] | None:
         """Chooses `n` victims by the ARC rule and moves them to the ghost lists."""
-        plan = self._plan_one(protected) if n == 1 else self._plan(n, protected)
+        if n == 1:
+            key = self.evict_one(protected)
+            return None if key is None else [key]
+        plan = self._plan(n, protected)
         if plan is None:
             return None
         return self._commit(plan)
 
-    def _plan_one(
-        self, protected: Callable[[Hashable], bool]
-    ) -> list[tuple[bool, Hashable]] | None:
-        """`_plan(1, protected)` without the cursors: evict(1) is the hot path of a full tier."""
+    def evict_one(self, protected: Callable[[Hashable], bool]) -> Hashable | None:
+        """`evict(1, protected)`'s victim, or None: the hot path of a full tier, without the plan."""
         t1, t2 = self._t1, self._t2
-        lists = (t1, t2) if len(t1) > self._p else (t2, t1)
-        for keys in lists:
+        for keys in ((t1, t2) if len(t1) > self._p else (t2, t1)):
             for key in keys:
                 if not protected(key):
-                    return [(keys is t1, key)]
+                    del keys[key]  # ends the loop: the iterator is not advanced again
+                    (self._b1 if keys is t1 else self._b2)[key] = None
+                    self._trim_ghosts()
+                    return key
         return None
 
     def _plan(
@@ -144,10 +147,12 @@ class ARCPolicy(EvictionPolicy):
     def _trim_ghosts(self) -> None:
         """Drops the oldest ghosts until |T1| + |B1| <= c and all four lists hold <= 2c keys."""
         c = self._capacity
-        t1, b1, b2 = self._t1, self._b1, self._b2
-        while b1 and len(t1) + len(b1) > c:
+        b1, b2 = self._b1, self._b2
+        num_t1, num_b1 = len(self._t1), len(b1)
+        while num_b1 and num_t1 + num_b1 > c:
             b1.popitem(last=False)
-        excess = len(t1) + len(self._t2) + len(b1) + len(b2) - 2 * c
+            num_b1 -= 1
+        excess = num_t1 + len(self._t2) + num_b1 + len(b2) - 2 * c
         while excess > 0 and (b1 or b2):
             (b2 or b1).popitem(last=False)
             excess -= 1

@@ -119,6 +119,31 @@ class S3FIFOPolicy(EvictionPolicy):
             _put_back(self._main, aside_main)
         return self._commit(victims)
 
+    def evict_one(self, protected: Callable[[Hashable], bool]) -> Hashable | None:
+        """`evict(1, protected)`'s victim, or None: the hot path of a full tier, without the lists."""
+        journal: list[tuple] = []
+        aside_small: list[Hashable] = []
+        aside_main: list[Hashable] = []
+        try:
+            victim = self._next_victim(protected, journal, aside_small, aside_main)
+        except BaseException:  # `protected` raised: leave things as they were, then re-raise
+            self._undo(journal)
+            raise
+        if victim is None:
+            self._undo(journal)
+            return None
+        if aside_small:
+            _put_back(self._small, aside_small)
+        if aside_main:
+            _put_back(self._main, aside_main)
+        queue, key = victim
+        if queue is self._small and self._ghost_size > 0:
+            ghost = self._ghost
+            ghost[key] = None
+            if len(ghost) > self._ghost_size:
+                ghost.popitem(last=False)
+        return key
+
     def _next_victim(
         self,
         protected: Callable[[Hashable], bool],
