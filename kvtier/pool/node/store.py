@@ -166,6 +166,7 @@ class BlockStore:
         t = self._tenants[tenant]
         counters, table, code = t.counters, self._slabs.table, t.code
         find, state, mutable = table.keys.find, table.state, table.mutable
+        touch, block_of = self._slabs.touch_id, self._slabs.block
         out: list[Block | None] = []
         for key in keys:
             found = find(key, code)
@@ -174,9 +175,8 @@ class BlockStore:
                 out.append(None)
                 continue
             counters["hits"] += 1
-            block = self._slabs.block(found)
-            self._slabs.touch(block)
-            out.append(block)
+            touch(found)
+            out.append(block_of(found))
         return out
 
     def check_lease_room(self, tenant: str, owner: Hashable | None, n: int) -> None:
