@@ -279,6 +279,11 @@ def print_report(report: dict, console: Console) -> None:
     console.print(f"[bold]{t['path']}[/bold]: {t['num_requests']:,} requests, {t['num_accesses']:,} block "
                   f"accesses, {t['num_unique_blocks']:,} distinct blocks (best possible hit rate "
                   f"{t['max_block_hit_rate']:.1%})")
+    tails = t["hash_ids_per_request"]
+    if tails.get("tail_absent"):
+        console.print(f"hash_ids per request: {tails['tail_listed']:,} list the partial tail block (ceil), "
+                      f"{tails['tail_absent']:,} leave it out (floor: its tokens are always computed), "
+                      f"{tails['whole']:,} are whole blocks")
     console.print(f"{m['name']} {m['kv_dtype']}: {m['block_tokens']} tokens x {m['kv_bytes_per_token']:,} B "
                   f"= {_bytes(m['block_bytes'])} per block")
     if report["runs"]:

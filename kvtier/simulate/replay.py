@@ -229,7 +229,7 @@ def simulate(trace: Trace, config: SimConfig, *, on_progress: Callable[[int], No
         percentiles (with and without the cache), and under `tiers` a per-tier breakdown (slots,
         hits, hit rate, stores, evictions, blocks and bytes read and written).
     """
-    keys = [_keys(r.hash_ids, r.input_tokens, trace.block_tokens, config.full_blocks_only) for r in trace.requests]
+    keys = [r.hash_ids[:-1] if r.partial_tail and config.full_blocks_only else r.hash_ids for r in trace.requests]
     future = FutureAccesses(keys) if config.policy is SimPolicy.BELADY else None
     replay = _Replay(build_manager(config, future), config, trace.block_tokens)
     collecting = gc.isenabled()
@@ -242,12 +242,6 @@ def simulate(trace: Trace, config: SimConfig, *, on_progress: Callable[[int], No
         if collecting:
             gc.enable()
     return replay.report(trace, replay_s)
-
-
-def _keys(hash_ids: tuple[int, ...], input_tokens: int, block_tokens: int, full_blocks_only: bool) -> tuple:
-    if full_blocks_only and input_tokens % block_tokens:
-        return hash_ids[:-1]
-    return hash_ids
 
 
 class _Replay:

@@ -191,13 +191,13 @@ def test_belady_policy_contract():
 
 def test_malformed_lines_stop_or_skip(tmp_path):
     lines = [TINY[0], "{not json", TINY[1], {"timestamp": 1, "input_length": 600, "output_length": 1,
-                                             "hash_ids": [7]}, "", TINY[2]]
+                                             "hash_ids": [7, 8, 9]}, "", TINY[2]]
     path = write_trace(tmp_path / "bad.jsonl", lines)
     with pytest.raises(TraceError, match=r"line 2: not valid JSON"):
         load_trace(path)
     trace = load_trace(path, on_error=OnError.SKIP)
     assert [n for n, _ in trace.skipped_lines] == [2, 4]
-    assert "expected ceil(600 / 512) = 2" in trace.skipped_lines[1][1]
+    assert "3 hash_ids for input_length 600: expected ceil(600 / 512) = 2 or floor = 1" in trace.skipped_lines[1][1]
     assert len(trace.requests) == 3
 
 
