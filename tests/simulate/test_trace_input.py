@@ -120,3 +120,31 @@ def test_cli_reads_a_zstd_trace_and_reports_the_tail_counts(tmp_path, capsys):
     assert report["runs"][0]["num_hits"] == 3
     assert cli_main(["simulate", "--trace", str(path), "--capacity", "hbm=100", "--no-progress"]) == 0
     assert "2 leave it out (floor" in capsys.readouterr().out
+
+
+CONVERSATION = Path(__file__).resolve().parents[2].parent / "shared/data/traces/mooncake/conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"{CONVERSATION} not found")
+@pytest.mark.parametrize("share", [0.02, 0.10])
+def test_single_tier_lru_hits_exactly_what_libcachesim_hits_on_a_gzipped_floor_trace(tmp_path, share):
+    """An independent simulator (libCacheSim's LRU, its C code) as the check: each hash id an
+    object of size 1. Half the conversation trace's lines leave their partial tail out (floor), and
+    the file is gzipped, as a trace from elsewhere may come."""
+    libcachesim = pytest.importorskip("libcachesim")
+    lines = []
+    for i, line in enumerate(CONVERSATION.read_text().splitlines()):
+        obj = json.loads(line)
+        if i % 2 and obj["input_length"] % 512:
+            obj["hash_ids"] = obj["hash_ids"][:-1]
+        lines.append(obj)
+    path = tmp_path / "floor.jsonl.gz"
+    path.write_bytes(gzip.compress(text(lines)))
+    trace = load_trace(path)
+    assert trace.describe()["hash_ids_per_request"]["tail_absent"] > 5000
+    num_slots = round(share * trace.num_unique_blocks)
+    ours = simulate(trace, one_tier(num_slots))
+    cache = libcachesim.LRU(cache_size=num_slots)
+    theirs = sum(cache.get(libcachesim.Request(obj_id=h, obj_size=1)) for r in trace.requests for h in r.hash_ids)
+    assert ours["num_accesses"] == trace.num_accesses
+    assert ours["num_hits"] == theirs > 0
