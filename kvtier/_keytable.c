@@ -692,12 +692,52 @@ static PyTypeObject KeyTableType = {
  * of 32-bit links and a byte value per key (S3-FIFO's frequency; what `l[key] = None` stores is 0):
  * nothing per key for the collector, ~50 bytes a key. */
 
+/* ---- Links: a doubly linked list threaded through two arrays of 32-bit ids ------------------ */
+
+/* Shared by KeyList (over node ids) and SlotList (over slot numbers). */
+typedef struct {
+    int32_t *prev, *next; /* per id; EMPTY: none */
+    int32_t head, tail;   /* oldest, newest; EMPTY when empty */
+} Links;
+
+/* Links `id` (in no list) at the newest end, or the oldest (`last` 0). */
+static void links_push(Links *c, int32_t id, int last) {
+    if (last) {
+        c->prev[id] = c->tail;
+        c->next[id] = EMPTY;
+        if (c->tail != EMPTY)
+            c->next[c->tail] = id;
+        else
+            c->head = id;
+        c->tail = id;
+    } else {
+        c->next[id] = c->head;
+        c->prev[id] = EMPTY;
+        if (c->head != EMPTY)
+            c->prev[c->head] = id;
+        else
+            c->tail = id;
+        c->head = id;
+    }
+}
+
+static void links_unlink(Links *c, int32_t id) {
+    int32_t before = c->prev[id], after = c->next[id];
+    if (before != EMPTY)
+        c->next[before] = after;
+    else
+        c->head = after;
+    if (after != EMPTY)
+        c->prev[after] = before;
+    else
+        c->tail = before;
+}
+
 typedef struct {
     PyObject_HEAD
     KeyTable *index;      /* key -> node id (tag 0) */
-    int32_t *prev, *next; /* per node id; EMPTY: none */
+    Links links;          /* the order, by node id */
     uint8_t *values;      /* per node id: the key's value, 0..255 (None is stored as 0) */
-    int32_t head, tail;   /* oldest, newest; EMPTY when empty */
     int32_t *free;        /* ids given back, the next one last */
     Py_ssize_t num_free, next_id, cap;
     Py_ssize_t version;   /* changes with every change: an iterator refuses to go on after one */
@@ -718,7 +758,7 @@ static PyObject *KeyList_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(l);
         return NULL;
     }
-    l->head = l->tail = EMPTY;
+    l->links.head = l->links.tail = EMPTY;
     return (PyObject *)l;
 }
 
@@ -735,8 +775,8 @@ static int KeyList_clear(KeyList *l) {
 static void KeyList_dealloc(KeyList *l) {
     PyObject_GC_UnTrack(l);
     KeyList_clear(l);
-    PyMem_Free(l->prev);
-    PyMem_Free(l->next);
+    PyMem_Free(l->links.prev);
+    PyMem_Free(l->links.next);
     PyMem_Free(l->values);
     PyMem_Free(l->free);
     Py_TYPE(l)->tp_free((PyObject *)l);
@@ -753,14 +793,14 @@ static int32_t new_node(KeyList *l) {
     }
     if (l->next_id == l->cap) {
         Py_ssize_t cap = l->cap ? l->cap + l->cap / 4 + 1 : 1024;
-        int32_t *prev = PyMem_Realloc(l->prev, (size_t)cap * sizeof(int32_t));
+        int32_t *prev = PyMem_Realloc(l->links.prev, (size_t)cap * sizeof(int32_t));
         if (prev == NULL)
             return PyErr_NoMemory(), EMPTY;
-        l->prev = prev;
-        int32_t *next = PyMem_Realloc(l->next, (size_t)cap * sizeof(int32_t));
+        l->links.prev = prev;
+        int32_t *next = PyMem_Realloc(l->links.next, (size_t)cap * sizeof(int32_t));
         if (next == NULL)
             return PyErr_NoMemory(), EMPTY;
-        l->next = next;
+        l->links.next = next;
         uint8_t *values = PyMem_Realloc(l->values, (size_t)cap);
         if (values == NULL)
             return PyErr_NoMemory(), EMPTY;
@@ -774,56 +814,26 @@ static int32_t new_node(KeyList *l) {
     return (int32_t)l->next_id++;
 }
 
-static void link_at(KeyList *l, int32_t id, int last) {
-    if (last) {
-        l->prev[id] = l->tail;
-        l->next[id] = EMPTY;
-        if (l->tail != EMPTY)
-            l->next[l->tail] = id;
-        else
-            l->head = id;
-        l->tail = id;
-    } else {
-        l->next[id] = l->head;
-        l->prev[id] = EMPTY;
-        if (l->head != EMPTY)
-            l->prev[l->head] = id;
-        else
-            l->tail = id;
-        l->head = id;
-    }
-}
-
-static void unlink_node(KeyList *l, int32_t id) {
-    int32_t before = l->prev[id], after = l->next[id];
-    if (before != EMPTY)
-        l->next[before] = after;
-    else
-        l->head = after;
-    if (after != EMPTY)
-        l->prev[after] = before;
-    else
-        l->tail = before;
+/* Unlinks node `id`, whose key has left the index, and gives its id back. */
+static void free_node(KeyList *l, int32_t id) {
+    links_unlink(&l->links, id);
+    l->free[l->num_free++] = id;
+    l->version++;
 }
 
 /* Forgets node `id` (linked), whose key `lookup_at` found at `slot`. 0 ok, -1 error. */
 static int drop_node_at(KeyList *l, int32_t id, Py_ssize_t slot) {
     if (remove_at(l->index, id, slot) < 0)
         return -1;
-    unlink_node(l, id);
-    l->free[l->num_free++] = id;
-    l->version++;
+    free_node(l, id);
     return 0;
 }
 
 /* Removes node `id` (linked) and its key; returns the key (new reference) or NULL. */
 static PyObject *drop_node(KeyList *l, int32_t id) {
     PyObject *key = pop_id(l->index, id);
-    if (key == NULL)
-        return NULL;
-    unlink_node(l, id);
-    l->free[l->num_free++] = id;
-    l->version++;
+    if (key != NULL)
+        free_node(l, id);
     return key;
 }
 
@@ -837,7 +847,7 @@ static int append_absent(KeyList *l, PyObject *key, uint8_t value, int last) {
         return -1;
     }
     l->values[id] = value;
-    link_at(l, id, last);
+    links_push(&l->links, id, last);
     l->version++;
     return 0;
 }
@@ -982,9 +992,9 @@ static PyObject *KeyList_move_to_end(KeyList *l, PyObject *const *args, Py_ssize
         PyErr_SetObject(PyExc_KeyError, args[0]);
         return NULL;
     }
-    if (last ? id != l->tail : id != l->head) {
-        unlink_node(l, id);
-        link_at(l, id, last);
+    if (last ? id != l->links.tail : id != l->links.head) {
+        links_unlink(&l->links, id);
+        links_push(&l->links, id, last);
         l->version++;
     }
     Py_RETURN_NONE;
@@ -994,7 +1004,7 @@ static PyObject *KeyList_popitem(KeyList *l, PyObject *const *args, Py_ssize_t n
     int last;
     if (parse_last("popitem", args, nargs, kwnames, 0, &last) < 0)
         return NULL;
-    int32_t id = last ? l->tail : l->head;
+    int32_t id = last ? l->links.tail : l->links.head;
     if (id == EMPTY) {
         PyErr_SetString(PyExc_KeyError, "popitem(): KeyList is empty");
         return NULL;
@@ -1019,11 +1029,11 @@ static PyObject *KeyList_popitem(KeyList *l, PyObject *const *args, Py_ssize_t n
 }
 
 static PyObject *KeyList_first(KeyList *l, PyObject *unused) {
-    if (l->head == EMPTY) {
+    if (l->links.head == EMPTY) {
         PyErr_SetString(PyExc_KeyError, "first(): KeyList is empty");
         return NULL;
     }
-    return key_of(l->index, l->head);
+    return key_of(l->index, l->links.head);
 }
 
 typedef struct {
@@ -1039,7 +1049,7 @@ static PyObject *KeyList_iter(KeyList *l) {
         return NULL;
     Py_INCREF(l);
     it->list = l;
-    it->at = l->head;
+    it->at = l->links.head;
     it->version = l->version;
     PyObject_GC_Track(it);
     return (PyObject *)it;
@@ -1054,7 +1064,7 @@ static PyObject *KeyListIter_next(KeyListIter *it) {
     if (it->at == EMPTY)
         return NULL;
     int32_t id = it->at;
-    it->at = l->next[id];
+    it->at = l->links.next[id];
     return key_of(l->index, id);
 }
 
@@ -1142,9 +1152,8 @@ static PyTypeObject KeyListType = {
 
 typedef struct {
     PyObject_HEAD
-    int32_t *prev, *next;
+    Links links;         /* the order, by slot; `prev` is OUT for a slot not tracked */
     Py_ssize_t cap;
-    int32_t head, tail;  /* oldest, newest; EMPTY when empty */
     Py_ssize_t len;
     Py_ssize_t version;  /* changes with every change: `protected` must not change the order */
 } SlotList;
@@ -1157,26 +1166,26 @@ static PyObject *SlotList_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     SlotList *l = (SlotList *)type->tp_alloc(type, 0);
     if (l == NULL)
         return NULL;
-    l->head = l->tail = EMPTY;
+    l->links.head = l->links.tail = EMPTY;
     if (hint > 0) {
         if (hint > INT32_MAX - 1)
             hint = INT32_MAX - 1;
-        l->prev = PyMem_Malloc((size_t)hint * sizeof(int32_t));
-        l->next = PyMem_Malloc((size_t)hint * sizeof(int32_t));
-        if (l->prev == NULL || l->next == NULL) {
+        l->links.prev = PyMem_Malloc((size_t)hint * sizeof(int32_t));
+        l->links.next = PyMem_Malloc((size_t)hint * sizeof(int32_t));
+        if (l->links.prev == NULL || l->links.next == NULL) {
             Py_DECREF(l);
             return PyErr_NoMemory();
         }
         for (Py_ssize_t i = 0; i < hint; i++)
-            l->prev[i] = OUT;
+            l->links.prev[i] = OUT;
         l->cap = hint;
     }
     return (PyObject *)l;
 }
 
 static void SlotList_dealloc(SlotList *l) {
-    PyMem_Free(l->prev);
-    PyMem_Free(l->next);
+    PyMem_Free(l->links.prev);
+    PyMem_Free(l->links.next);
     Py_TYPE(l)->tp_free((PyObject *)l);
 }
 
@@ -1194,7 +1203,7 @@ static int as_slot(PyObject *key, Py_ssize_t *slot) {
     return 1;
 }
 
-static inline int slot_tracked(SlotList *l, Py_ssize_t slot) { return slot < l->cap && l->prev[slot] != OUT; }
+static inline int slot_tracked(SlotList *l, Py_ssize_t slot) { return slot < l->cap && l->links.prev[slot] != OUT; }
 
 static int slot_grow(SlotList *l, Py_ssize_t slot) {
     Py_ssize_t cap = l->cap * 2;
@@ -1204,43 +1213,29 @@ static int slot_grow(SlotList *l, Py_ssize_t slot) {
         cap = 16;
     if (cap > INT32_MAX - 1)
         cap = INT32_MAX - 1;
-    int32_t *prev = PyMem_Realloc(l->prev, (size_t)cap * sizeof(int32_t));
+    int32_t *prev = PyMem_Realloc(l->links.prev, (size_t)cap * sizeof(int32_t));
     if (prev == NULL)
         return PyErr_NoMemory(), -1;
-    l->prev = prev;
-    int32_t *next = PyMem_Realloc(l->next, (size_t)cap * sizeof(int32_t));
+    l->links.prev = prev;
+    int32_t *next = PyMem_Realloc(l->links.next, (size_t)cap * sizeof(int32_t));
     if (next == NULL)
         return PyErr_NoMemory(), -1;
-    l->next = next;
+    l->links.next = next;
     for (Py_ssize_t i = l->cap; i < cap; i++)
-        l->prev[i] = OUT;
+        l->links.prev[i] = OUT;
     l->cap = cap;
     return 0;
 }
 
 static void slot_unlink(SlotList *l, int32_t slot) {
-    int32_t before = l->prev[slot], after = l->next[slot];
-    if (before != EMPTY)
-        l->next[before] = after;
-    else
-        l->head = after;
-    if (after != EMPTY)
-        l->prev[after] = before;
-    else
-        l->tail = before;
-    l->prev[slot] = OUT;
+    links_unlink(&l->links, slot);
+    l->links.prev[slot] = OUT;
     l->len--;
     l->version++;
 }
 
 static void slot_append(SlotList *l, int32_t slot) {
-    l->prev[slot] = l->tail;
-    l->next[slot] = EMPTY;
-    if (l->tail != EMPTY)
-        l->next[l->tail] = slot;
-    else
-        l->head = slot;
-    l->tail = slot;
+    links_push(&l->links, slot, 1);
     l->len++;
     l->version++;
 }
@@ -1269,7 +1264,7 @@ static PyObject *SlotList_touch(SlotList *l, PyObject *key) {
     int ok = as_slot(key, &slot);
     if (ok < 0)
         return NULL;
-    if (ok && slot != l->tail && slot_tracked(l, slot)) {  /* a miss is not an error */
+    if (ok && slot != l->links.tail && slot_tracked(l, slot)) {  /* a miss is not an error */
         slot_unlink(l, (int32_t)slot);
         slot_append(l, (int32_t)slot);
     }
@@ -1306,7 +1301,7 @@ static int slot_protected(SlotList *l, PyObject *protected, int32_t slot) {
 }
 
 static PyObject *SlotList_evict_one(SlotList *l, PyObject *protected) {
-    for (int32_t slot = l->head; slot != EMPTY; slot = l->next[slot]) {
+    for (int32_t slot = l->links.head; slot != EMPTY; slot = l->links.next[slot]) {
         int yes = slot_protected(l, protected, slot);
         if (yes < 0)
             return NULL;
@@ -1330,7 +1325,7 @@ static PyObject *SlotList__evict(SlotList *l, PyObject *const *args, Py_ssize_t 
     PyObject *victims = PyList_New(0);
     if (victims == NULL)
         return NULL;
-    for (int32_t slot = l->head; slot != EMPTY && PyList_GET_SIZE(victims) < n; slot = l->next[slot]) {
+    for (int32_t slot = l->links.head; slot != EMPTY && PyList_GET_SIZE(victims) < n; slot = l->links.next[slot]) {
         int yes = slot_protected(l, args[1], slot);
         if (yes < 0)
             goto fail;
@@ -1360,7 +1355,7 @@ static PyObject *SlotList_iter(SlotList *l) {  /* a snapshot, oldest first */
     if (out == NULL)
         return NULL;
     Py_ssize_t i = 0;
-    for (int32_t slot = l->head; slot != EMPTY; slot = l->next[slot]) {
+    for (int32_t slot = l->links.head; slot != EMPTY; slot = l->links.next[slot]) {
         PyObject *v = PyLong_FromLong(slot);
         if (v == NULL) {
             Py_DECREF(out);
