@@ -137,11 +137,8 @@ class S3FIFOPolicy(EvictionPolicy):
         if aside_main:
             _put_back(self._main, aside_main)
         queue, key = victim
-        if queue is self._small and self._ghost_size > 0:
-            ghost = self._ghost
-            ghost[key] = None
-            if len(ghost) > self._ghost_size:
-                ghost.popitem(last=False)
+        if queue is self._small:
+            self._remember(key)
         return key
 
     def _next_victim(
@@ -216,15 +213,21 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _commit(self, victims: list[tuple[_Queue, Hashable]]) -> list[Hashable]:
         """Forgets the victims; those evicted from small are remembered in the ghost queue."""
-        small, ghost = self._small, self._ghost
+        small = self._small
         keys: list[Hashable] = []
         for queue, key in victims:  # already popped from their queue
             keys.append(key)
-            if queue is small and self._ghost_size > 0:
-                ghost[key] = None
-                if len(ghost) > self._ghost_size:
-                    ghost.popitem(last=False)
+            if queue is small:
+                self._remember(key)
         return keys
+
+    def _remember(self, key: Hashable) -> None:
+        """Puts a victim evicted from small into the ghost queue (bounded by `ghost_ratio`)."""
+        if self._ghost_size > 0:
+            ghost = self._ghost
+            ghost[key] = None
+            if len(ghost) > self._ghost_size:
+                ghost.popitem(last=False)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._small or key in self._main

@@ -173,8 +173,6 @@ def load_trace(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
                     tails["tail_listed"] += 1
                 else:
                     tails["whole" if request.input_tokens % block_tokens == 0 else "tail_absent"] += 1
-    except TraceError:
-        raise
     except (OSError, EOFError, zlib.error, *_ZSTD_ERRORS) as e:  # unreadable; compressed, cut short or corrupt
         where = f" after line {number}" if number else ""
         raise TraceError(f"cannot read trace {str(path)!r}{where}: {getattr(e, 'strerror', None) or e}") from None
@@ -231,7 +229,7 @@ class _ZstdFrames(io.RawIOBase):
         self._raw = raw
         self._frame = zstandard.ZstdDecompressor().decompressobj()
         self._in_frame = False  # input of the current frame was fed and its end not seen yet
-        self._out = b""
+        self._out = memoryview(b"")  # decompressed, not read yet
 
     def readable(self) -> bool:
         return True
@@ -243,10 +241,10 @@ class _ZstdFrames(io.RawIOBase):
                 if self._in_frame:
                     raise EOFError("Zstandard stream cut short (the file ends inside a frame)")
                 return 0
-            self._out = self._feed(data)
+            self._out = memoryview(self._feed(data))
         n = min(len(buffer), len(self._out))
         buffer[:n] = self._out[:n]
-        self._out = self._out[n:]
+        self._out = self._out[n:]  # a view: what is left is not copied again
         return n
 
     def _feed(self, data: bytes) -> bytes:
