@@ -166,6 +166,9 @@ class TierManager:
                 policy = _KeyedPolicy(t.policy, index, k, self._protected_in(k, by_key=True))
                 self._victim[k], self._victims[k] = policy.evict_one, policy.evict
             self._policies[k] = policy
+        # The chain-aware policies' `order_chain` (see `order_chain`); they are told keys, not slots.
+        self._order_chain = tuple(t.policy.order_chain for t in self._tiers.values()
+                                  if getattr(t.policy, "chain_aware", False))
         # Per tier number, its policy's `touch` (`touch` reads tier numbers out of the index's columns).
         self._touch_at = [self._policies[k].touch if k in self._policies else None for k in _KINDS]
 
@@ -323,6 +326,20 @@ class TierManager:
                 if tier is None:
                     continue
             touch_at[tier](slots[tier][block])
+
+    def order_chain(self, keys: Sequence[Hashable], *, partial_tail: bool = False) -> None:
+        """Tells the chain-aware policies (`chain_aware`) one request's blocks in prefix order.
+
+        Call it once a request's load and store are done, with all its keys, head first; each such
+        tier's policy re-ranks the keys it holds (see `kvtier.policy.chain`). Other policies are not
+        called: for them this is a no-op. It decides nothing by itself and moves nothing.
+
+        Args:
+            keys: the request's block keys, head first.
+            partial_tail: the last key names a block only partly filled with tokens.
+        """
+        for order_chain in self._order_chain:
+            order_chain(keys, partial_tail)
 
     def num_used(self, tier: TierKind) -> int:
         return self._slots[tier].num_used

@@ -476,6 +476,8 @@ class KVTier:
             self._on_stored(plan, h, h, buffers)
             for key in stored_through:  # its first copy failed, its write-through copy stands: stored
                 h.failed.pop(key, None)
+            with self._lock:  # the caller's keys are one request's blocks, head first
+                self.manager.order_chain(h.keys)
         finally:
             with self._lock:
                 self._backlog_bytes -= backlog
@@ -549,6 +551,7 @@ class KVTier:
                     self._service.note(s.tier, h.failed[s.key])
             failed = {k: _failure_reason(f, f.stage) for k, f in h.failed.items()}
             self._submit_moves(self.manager.complete_load(plan, failed))
+            self.manager.order_chain(h.keys)
 
     def _note_load_time(self, plan: LoadPlan, h: TransferHandle, seconds: float) -> None:
         """Feeds a load that came whole from one tier to the load-time estimate of that tier (a

@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"sizes a block: 512 tokens x KV bytes/token (default {DEFAULT_MODEL})")
     p.add_argument("--kv-dtype", default=None, metavar="DTYPE", help="fp16, bf16, fp8, ... (default: the model's)")
     p.add_argument("--policy", action="append", default=None, metavar="NAME",
-                   help="lru, s3fifo, arc, belady or all; repeat or comma-separate to compare (default lru)")
+                   help="lru, s3fifo, arc, chain-arc, belady or all; repeat or comma-separate to compare (default lru)")
     p.add_argument("--admission", choices=("off", "on", "both"), default="off",
                    help="on: pool and SSD admit only blocks already hit once (default off)")
     p.add_argument("--mode", choices=[m.value for m in CacheMode], default=CacheMode.EXCLUSIVE.value)

@@ -12,6 +12,7 @@ from kvtier.errors import ConfigError
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.chain import ChainARCPolicy
 from kvtier.policy.lru import LRUPolicy, SlotLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 
@@ -19,6 +20,7 @@ __all__ = [
     "ARCPolicy",
     "AdmissionKind",
     "AdmissionRule",
+    "ChainARCPolicy",
     "EvictionPolicy",
     "LRUPolicy",
     "PolicyKind",
@@ -34,6 +36,7 @@ class PolicyKind(enum.Enum):
     LRU = "lru"
     S3FIFO = "s3fifo"
     ARC = "arc"
+    CHAIN_ARC = "chain-arc"
 
 
 # Parameters each kind accepts besides capacity_hint; their defaults live in the classes.
@@ -41,6 +44,7 @@ _PARAMS: dict[PolicyKind, frozenset[str]] = {
     PolicyKind.LRU: frozenset(),
     PolicyKind.S3FIFO: frozenset({"small_ratio", "ghost_ratio", "max_freq"}),
     PolicyKind.ARC: frozenset(),
+    PolicyKind.CHAIN_ARC: frozenset(),
 }
 
 
@@ -48,8 +52,8 @@ def make_policy(kind: PolicyKind | str, capacity_hint: int, **params: Any) -> Ev
     """Builds an empty eviction policy.
 
     Args:
-        kind: which policy; a `PolicyKind` or its value ("lru", "s3fifo", "arc").
-        capacity_hint: expected number of resident keys (>= 1); S3-FIFO and ARC size their
+        kind: which policy; a `PolicyKind` or its value ("lru", "s3fifo", "arc", "chain-arc").
+        capacity_hint: expected number of resident keys (>= 1); S3-FIFO and the ARCs size their
             internal queues from it, LRU its arrays (it grows past it if need be).
         **params: the kind's own parameters (S3-FIFO: small_ratio, ghost_ratio, max_freq).
     Returns:
@@ -69,6 +73,8 @@ def make_policy(kind: PolicyKind | str, capacity_hint: int, **params: Any) -> Ev
         return SlotLRUPolicy(capacity_hint)
     if kind is PolicyKind.S3FIFO:
         return S3FIFOPolicy(capacity_hint, **params)
+    if kind is PolicyKind.CHAIN_ARC:
+        return ChainARCPolicy(capacity_hint)
     return ARCPolicy(capacity_hint)
 
 

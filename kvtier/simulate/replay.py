@@ -7,6 +7,7 @@ the runtime's admission rules and watermarks, and the same verbs in the same ord
     n = lookup(keys)          longest cached prefix, in any tier
     load_now(keys[:n])        the hit blocks are read (and promoted per the manager)
     store_now(keys[n:])       the missed blocks were just computed: store them
+    order_chain(keys)         chain-aware policies (chain-arc) re-rank the request's blocks
 
 `load_now` and `store_now` are the manager's `prepare_*` / `complete_*` pairs for transfers that
 all succeed at once: every move the manager plans (promotions, demotions) completes at once, in
@@ -82,6 +83,7 @@ class SimPolicy(enum.Enum):
     LRU = "lru"
     S3FIFO = "s3fifo"
     ARC = "arc"
+    CHAIN_ARC = "chain-arc"
     BELADY = "belady"
 
 
@@ -272,6 +274,7 @@ class _Replay:
         seconds_per_block = [cfg.block_bytes / (t.bandwidth_gbps * 1e9) for t in cfg.tiers]
         seconds_per_token = 1 / cfg.prefill_tokens_per_s
         order, single = m.order, len(m.order) == 1
+        order_chain, chain_aware = m.order_chain, cfg.policy is SimPolicy.CHAIN_ARC
         block_tokens, ttft, ttft_no_cache = self.block_tokens, self.ttft_s, self.ttft_no_cache_s
         for i, request in enumerate(trace.requests):
             blocks = keys[i]
@@ -288,6 +291,8 @@ class _Replay:
                     load_s = sum((hits[t] - b) * s for t, b, s in zip(order, before, seconds_per_block))
             if n < len(blocks):
                 self._store(blocks[n:])
+            if chain_aware:
+                order_chain(blocks, partial_tail=request.partial_tail and not cfg.full_blocks_only)
             self.num_accesses += len(blocks)
             cached = min(n * block_tokens, request.input_tokens)
             self.cached_tokens += cached

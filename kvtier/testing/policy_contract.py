@@ -219,6 +219,13 @@ class PolicyMachine(RuleBasedStateMachine):
         assert self.twin.evict(n, protected.__contains__) == victims
         self.model -= set(victims)
 
+    @rule(keys=st.lists(KEYS, max_size=6, unique=True), partial_tail=st.booleans())
+    def order_chain(self, keys: list[int], partial_tail: bool) -> None:
+        """A chain-aware policy's re-ranking (`order_chain`) reorders and never adds or forgets."""
+        if getattr(self.policy, "chain_aware", False):
+            self.policy.order_chain(keys, partial_tail)
+            self.twin.order_chain(keys, partial_tail)
+
     @invariant()
     def membership_matches_the_model(self) -> None:
         policy = getattr(self, "policy", None)

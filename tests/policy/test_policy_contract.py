@@ -11,6 +11,7 @@ membership and the full order in which they evict everything that is left.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Hashable, Iterable
 
 import pytest
@@ -20,6 +21,7 @@ from kvtier.policy import (
     AdmissionKind,
     AdmissionRule,
     ARCPolicy,
+    ChainARCPolicy,
     EvictionPolicy,
     LRUPolicy,
     PolicyKind,
@@ -51,6 +53,7 @@ class TestEveryPolicy(PolicyContract):
 TestLRUMachine = policy_machine(lambda hint: make_policy(PolicyKind.LRU, hint), "LRU")
 TestS3FIFOMachine = policy_machine(lambda hint: make_policy(PolicyKind.S3FIFO, hint), "S3FIFO")
 TestARCMachine = policy_machine(lambda hint: make_policy(PolicyKind.ARC, hint), "ARC")
+TestChainARCMachine = policy_machine(lambda hint: make_policy(PolicyKind.CHAIN_ARC, hint), "ChainARC")
 TestKeyedLRUMachine = policy_machine(lambda hint: LRUPolicy(), "KeyedLRU")
 
 
@@ -316,3 +319,43 @@ def test_slot_lru_refuses_a_protected_rule_that_changes_it_and_is_unchanged_when
     with pytest.raises(TypeError, match="slot numbers"):
         policy.insert(2**31)
     assert 2**31 not in policy and policy.nbytes >= 8 * 10
+
+
+# --- chain-aware ARC ---------------------------------------------------------------------------
+
+
+def chain_arc_with(keys: Iterable[Hashable], touched: Iterable[Hashable] = ()) -> ChainARCPolicy:
+    policy = ChainARCPolicy(16)
+    for key in keys:
+        policy.insert(key)
+    for key in touched:
+        policy.touch(key)
+    return policy
+
+
+def test_chain_arc_ranks_a_chain_deepest_first_so_its_head_stays_longest() -> None:
+    policy = chain_arc_with("xabcd")  # T1, oldest first: x a b c d
+    policy.order_chain(["a", "b", "c", "d"])
+    assert drain(policy) == ["x", "d", "c", "b", "a"]
+
+
+def test_chain_arc_ranks_within_each_arc_list() -> None:
+    policy = chain_arc_with("abcdy", touched="ab")  # T1: c d y; T2: a b (touched once more: T2)
+    policy.order_chain(["a", "b", "c", "d"])
+    # T1 goes first while it exceeds p (0): its order is now y, d, c; then T2's: b, a.
+    assert drain(policy) == ["y", "d", "c", "b", "a"]
+
+
+def test_chain_arc_sends_a_partial_tail_to_the_old_end_and_skips_keys_it_does_not_hold() -> None:
+    policy = chain_arc_with("xabc")
+    policy.order_chain(["a", "gone", "b", "c"], partial_tail=True)
+    assert drain(policy) == ["c", "x", "b", "a"]
+    assert len(policy) == 0
+
+
+def test_chain_arc_without_order_chain_calls_is_exactly_arc() -> None:
+    rng = random.Random(7)
+    accesses = [rng.choice(range(40)) if rng.random() < 0.7 else rng.randrange(1000) for _ in range(3000)]
+    chain, arc = ChainARCPolicy(20), ARCPolicy(20)
+    assert replay(chain, accesses, 20) == replay(arc, accesses, 20)
+    assert drain(chain) == drain(arc)
