@@ -267,6 +267,13 @@ def smallest_matching_pool(num_hits: Callable[[int], int], target_hits: int, tot
     return None
 
 
+def planned_replays(total_blocks: int) -> int:
+    """An upper bound on the whole-trace replays `compare` makes when the grid reaches the target
+    (the private replays, split over the servers, count as one)."""
+    widest_gap = max(2, math.ceil(max(b - a for a, b in zip((0, *GRID_SHARES), GRID_SHARES)) * total_blocks))
+    return 1 + len(GRID_SHARES) + math.ceil(math.log2(widest_gap))
+
+
 def _bisect(num_hits: Callable[[int], int], target_hits: int, below: int, above: int) -> int:
     """Smallest size in (below, above] found by bisection: `above` reaches the target, `below` does not."""
     while above - below > 1:
