@@ -149,8 +149,9 @@ def _check_servers_options(args: argparse.Namespace) -> int | None:
     if args.sweep:
         raise ConfigError("servers: --servers cannot be combined with --sweep (it searches the shared pool's size "
                           "itself); drop --sweep")
-    if len(_policies(args.policy)) != 1:
-        raise ConfigError("servers: --servers takes one policy, got " + ", ".join(p.value for p in _policies(args.policy)))
+    policies = _policies(args.policy)
+    if len(policies) != 1:
+        raise ConfigError("servers: --servers takes one policy, got " + ", ".join(p.value for p in policies))
     if args.admission != "off":
         raise ConfigError("servers: --admission does not apply with --servers (the DRAM tier and the pool are each "
                           "the only tier, and a top tier admits every block)")
@@ -171,6 +172,8 @@ def _run_servers(args: argparse.Namespace, trace: Trace, geometry: Any, block_by
         result = compare(trace, config, num_servers, route, bandwidths[TierKind.POOL], on_progress=advance)
     report = _report(args, trace, geometry, block_bytes, [], [], TierKind.DRAM)
     report["servers"] = result
+    report["notes"] += ["--servers models the DRAM level only (no HBM in front, no SSD behind); the pool's "
+                        "ttft_mean_s uses the pool bandwidth (--bandwidth pool), which no hit count depends on"]
     if args.plot:
         report["plots"] = [str(plot_servers(result, Path(args.plot) / "simulate_servers_hit_rate_vs_pool.png"))]
     if args.json:

@@ -239,7 +239,7 @@ def compare(trace: Trace, config: SimConfig, num_servers: int, route: Route, poo
         "num_conversations": len(set(routing.conversations)),
         "num_split_conversations": routing.num_split_conversations,
         "dram_blocks_per_server": dram_blocks, "policy": config.label,
-        "per_server": _loads(trace, routing, runs),
+        "per_server": _loads(routing, runs),
         "private": private, "shared": shared,
         "matching": None if size is None else pool.result(size, total_blocks),
         "search": _search_report(pool.hits_by_size, trace.num_accesses, private["num_hits"]),
@@ -268,8 +268,7 @@ def smallest_matching_pool(num_hits: Callable[[int], int], target_hits: int, tot
 
 
 def planned_replays(total_blocks: int) -> int:
-    """An upper bound on the whole-trace replays `compare` makes when the grid reaches the target
-    (the private replays, split over the servers, count as one)."""
+    """An upper bound on `compare`'s whole-trace replays when the grid reaches the target (private counts as one)."""
     widest_gap = max(2, math.ceil(max(b - a for a, b in zip((0, *GRID_SHARES), GRID_SHARES)) * total_blocks))
     return 1 + len(GRID_SHARES) + math.ceil(math.log2(widest_gap))
 
@@ -350,7 +349,7 @@ def _traffic(blocks_read: int, blocks_written: int, block_bytes: int) -> dict:
             "bytes_written": blocks_written * block_bytes, "bytes_moved": (blocks_read + blocks_written) * block_bytes}
 
 
-def _loads(trace: Trace, routing: Routing, runs: Sequence[dict]) -> list[dict]:
+def _loads(routing: Routing, runs: Sequence[dict]) -> list[dict]:
     conversations: list[set[int]] = [set() for _ in range(routing.num_servers)]
     for conversation, server in zip(routing.conversations, routing.servers):
         conversations[server].add(conversation)
@@ -373,7 +372,7 @@ def _message(private: dict, shared: dict, size: int | None, total_blocks: int, n
             f"one shared pool of the same {total_blocks:,} blocks hits {shared['block_hit_rate']:.1%}")
     if size is None:
         return head + "; no pool size tried matches the private hit rate"
-    return (head + f"; a pool of {size:,} blocks already matches the private hit rate, "
+    return (head + f"; a pool of {size:,} block{'s' * (size != 1)} already matches the private hit rate, "
             f"{(total_blocks - size) / total_blocks:.1%} less capacity")
 
 
