@@ -29,9 +29,10 @@ Routing (`Route`), fixed before any replay, so all three see the same servers:
                    common blocks are found in a first pass over the whole trace (a real balancer
                    would be told its system prompts, or learn them).
 
-Search for S: the pool is replayed at GRID_SHARES of N x D (and, only if none of those reaches the
-target, at EXTRA_SHARES beyond it); between the largest grid size below the target and the first
-that reaches it, a bisection on whole blocks ends with S reaching the private hits and S - 1 not.
+Search for S: the pool is replayed at every one of GRID_SHARES of N x D (and, only if none of those
+reaches the target, at EXTRA_SHARES beyond it); between the first grid size that reaches the target
+and the grid size before it, a bisection on whole blocks ends with S reaching the private hits and
+S - 1 not.
 Hit rate need not grow with capacity; every size replayed is reported, with whether the grid was
 monotone, so a dip is visible.
 
@@ -260,8 +261,9 @@ def smallest_matching_pool(num_hits: Callable[[int], int], target_hits: int, tot
     below = 0  # a size known to fall short (0: no pool at all)
     for shares in (GRID_SHARES, EXTRA_SHARES):
         grid = sorted({max(1, round(share * total_blocks)) for share in shares} - set(range(below + 1)))
-        for size in grid:
-            if num_hits(size) >= target_hits:
+        hits = [num_hits(size) for size in grid]  # the whole grid, for the curve and to show any dip
+        for size, size_hits in zip(grid, hits):
+            if size_hits >= target_hits:
                 return _bisect(num_hits, target_hits, below, size)
             below = size
     return None
