@@ -10,7 +10,8 @@ things are replayed with the runtime's own manager (`replay.simulate`, one tier 
     matching  the same pool at the smallest size S whose hits reach the private hits.
 
 Only the DRAM level is modelled: per-server HBM in front of a shared pool (or SSD behind it) would
-need one manager per server feeding one pool manager, which the replay does not have, so
+need each server's manager to adopt what other servers put in the pool (the runtime's
+`adopt_shared` / `forget_shared`) in step with one pool node, which the replay does not have; so
 `--capacity` must name exactly one tier, dram, and anything else is an error.
 
 Routing (`Route`), fixed before any replay, so all three see the same servers:
@@ -38,7 +39,8 @@ monotone, so a dip is visible.
 
 Accounting is `replay.simulate`'s: hits count only inside the matched prefix. Bytes over the fabric
 are the pool's blocks read (hits, to the engine) and written (stores) x block bytes; the private
-figure is the same traffic to local DRAM, for comparison.
+figure is the same traffic to local DRAM, for comparison. With one tier every access moves one block
+(a hit is read, a miss is written), so the totals match; where they go is what differs.
 """
 
 from __future__ import annotations
