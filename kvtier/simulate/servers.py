@@ -33,9 +33,8 @@ Routing (`Route`), fixed before any replay, so all three see the same servers:
 Search for S: the pool is replayed at every one of GRID_SHARES of N x D (and, only if none of those
 reaches the target, at EXTRA_SHARES beyond it); between the first grid size that reaches the target
 and the grid size before it, a bisection on whole blocks ends with S reaching the private hits and
-S - 1 not.
-Hit rate need not grow with capacity; every size replayed is reported, with whether the grid was
-monotone, so a dip is visible.
+S - 1 not. Hit rate need not grow with capacity; every size replayed is reported, with whether
+the grid was monotone, so a dip is visible.
 
 Accounting is `replay.simulate`'s: hits count only inside the matched prefix. Bytes over the fabric
 are the pool's blocks read (hits, to the engine) and written (stores) x block bytes; the private
@@ -57,8 +56,10 @@ from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier, simulate
 from kvtier.simulate.trace import Trace
 
-COMMON_MIN_FANOUT = 4  # a block followed by at least this many distinct blocks ...
-COMMON_MIN_SHARE = 0.01  # ... and by at least this share of the trace's requests is common
+# A block is common when the distinct blocks that follow it number at least COMMON_MIN_FANOUT and
+# at least COMMON_MIN_SHARE of the trace's requests (the conversation trace: 121, block 0 only).
+COMMON_MIN_FANOUT = 4
+COMMON_MIN_SHARE = 0.01
 GRID_SHARES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # of N x D
 EXTRA_SHARES = (1.25, 1.5, 2.0, 3.0, 4.0)  # tried only when the grid never reaches the target
 
