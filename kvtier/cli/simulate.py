@@ -24,6 +24,7 @@ from kvtier.config import CacheMode
 from kvtier.errors import ConfigError
 from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREFILL_TOKENS_PER_S, SimConfig,
                              SimPolicy, VirtualTier, parse_capacity, simulate)
+from kvtier.simulate.servers import Route, check_num_servers, compare, planned_replays, plot_servers
 from kvtier.simulate.sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
 from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
 from kvtier.kinds import TierKind
@@ -35,6 +36,7 @@ EXAMPLES = """examples:
       --policy all --admission both
   kvtier simulate --trace synthetic --model llama-3-8b --capacity dram=64GiB --capacity ssd=2TiB --json
   kvtier simulate --trace conversation --capacity hbm=2000 --sweep --sweep-tier dram --plot plots/
+  kvtier simulate --trace conversation --servers 4 --capacity dram=2.5% --plot plots/
 capacities: blocks (18279), bytes (64GiB, 500GB: needs the model's block size) or a share of the
 trace's distinct blocks (10%). Tiers: hbm, dram, pool, ssd."""
 
@@ -78,6 +80,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="capacities to try (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%,75%%,100%% of distinct blocks)")
     p.add_argument("--target-hit-rate", default=None, metavar="R",
                    help="block hit rate to reach, 0.3 or 30%% (default: 90%% of the trace's maximum)")
+    p.add_argument("--servers", default=None, metavar="N",
+                   help="spread the trace over N servers: N private DRAM tiers (--capacity dram=D each) against "
+                        "one pool of N x D shared by all, and the smallest pool matching the private hit rate")
+    p.add_argument("--route", choices=[r.value for r in Route], default=None,
+                   help="with --servers: by conversation (session affinity, default) or round-robin by request")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         GeometryError: unknown model or KV dtype.
         ConfigError, CapacityError: bad tiers, capacities, bandwidths or options.
     """
+    num_servers = _check_servers_options(args)
     trace = load_trace(resolve_trace_path(args.trace), block_tokens=_positive_int(args.block_tokens, "block-tokens"),
                        on_error=OnError(args.on_error),
                        limit=None if args.limit is None else _positive_int(args.limit, "limit"))
@@ -103,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     bandwidths = DEFAULT_BANDWIDTH_GBPS | _pairs(args.bandwidth, "bandwidth", _bandwidth)
     capacities = _pairs(args.capacity, "capacity", lambda v, where: parse_capacity(
         v, block_bytes=block_bytes, num_unique_blocks=trace.num_unique_blocks, where=where))
+    if num_servers is not None:
+        return _run_servers(args, trace, geometry, block_bytes, capacities, bandwidths, num_servers)
     if not capacities and not args.sweep:
         raise ConfigError("capacity: give at least one --capacity TIER=N (e.g. --capacity dram=10%), or --sweep")
     sweep_tier = _tier(args.sweep_tier, "sweep-tier") if args.sweep_tier else (max(capacities) if capacities
@@ -117,6 +127,55 @@ def run(args: argparse.Namespace) -> int:
     report = _report(args, trace, geometry, block_bytes, runs, rows, sweep_tier)
     if args.plot:
         report["plots"] = _plots(Path(args.plot), runs, rows, report, trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, Console() if sys.stdout.isatty() else Console(width=160))
+    return 0
+
+
+def _check_servers_options(args: argparse.Namespace) -> int | None:
+    """The server count of --servers (None without it), after rejecting options it cannot combine with.
+
+    Raises:
+        ConfigError: a bad count, --route without --servers, or --servers with --sweep, several
+            policies or admission on; the message names the options.
+    """
+    if args.servers is None:
+        if args.route is not None:
+            raise ConfigError("route: --route applies only with --servers N")
+        return None
+    num_servers = check_num_servers(args.servers)
+    if args.sweep:
+        raise ConfigError("servers: --servers cannot be combined with --sweep (it searches the shared pool's size "
+                          "itself); drop --sweep")
+    policies = _policies(args.policy)
+    if len(policies) != 1:
+        raise ConfigError("servers: --servers takes one policy, got " + ", ".join(p.value for p in policies))
+    if args.admission != "off":
+        raise ConfigError("servers: --admission does not apply with --servers (the DRAM tier and the pool are each "
+                          "the only tier, and a top tier admits every block)")
+    return num_servers
+
+
+def _run_servers(args: argparse.Namespace, trace: Trace, geometry: Any, block_bytes: int,
+                 capacities: dict[TierKind, int], bandwidths: dict[TierKind, float], num_servers: int) -> int:
+    """`--servers N`: private DRAM per server against one shared pool (kvtier/simulate/servers.py)."""
+    if list(capacities) != [TierKind.DRAM]:
+        given = ", ".join(k.name.lower() for k in capacities) or "none"
+        raise ConfigError(f"servers: --servers needs exactly one --capacity, dram=D (each server's DRAM), got {given}; "
+                          "per-server HBM or SSD around a shared pool is not modelled")
+    config = _configs(args, capacities, bandwidths, block_bytes)[0]
+    route = Route(args.route or Route.CONVERSATION.value)
+    total = len(trace.requests) * planned_replays(num_servers * capacities[TierKind.DRAM])
+    with _progress(total, not args.no_progress) as advance:
+        result = compare(trace, config, num_servers, route, bandwidths[TierKind.POOL], on_progress=advance)
+    report = _report(args, trace, geometry, block_bytes, [], [], TierKind.DRAM)
+    report["servers"] = result
+    report["notes"] += ["--servers models the DRAM level only (no HBM in front, no SSD behind); the pool's "
+                        "ttft_mean_s uses the pool bandwidth (--bandwidth pool), which no hit count depends on"]
+    if args.plot:
+        report["plots"] = [str(plot_servers(result, Path(args.plot) / "simulate_servers_hit_rate_vs_pool.png"))]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -289,6 +348,10 @@ def print_report(report: dict, console: Console) -> None:
     if report["runs"]:
         console.print(_runs_table(report["runs"]))
         console.print(_tiers_table(report["runs"]))
+    if "servers" in report:
+        console.print(_servers_table(report["servers"]))
+        console.print(_loads_table(report["servers"]))
+        console.print(f"[bold]pooling:[/bold] {report['servers']['message']}")
     if "sweep" in report:
         console.print(_sweep_table(report["sweep"]))
         console.print(f"[bold]recommendation:[/bold] {report['sweep']['recommendation']['message']}")
@@ -339,6 +402,36 @@ def _sweep_table(sweep_report: dict) -> Table:
         some = next(r for r in rows if r["capacity_blocks"] == point)
         table.add_row(f"{point:,}", _bytes(some["capacity_bytes"]),
                       *[f"{by_point[point, label]['block_hit_rate']:.1%}" for label in labels])
+    return table
+
+
+def _servers_table(result: dict) -> Table:
+    n, d = result["num_servers"], result["dram_blocks_per_server"]
+    table = Table(title=f"{n} servers ({result['route']} routing, {result['policy']}): private DRAM vs one shared pool")
+    for header in ("memory", "blocks", "capacity", "block hit", "tokens saved", "capacity saved", "read", "written",
+                   "traffic over"):
+        table.add_column(header, justify="left" if header in ("memory", "traffic over") else "right")
+    rows = [(f"private: {n} x {d:,}", result["private"], "local DRAM"),
+            ("shared pool, N x D", result["shared"], "fabric")]
+    if result["matching"] is not None:
+        rows.append(("smallest matching pool", result["matching"], "fabric"))
+    for name, r, where in rows:
+        traffic = r.get("local_dram") or r["fabric"]
+        table.add_row(name, f"{r['capacity_blocks']:,}", _bytes(r["capacity_bytes"]), f"{r['block_hit_rate']:.2%}",
+                      f"{r['tokens_saved']:,} ({r['token_hit_rate']:.1%})",
+                      f"{r['capacity_saved_blocks']:,} ({r['capacity_saved_share']:.1%})",
+                      _bytes(traffic["bytes_read"]), _bytes(traffic["bytes_written"]), where)
+    return table
+
+
+def _loads_table(result: dict) -> Table:
+    table = Table(title=f"load per server ({result['num_conversations']:,} conversations, "
+                        f"{result['num_split_conversations']:,} split across servers)")
+    for header in ("server", "requests", "block accesses", "conversations", "private hit"):
+        table.add_column(header, justify="right")
+    for s in result["per_server"]:
+        table.add_row(str(s["server"]), f"{s['num_requests']:,}", f"{s['num_accesses']:,}",
+                      f"{s['num_conversations']:,}", f"{s['private_block_hit_rate']:.1%}")
     return table
 
 
