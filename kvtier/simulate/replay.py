@@ -1,4 +1,4 @@
-"""`kvtier simulate`: replay a request trace through the runtime's own manager and policies.
+"""`kvtier simulate`: replay a request trace through the runtime's own manager and policies, or an equal C engine.
 
 The tiers are virtual: slot counts and bandwidths, no bytes. Everything else is the runtime's code:
 one `TierManager` with one eviction policy per tier (made by `make_policy`, or `BeladyPolicy`),
@@ -13,6 +13,24 @@ all succeed at once: every move the manager plans (promotions, demotions) comple
 the order issued, and the moves that completions trigger follow (tests/simulate/test_simulate_fastpath.py
 checks that this decides exactly as the two-phase verbs driven that way). Nothing is in flight
 between requests, and requests are served one at a time in trace order (timestamps only order them).
+
+Engines (`simulate(..., engine=...)`, `SimEngine`; the report's `engine` says which ran). "manager"
+replays through a `TierManager` as above. "native" (kvtier/_replay.c, driven by
+kvtier/simulate/native_replay.py) is a port, function by function, of what `lookup`, `load_now`
+and `store_now` do for the configurations it accepts: policy LRU, with anything else `SimConfig`
+allows (one to four tiers, exclusive or inclusive mode, admission on or off, any `promote_to`, any
+watermarks, `full_blocks_only` or not), on a trace whose hash ids are ints. It is ~20 to 45 times
+faster (bench/bench_simulate.py). "auto", the default, runs the native engine where it accepts
+the configuration and trace and the manager otherwise (any other policy, including ones added
+later), saying why under `engine_fallback`; asking for "native" where it does not accept them is
+a ConfigError. Proof of equality: tests/simulate/test_native_engine.py replays hypothesis-generated
+traces (prefix-chained ids, and any ids with repeats inside a request) across hypothesis-generated
+accepted configurations on tiers of a few blocks, slices of the Mooncake conversation trace across
+modes, admission, promotion and watermarks, and the whole shared traces, and requires both engines'
+counts to be equal field by field, every request's TTFT to be the same float, and every tier's
+final LRU order to be the same keys. Timing: `replay_s` is the replay alone for both engines; the
+preparation before it (the manager's key lists and Belady's future index; the native engine's
+interning of hash ids into arrays) is outside it, inside the `simulate` call.
 
 Accounting (what `block_hit_rate` means). Every hash id of a request is one block access, the
 partial tail block included: its id names the tail's tokens as exactly as a full block's id does, so
