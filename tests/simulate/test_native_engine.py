@@ -11,7 +11,7 @@ watermarks act all the time; then the shared Mooncake traces. The configurations
 `promote_to`; any watermarks; full blocks only or not). Also: what it does not accept falls back
 to the manager and says so, and malformed input to the C entry point raises, naming the argument.
 
-Cost: ~20 s on two CPU cores without the `slow` whole-trace comparisons (~15 s more).
+Cost: ~15 s on two CPU cores without the `slow` whole-trace comparisons (~10 s more).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def accepted_configs(draw) -> SimConfig:
     return config
 
 
-HYPOTHESIS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @HYPOTHESIS
