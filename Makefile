@@ -37,7 +37,7 @@ system:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "make: missing Debian packages: $$missing (sudo apt-get install $$missing); their tests will skip"; fi
 
-$(STAMP): pyproject.toml setup.py kvtier/_keytable.c
+$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"

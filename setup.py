@@ -1,6 +1,16 @@
-"""The one compiled part of kvtier: `kvtier._keytable` (see kvtier/_keytable.c). Everything else is in
-pyproject.toml. Without a C compiler the build fails loudly rather than leave a slower index behind."""
+"""The compiled parts of kvtier: `kvtier._keytable` (see kvtier/_keytable.c) and `kvtier._replay`
+(kvtier/_replay.c). Everything else is in pyproject.toml. Without a C compiler the build fails
+loudly rather than leave a slower index behind.
+
+`kvtier._replay` also gets `-ffp-contract=off`: its TTFT sums must round as Python's do, one
+multiplication and one addition at a time, never fused into one FMA instruction.
+"""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvtier._keytable", ["kvtier/_keytable.c"], extra_compile_args=["-O2", "-Wall", "-Werror"])])
+FLAGS = ["-O2", "-Wall", "-Werror"]
+
+setup(ext_modules=[
+    Extension("kvtier._keytable", ["kvtier/_keytable.c"], extra_compile_args=FLAGS),
+    Extension("kvtier._replay", ["kvtier/_replay.c"], extra_compile_args=[*FLAGS, "-ffp-contract=off"]),
+])

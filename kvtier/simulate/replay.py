@@ -1,4 +1,4 @@
-"""`kvtier simulate`: replay a request trace through the runtime's own manager and policies.
+"""`kvtier simulate`: replay a request trace through the runtime's own manager and policies, or an equal C engine.
 
 The tiers are virtual: slot counts and bandwidths, no bytes. Everything else is the runtime's code:
 one `TierManager` with one eviction policy per tier (made by `make_policy`, or `BeladyPolicy`),
@@ -14,6 +14,24 @@ all succeed at once: every move the manager plans (promotions, demotions) comple
 the order issued, and the moves that completions trigger follow (tests/simulate/test_simulate_fastpath.py
 checks that this decides exactly as the two-phase verbs driven that way). Nothing is in flight
 between requests, and requests are served one at a time in trace order (timestamps only order them).
+
+Engines (`simulate(..., engine=...)`, `SimEngine`; the report's `engine` says which ran). "manager"
+replays through a `TierManager` as above. "native" (kvtier/_replay.c, driven by
+kvtier/simulate/native_replay.py) is a port, function by function, of what `lookup`, `load_now`
+and `store_now` do for the configurations it accepts: policy LRU, with anything else `SimConfig`
+allows (one to four tiers, exclusive or inclusive mode, admission on or off, any `promote_to`, any
+watermarks, `full_blocks_only` or not), on a trace whose hash ids are ints. It is ~20 to 45 times
+faster (bench/bench_simulate.py). "auto", the default, runs the native engine where it accepts
+the configuration and trace and the manager otherwise (any other policy, including ones added
+later), saying why under `engine_fallback`; asking for "native" where it does not accept them is
+a ConfigError. Proof of equality: tests/simulate/test_native_engine.py replays hypothesis-generated
+traces (prefix-chained ids, and any ids with repeats inside a request) across hypothesis-generated
+accepted configurations on tiers of a few blocks, slices of the Mooncake conversation trace across
+modes, admission, promotion and watermarks, and the whole shared traces, and requires both engines'
+counts to be equal field by field, every request's TTFT to be the same float, and every tier's
+final LRU order to be the same keys. Timing: `replay_s` is the replay alone for both engines; the
+preparation before it (the manager's key lists and Belady's future index; the native engine's
+interning of hash ids into arrays) is outside it, inside the `simulate` call.
 
 Accounting (what `block_hit_rate` means). Every hash id of a request is one block access, the
 partial tail block included: its id names the tail's tokens as exactly as a full block's id does, so
@@ -45,7 +63,7 @@ import gc
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +74,9 @@ from kvtier.manager import TierManager, TierSlots
 from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
+from kvtier.simulate.native_replay import NativeTier, NotNative, intern_requests, run_native
 from kvtier.simulate.trace import Trace
+from kvtier.stats import DropReason
 from kvtier.kinds import TierKind
 from kvtier.units import check_number
 
@@ -85,6 +105,14 @@ class SimPolicy(enum.Enum):
     ARC = "arc"
     CHAIN_ARC = "chain-arc"
     BELADY = "belady"
+
+
+class SimEngine(enum.Enum):
+    """Which engine replays a trace (see the module docstring)."""
+
+    AUTO = "auto"  # the native engine where it accepts the configuration and trace, else the manager
+    NATIVE = "native"  # the native engine, or ConfigError where it does not accept them
+    MANAGER = "manager"  # the runtime's TierManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,16 +227,22 @@ def build_manager(config: SimConfig, future: FutureAccesses | None = None) -> Ti
     Raises:
         ConfigError: Belady without `future`.
     """
+    slots = [TierSlots(tier.kind, tier.num_slots, _policy(config.policy, tier.num_slots, future), admission, *marks)
+             for tier, admission, marks in _tier_rules(config)]
+    return TierManager(slots, mode=config.mode, promote_to=config.promote_to)
+
+
+def _tier_rules(config: SimConfig) -> list[tuple[VirtualTier, AdmissionRule, tuple[float, float]]]:
+    """Per tier, fastest first: its admission rule and its (high, low) watermarks, for either engine."""
     last = config.tiers[-1].kind
-    slots = []
+    rules = []
     for i, tier in enumerate(config.tiers):
         admits_all = i == 0 or not config.admission or tier.kind not in ADMISSION_TIERS
         admission = (AdmissionRule(AdmissionKind.ALL) if admits_all
                      else AdmissionRule(AdmissionKind.REUSED, min_hits=ADMISSION_MIN_HITS))
         marks = (1.0, 1.0) if tier.kind is last else (config.high_watermark, config.low_watermark)
-        slots.append(TierSlots(tier.kind, tier.num_slots, _policy(config.policy, tier.num_slots, future),
-                               admission, *marks))
-    return TierManager(slots, mode=config.mode, promote_to=config.promote_to)
+        rules.append((tier, admission, marks))
+    return rules
 
 
 def _policy(policy: SimPolicy, num_slots: int, future: FutureAccesses | None) -> EvictionPolicy:
@@ -219,31 +253,153 @@ def _policy(policy: SimPolicy, num_slots: int, future: FutureAccesses | None) ->
     return make_policy(PolicyKind(policy.value), num_slots)
 
 
-def simulate(trace: Trace, config: SimConfig, *, on_progress: Callable[[int], None] | None = None) -> dict:
-    """Replays `trace` through a fresh manager built from `config`.
+def native_declines(config: SimConfig) -> str | None:
+    """Why the native engine does not replay `config`, or None where it does (see the module docstring)."""
+    if config.policy is not SimPolicy.LRU:
+        return f"policy {config.policy.value}: the native engine replays LRU only"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayCounts:
+    """What one replay counted, whichever engine ran it: `simulate` makes its report from this alone.
+
+    Attributes:
+        engine: the engine that ran: "native" or "manager".
+        fallback: why the native engine did not run where `SimEngine.AUTO` asked for it, else None.
+        replay_s: wall seconds of the replay itself (see the module docstring for what is outside).
+        hits, stores, evictions: per tier, the manager's `Stats` counts.
+        engine_reads: per tier, blocks read out of it to the engine.
+        used_slots: per tier, slots in use at the end.
+        demotions, promotions: per (src, dst) tier pair, the completed moves.
+        dropped: per `DropReason`, the blocks lost (non-zero counts only).
+        num_accesses, cached_tokens, input_tokens: over all requests.
+        ttft_s, ttft_no_cache_s: per request, the TTFT model's estimate with and without the cache.
+        lru_orders: per tier, its LRU order at the end (keys, oldest first); only when asked for.
+    """
+
+    engine: str
+    fallback: str | None
+    replay_s: float
+    hits: dict[TierKind, int]
+    stores: dict[TierKind, int]
+    evictions: dict[TierKind, int]
+    engine_reads: dict[TierKind, int]
+    used_slots: dict[TierKind, int]
+    demotions: dict[tuple[TierKind, TierKind], int]
+    promotions: dict[tuple[TierKind, TierKind], int]
+    dropped: dict[str, int]
+    num_accesses: int
+    cached_tokens: int
+    input_tokens: int
+    ttft_s: Sequence[float]
+    ttft_no_cache_s: Sequence[float]
+    lru_orders: dict[TierKind, list[Hashable]] | None = None
+
+
+def simulate(trace: Trace, config: SimConfig, *, on_progress: Callable[[int], None] | None = None,
+             engine: SimEngine | str = SimEngine.AUTO) -> dict:
+    """Replays `trace` through `config`'s tiers: a fresh manager, or the native engine (see the module docstring).
 
     Args:
         trace: the requests.
         config: tiers, policy and models.
         on_progress: called with a number of requests done since the last call, now and then.
+        engine: which engine replays: `SimEngine` or its value ("auto", "native", "manager").
     Returns:
         A JSON-ready report: `block_hit_rate`, hits and accesses, prefill tokens saved, TTFT
-        percentiles (with and without the cache), and under `tiers` a per-tier breakdown (slots,
-        hits, hit rate, stores, evictions, blocks and bytes read and written).
+        percentiles (with and without the cache), under `tiers` a per-tier breakdown (slots,
+        hits, hit rate, stores, evictions, blocks and bytes read and written), and `engine`
+        ("native" or "manager"), with `engine_fallback` saying why where "auto" fell back.
+    Raises:
+        ConfigError: `engine` is not one of the three, or "native" for what it does not accept.
     """
-    keys = [r.hash_ids[:-1] if r.partial_tail and config.full_blocks_only else r.hash_ids for r in trace.requests]
-    future = FutureAccesses(keys) if config.policy is SimPolicy.BELADY else None
-    replay = _Replay(build_manager(config, future), config, trace.block_tokens)
+    return _report(trace, config, replay_counts(trace, config, engine=engine, on_progress=on_progress))
+
+
+def replay_counts(trace: Trace, config: SimConfig, *, engine: SimEngine | str = SimEngine.AUTO,
+                  on_progress: Callable[[int], None] | None = None, lru_orders: bool = False) -> ReplayCounts:
+    """One replay's counts, from which `simulate` makes its report.
+
+    Args:
+        trace, config, on_progress, engine: as for `simulate`.
+        lru_orders: also record each tier's final LRU order (the equality tests compare them).
+    Returns:
+        The counts.
+    Raises:
+        ConfigError: as `simulate`.
+    """
+    try:
+        engine = SimEngine(engine)
+    except ValueError:
+        raise ConfigError(f"engine: expected one of {[e.value for e in SimEngine]}, got {engine!r}") from None
+    declined = native_declines(config) if engine is not SimEngine.MANAGER else None
+    arrays = None
+    if engine is not SimEngine.MANAGER and declined is None:
+        try:
+            arrays = intern_requests(trace.requests, config.full_blocks_only)
+        except NotNative as e:
+            declined = str(e)
+    if engine is SimEngine.NATIVE and declined is not None:
+        raise ConfigError(f"engine native: {declined}")
     collecting = gc.isenabled()
     gc.disable()  # see _Replay.run
     try:
-        started = time.perf_counter()
-        replay.run(trace, keys, future, on_progress)
-        replay_s = time.perf_counter() - started
+        if arrays is not None:
+            return _replay_native(arrays, config, trace.block_tokens, on_progress, lru_orders)
+        return _replay_manager(trace, config, on_progress, lru_orders, declined)
     finally:
         if collecting:
             gc.enable()
-    return replay.report(trace, replay_s)
+
+
+def _replay_native(arrays, config: SimConfig, block_tokens: int, on_progress: Callable[[int], None] | None,
+                   lru_orders: bool) -> ReplayCounts:
+    """`replay_counts` by the native engine, over the interned trace."""
+    rules = _tier_rules(config)
+    kinds = [tier.kind for tier, _, _ in rules]
+    tiers = [NativeTier(tier.num_slots, admission, *marks, _seconds_per_block(config, tier))
+             for tier, admission, marks in rules]
+    promote_to = kinds.index(config.promote_to) if config.promote_to in kinds else None
+    started = time.perf_counter()
+    result = run_native(arrays, tiers, inclusive=config.mode is CacheMode.INCLUSIVE, promote_to=promote_to,
+                        block_tokens=block_tokens, seconds_per_token=1 / config.prefill_tokens_per_s,
+                        on_progress=on_progress, progress_every=PROGRESS_EVERY, lru_orders=lru_orders)
+    replay_s = time.perf_counter() - started
+    if on_progress is not None:
+        on_progress(len(arrays.starts) % PROGRESS_EVERY)
+    c = result.counts
+
+    def per_tier(name: str) -> dict[TierKind, int]:
+        return dict(zip(kinds, c[name]))
+
+    def per_route(name: str) -> dict[tuple[TierKind, TierKind], int]:
+        return {(a, b): c[name][i][j] for i, a in enumerate(kinds) for j, b in enumerate(kinds) if i != j}
+
+    reasons = (DropReason.EVICTED, DropReason.ADMISSION, DropReason.LOWER_FULL, DropReason.NO_SPACE)
+    return ReplayCounts(
+        "native", None, replay_s, per_tier("hits"), per_tier("stores"), per_tier("evictions"),
+        per_tier("engine_reads"), per_tier("used_slots"), per_route("demotions"), per_route("promotions"),
+        {reason: n for reason, n in zip(reasons, c["dropped"]) if n}, c["num_accesses"], c["cached_tokens"],
+        c["input_tokens"], result.ttft_s, result.ttft_no_cache_s,
+        dict(zip(kinds, result.lru_orders)) if result.lru_orders is not None else None)
+
+
+def _replay_manager(trace: Trace, config: SimConfig, on_progress: Callable[[int], None] | None, lru_orders: bool,
+                    fallback: str | None) -> ReplayCounts:
+    """`replay_counts` by a fresh manager."""
+    keys = [r.hash_ids[:-1] if r.partial_tail and config.full_blocks_only else r.hash_ids for r in trace.requests]
+    future = FutureAccesses(keys) if config.policy is SimPolicy.BELADY else None
+    replay = _Replay(build_manager(config, future), config, trace.block_tokens)
+    started = time.perf_counter()
+    replay.run(trace, keys, future, on_progress)
+    replay_s = time.perf_counter() - started
+    return replay.counts(replay_s, fallback, lru_orders)
+
+
+def _seconds_per_block(config: SimConfig, tier: VirtualTier) -> float:
+    """Seconds to read one block out of `tier`, in the TTFT model."""
+    return config.block_bytes / (tier.bandwidth_gbps * 1e9)
 
 
 class _Replay:
@@ -271,7 +427,7 @@ class _Replay:
         """
         m, cfg = self.manager, self.config
         lookup, hits = m.lookup, m.stats.hits
-        seconds_per_block = [cfg.block_bytes / (t.bandwidth_gbps * 1e9) for t in cfg.tiers]
+        seconds_per_block = [_seconds_per_block(cfg, t) for t in cfg.tiers]
         seconds_per_token = 1 / cfg.prefill_tokens_per_s
         order, single = m.order, len(m.order) == 1
         order_chain, chain_aware = m.order_chain, cfg.policy is SimPolicy.CHAIN_ARC
@@ -287,8 +443,10 @@ class _Replay:
                 self._load(blocks[:n])
                 if single:
                     load_s = n * seconds_per_block[0]
-                else:
-                    load_s = sum((hits[t] - b) * s for t, b, s in zip(order, before, seconds_per_block))
+                else:  # left to right, one rounding per step, as the native engine sums (not `sum`,
+                    # whose float sums are compensated from Python 3.12 on)
+                    for t, b, s in zip(order, before, seconds_per_block):
+                        load_s += (hits[t] - b) * s
             if n < len(blocks):
                 self._store(blocks[n:])
             if chain_aware:
@@ -312,51 +470,72 @@ class _Replay:
     def _store(self, blocks: tuple) -> None:
         self.manager.store_now(blocks)
 
-    def report(self, trace: Trace, replay_s: float) -> dict:
-        """The JSON-ready report of a finished replay."""
-        cfg, stats = self.config, self.manager.stats
-        num_hits = sum(stats.hits.values())
-        return {
-            "label": cfg.label, "policy": cfg.policy.value, "admission": "on" if cfg.admission else "off",
-            "mode": cfg.mode.value, "promote_to": cfg.promote_to.name.lower() if cfg.promote_to else None,
-            "partial_blocks": "excluded" if cfg.full_blocks_only else "counted",
-            "block_bytes": cfg.block_bytes, "num_requests": len(trace.requests),
-            "num_accesses": self.num_accesses, "num_hits": num_hits,
-            "block_hit_rate": num_hits / self.num_accesses if self.num_accesses else 0.0,
-            "prefill": {
-                "input_tokens": self.input_tokens, "tokens_saved": self.cached_tokens,
-                "token_hit_rate": self.cached_tokens / self.input_tokens if self.input_tokens else 0.0,
-                "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
-            },
-            "ttft_s": _percentiles(self.ttft_s), "ttft_no_cache_s": _percentiles(self.ttft_no_cache_s),
-            "tiers": {t.kind.name.lower(): self._tier_report(t) for t in cfg.tiers},
-            "dropped": {reason: n for reason, n in stats.dropped.items() if n},
-            "replay_s": replay_s, "accesses_per_s": self.num_accesses / replay_s if replay_s > 0 else None,
-        }  # fmt: skip
-
-    def _tier_report(self, tier: VirtualTier) -> dict:
-        stats, kind, block_bytes = self.manager.stats, tier.kind, self.config.block_bytes
-        moves = {route: n + stats.promotions[route] for route, n in stats.demotions.items()}
-        moved_in = sum(n for (_, dst), n in moves.items() if dst == kind)
-        moved_out = sum(n for (src, _), n in moves.items() if src == kind)
-        num_hits = stats.hits[kind]
-        blocks_written = stats.stores[kind] + moved_in
-        blocks_read = self.engine_reads[kind] + moved_out
-        return {
-            "num_slots": tier.num_slots, "capacity_bytes": tier.num_slots * block_bytes,
-            "bandwidth_gbps": tier.bandwidth_gbps, "used_slots": self.manager.num_used(kind),
-            "hits": num_hits, "hit_rate": num_hits / self.num_accesses if self.num_accesses else 0.0,
-            "share_of_hits": num_hits / max(1, sum(stats.hits.values())),
-            "stores": stats.stores[kind], "evictions": stats.evictions[kind],
-            "blocks_moved_in": moved_in, "blocks_moved_out": moved_out,
-            "blocks_read": blocks_read, "blocks_written": blocks_written,
-            "bytes_read": blocks_read * block_bytes, "bytes_written": blocks_written * block_bytes,
-            "bytes_moved": (blocks_read + blocks_written) * block_bytes,
-        }  # fmt: skip
+    def counts(self, replay_s: float, fallback: str | None, lru_orders: bool) -> ReplayCounts:
+        """The counts of a finished replay (`fallback`: why the native engine did not run, if it was asked to)."""
+        m, stats = self.manager, self.manager.stats
+        kinds = [t.kind for t in self.config.tiers]
+        routes = [(a, b) for a in kinds for b in kinds if a is not b]
+        orders = None
+        if lru_orders:
+            orders = {}
+            for kind in kinds:  # a policy iterates its slots oldest first
+                owners = m.index.owner[kind]
+                orders[kind] = [m.index.key_of(owners[slot]) for slot in m._tiers[kind].policy]
+        return ReplayCounts(
+            "manager", fallback, replay_s, {k: stats.hits[k] for k in kinds}, {k: stats.stores[k] for k in kinds},
+            {k: stats.evictions[k] for k in kinds}, {k: self.engine_reads[k] for k in kinds},
+            {k: m.num_used(k) for k in kinds}, {r: stats.demotions[r] for r in routes},
+            {r: stats.promotions[r] for r in routes}, {reason: n for reason, n in stats.dropped.items() if n},
+            self.num_accesses, self.cached_tokens, self.input_tokens, self.ttft_s, self.ttft_no_cache_s, orders)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
+def _report(trace: Trace, cfg: SimConfig, counts: ReplayCounts) -> dict:
+    """The JSON-ready report of a finished replay."""
+    num_hits = sum(counts.hits.values())
+    accesses, replay_s = counts.num_accesses, counts.replay_s
+    return {
+        "label": cfg.label, "policy": cfg.policy.value, "admission": "on" if cfg.admission else "off",
+        "mode": cfg.mode.value, "promote_to": cfg.promote_to.name.lower() if cfg.promote_to else None,
+        "partial_blocks": "excluded" if cfg.full_blocks_only else "counted",
+        "block_bytes": cfg.block_bytes, "num_requests": len(trace.requests),
+        "num_accesses": accesses, "num_hits": num_hits,
+        "block_hit_rate": num_hits / accesses if accesses else 0.0,
+        "prefill": {
+            "input_tokens": counts.input_tokens, "tokens_saved": counts.cached_tokens,
+            "token_hit_rate": counts.cached_tokens / counts.input_tokens if counts.input_tokens else 0.0,
+            "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
+        },
+        "ttft_s": _percentiles(counts.ttft_s), "ttft_no_cache_s": _percentiles(counts.ttft_no_cache_s),
+        "tiers": {t.kind.name.lower(): _tier_report(cfg, counts, t) for t in cfg.tiers},
+        "dropped": dict(counts.dropped),
+        "engine": counts.engine, "engine_fallback": counts.fallback,
+        "replay_s": replay_s, "accesses_per_s": accesses / replay_s if replay_s > 0 else None,
+    }  # fmt: skip
+
+
+def _tier_report(cfg: SimConfig, counts: ReplayCounts, tier: VirtualTier) -> dict:
+    kind, block_bytes, accesses = tier.kind, cfg.block_bytes, counts.num_accesses
+    moves = {route: n + counts.promotions[route] for route, n in counts.demotions.items()}
+    moved_in = sum(n for (_, dst), n in moves.items() if dst == kind)
+    moved_out = sum(n for (src, _), n in moves.items() if src == kind)
+    num_hits = counts.hits[kind]
+    blocks_written = counts.stores[kind] + moved_in
+    blocks_read = counts.engine_reads[kind] + moved_out
+    return {
+        "num_slots": tier.num_slots, "capacity_bytes": tier.num_slots * block_bytes,
+        "bandwidth_gbps": tier.bandwidth_gbps, "used_slots": counts.used_slots[kind],
+        "hits": num_hits, "hit_rate": num_hits / accesses if accesses else 0.0,
+        "share_of_hits": num_hits / max(1, sum(counts.hits.values())),
+        "stores": counts.stores[kind], "evictions": counts.evictions[kind],
+        "blocks_moved_in": moved_in, "blocks_moved_out": moved_out,
+        "blocks_read": blocks_read, "blocks_written": blocks_written,
+        "bytes_read": blocks_read * block_bytes, "bytes_written": blocks_written * block_bytes,
+        "bytes_moved": (blocks_read + blocks_written) * block_bytes,
+    }  # fmt: skip
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if len(values) == 0:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
     p50, p90, p99 = np.percentile(np.asarray(values), [50, 90, 99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}

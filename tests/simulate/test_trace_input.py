@@ -148,3 +148,4 @@ def test_single_tier_lru_hits_exactly_what_libcachesim_hits_on_a_gzipped_floor_t
     theirs = sum(cache.get(libcachesim.Request(obj_id=h, obj_size=1)) for r in trace.requests for h in r.hash_ids)
     assert ours["num_accesses"] == trace.num_accesses
     assert ours["num_hits"] == theirs > 0
+    assert ours["engine"] == "native"  # the default path for LRU

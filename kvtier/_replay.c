@@ -1,0 +1,946 @@
+/* kvtier._replay: `kvtier simulate`'s trace replay for LRU tiers, in C.
+ *
+ * `replay_lru` serves a trace's requests one at a time, as `kvtier.simulate.replay._Replay.run`
+ * drives the runtime's `TierManager`: lookup, `load_now` of the hit prefix, `store_now` of the rest.
+ * Every decision is a line-for-line port of the manager's synchronous path (kvtier/manager.py) for
+ * the tiers `kvtier simulate` builds: every tier LRU, an admission rule per tier, watermarks on all
+ * but the last, exclusive or inclusive mode, an optional promotion tier; no tier down, no pins,
+ * no prefetch, no pool tier that may drop blocks (`may_drop`), no write-through but inclusive
+ * mode's, no failed transfer. Each function below names the manager method it ports; the paths the
+ * manager takes only outside that set are left out. tests/simulate/test_native_engine.py checks
+ * that both replays report the same numbers and leave the same LRU orders.
+ *
+ * The model, per the manager's index (kvtier/index.py), with two simplifications that decide
+ * nothing:
+ *   - blocks are the trace's hash ids interned to 0 .. num_blocks - 1 by the caller, so a block's
+ *     id is fixed for the whole replay; where the manager removes a block from its index (its last
+ *     copy freed) this resets what `BlockIndex.remove` resets (the hit count), and "indexed" is
+ *     "has a copy" (the manager adds a key just before its first copy and removes it with its last);
+ *   - a tier's slots are a count of free slots, not numbers: a block has at most one copy per
+ *     tier, so (tier, block) names a copy, and LRU orders the same copies by block id as the
+ *     manager's `SlotLRUPolicy` orders them by slot (insertion and touch order, not slot numbers,
+ *     decide it).
+ * Moves complete at once, first in first out, in a queue as `TierManager._queue`.
+ *
+ * Errors: arguments are checked up front (TypeError / ValueError naming the argument); a broken
+ * invariant (a copy completed twice: a bug, never a trace's fault) stops the replay with
+ * RuntimeError; an exception from `on_progress` is passed on.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_TIERS 4
+#define NO_TIER 255  /* `ready` of a block with no READY copy, as in kvtier.index */
+#define OUT (-2)     /* `prev` of a block not in a tier's LRU order */
+#define END (-1)     /* the end of an LRU order */
+
+enum { FREE = 0, WRITING = 1, READY = 2, FREEING = 3 };  /* a copy's state: kvtier.index's values */
+enum { ADMIT_ALL = 0, ADMIT_EVICTED = 1, ADMIT_REUSED = 2 };  /* kvtier.policy.admission.AdmissionKind */
+/* The drop reasons a replay can reach (kvtier.stats.DropReason), in the order `replay_lru` reports them. */
+enum { DROP_EVICTED = 0, DROP_ADMISSION, DROP_LOWER_FULL, DROP_NO_SPACE, NUM_DROPS, DROP_UNCOUNTED = -1 };
+enum { DEMOTE = 0, PROMOTE = 1 };
+
+typedef struct {
+    /* rules */
+    int64_t num_slots;
+    int admission;          /* ADMIT_* */
+    int64_t min_hits;       /* ADMIT_REUSED */
+    int allow_demoted;      /* ADMIT_REUSED */
+    int watermarked;        /* high watermark < 1 and a tier below: `TierManager._watermarked` */
+    int64_t high_slots;     /* floor(high_watermark * num_slots): more in use is over the mark */
+    int64_t low_slots;      /* floor(low_watermark * num_slots): where a rebalance stops */
+    double seconds_per_block;
+    /* slots */
+    int64_t num_free;
+    int64_t outgoing;       /* demotions queued out of this tier */
+    /* per block: its copy here */
+    uint8_t *state;
+    int32_t *readers;
+    /* per block: the LRU order of READY copies (`SlotLRUPolicy`), oldest at `head` */
+    int32_t *prev, *next;
+    int32_t head, tail;
+    int64_t lru_len;
+    int32_t *victims;       /* `rebalance`'s scratch: up to num_slots victims */
+    /* counters: `Stats` per tier, and the copies read out to the engine (`_Replay.engine_reads`) */
+    int64_t hits, stores, evictions, engine_reads;
+} Tier;
+
+typedef struct {
+    int32_t block;
+    int8_t src, dst, kind;  /* kind: DEMOTE or PROMOTE */
+} Queued;
+
+typedef struct {
+    int num_tiers;
+    int inclusive;
+    int promote_to;         /* a tier index, or -1 */
+    Tier tier[MAX_TIERS];
+    /* per block */
+    uint8_t *num_copies, *ready;
+    int64_t *hits;
+    int8_t *inbound;        /* the destination of its promotion in flight, or -1 (`TierManager._inbound`) */
+    /* moves in flight: a ring, never fuller than the slots of all tiers (each holds a WRITING copy) */
+    Queued *queue;
+    int64_t queue_cap, queue_head, queue_len;
+    int over_high;          /* `TierManager._over_high` */
+    int64_t demotions[MAX_TIERS][MAX_TIERS], promotions[MAX_TIERS][MAX_TIERS], dropped[NUM_DROPS];
+    const char *broken;     /* the first broken invariant, if any: the replay stops after the request */
+    /* per request, sized for the longest */
+    int32_t *leased_block;
+    int8_t *leased_tier, *source_tier;
+    int32_t *placed_block;
+    int8_t *placed_tier;
+} Engine;
+
+/* ---- LRU order of one tier (`kvtier._keytable.SlotList`, by block instead of slot) ---------- */
+
+static inline int lru_tracked(const Tier *t, int32_t b) { return t->prev[b] != OUT; }
+
+static void lru_unlink(Tier *t, int32_t b) {
+    int32_t p = t->prev[b], n = t->next[b];
+    if (p == END)
+        t->head = n;
+    else
+        t->next[p] = n;
+    if (n == END)
+        t->tail = p;
+    else
+        t->prev[n] = p;
+    t->prev[b] = OUT;
+    t->lru_len--;
+}
+
+static void lru_append(Tier *t, int32_t b) {
+    t->prev[b] = t->tail;
+    t->next[b] = END;
+    if (t->tail == END)
+        t->head = b;
+    else
+        t->next[t->tail] = b;
+    t->tail = b;
+    t->lru_len++;
+}
+
+/* `SlotList.insert`: the manager inserts only copies it has not inserted. */
+static void lru_insert(Engine *e, Tier *t, int32_t b) {
+    if (lru_tracked(t, b)) {
+        e->broken = "a copy entered its tier's LRU order twice";
+        return;
+    }
+    lru_append(t, b);
+}
+
+/* `SlotList.touch`: a tracked copy becomes the most recent. */
+static inline void lru_touch(Tier *t, int32_t b) {
+    if (b != t->tail && lru_tracked(t, b)) {
+        lru_unlink(t, b);
+        lru_append(t, b);
+    }
+}
+
+/* `TierManager._protected_in`: pins are always 0 here, and a tracked copy's slot is owned. */
+static inline int is_protected(const Tier *t, int32_t b) { return t->state[b] != READY || t->readers[b] != 0; }
+
+/* `SlotList.evict_one(protected)`: the oldest unprotected copy, forgotten, or -1. */
+static int32_t lru_evict_one(Tier *t) {
+    for (int32_t b = t->head; b != END; b = t->next[b]) {
+        if (!is_protected(t, b)) {
+            lru_unlink(t, b);
+            return b;
+        }
+    }
+    return -1;
+}
+
+/* `EvictionPolicy.evict(n, protected)` over `SlotList._evict` (n >= 2): the n oldest unprotected
+ * copies into `t->victims`, forgotten; 0 (nothing changed) where there are fewer. */
+static int lru_evict_n(Tier *t, int64_t n) {
+    if (n > t->lru_len)
+        return 0;
+    int64_t found = 0;
+    for (int32_t b = t->head; b != END && found < n; b = t->next[b]) {
+        if (!is_protected(t, b))
+            t->victims[found++] = b;
+    }
+    if (found < n)
+        return 0;
+    for (int64_t i = 0; i < n; i++)
+        lru_unlink(t, t->victims[i]);
+    return 1;
+}
+
+/* ---- copies (`TierManager`'s copy lifecycle) ------------------------------------------------ */
+
+/* `AdmissionRule.admits`. */
+static inline int admits(const Tier *t, int demoted, int64_t hits) {
+    if (t->admission == ADMIT_ALL)
+        return 1;
+    if (t->admission == ADMIT_EVICTED)
+        return demoted;
+    return hits >= t->min_hits || (demoted && t->allow_demoted);
+}
+
+/* `TierManager._live`: a copy that is or will become servable. */
+static int is_live(const Engine *e, int32_t b) {
+    for (int i = 0; i < e->num_tiers; i++) {
+        uint8_t s = e->tier[i].state[b];
+        if (s == WRITING || s == READY)
+            return 1;
+    }
+    return 0;
+}
+
+/* `TierManager._refresh`: the fastest READY copy. */
+static void refresh(Engine *e, int32_t b) {
+    for (int i = 0; i < e->num_tiers; i++) {
+        if (e->tier[i].state[b] == READY) {
+            e->ready[b] = (uint8_t)i;
+            return;
+        }
+    }
+    e->ready[b] = NO_TIER;
+}
+
+/* `TierManager._claim`: a WRITING copy in a slot of `ti` already taken off its free count. */
+static void claim(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    if (t->state[b] != FREE) {
+        e->broken = "a block was given a second copy in one tier";
+        return;
+    }
+    t->state[b] = WRITING;
+    e->num_copies[b]++;
+}
+
+/* `TierManager._make_ready`. */
+static void make_ready(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    if (t->state[b] != WRITING) {
+        e->broken = "a copy was completed twice";
+        return;
+    }
+    t->state[b] = READY;
+    if (ti < e->ready[b])
+        e->ready[b] = (uint8_t)ti;
+    lru_insert(e, t, b);
+}
+
+/* `TierManager._free`; the block leaves the index with its last copy (`BlockIndex.remove`). */
+static void free_copy(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    t->state[b] = FREE;
+    t->num_free++;
+    if (--e->num_copies[b] == 0)
+        e->hits[b] = 0;
+}
+
+/* `TierManager._release`: a copy (out of its LRU order) leaves service, freed once unread. */
+static void release(Engine *e, int32_t b, int ti, int reason) {
+    Tier *t = &e->tier[ti];
+    if (t->state[b] != FREEING) {
+        t->state[b] = FREEING;
+        if (e->num_copies[b] == 1) {
+            e->ready[b] = NO_TIER;
+            if (reason != DROP_UNCOUNTED)
+                e->dropped[reason]++;
+            if (t->readers[b] == 0) {
+                t->state[b] = FREE;
+                t->num_free++;
+                e->num_copies[b] = 0;
+                e->hits[b] = 0;
+            }
+            return;
+        }
+        if (e->ready[b] == ti)
+            refresh(e, b);
+        if (!is_live(e, b) && reason != DROP_UNCOUNTED)
+            e->dropped[reason]++;
+    }
+    if (t->readers[b] == 0)
+        free_copy(e, b, ti);
+}
+
+/* `TierManager._retire`: `_release` for a copy that may still be in its LRU order. */
+static void retire(Engine *e, int32_t b, int ti, int reason) {
+    Tier *t = &e->tier[ti];
+    if (t->state[b] == READY && lru_tracked(t, b))
+        lru_unlink(t, b);
+    release(e, b, ti, reason);
+}
+
+/* `TierManager._settle`. */
+static void settle(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    if (t->state[b] == FREEING && t->readers[b] == 0)
+        free_copy(e, b, ti);
+}
+
+/* ---- decisions ------------------------------------------------------------------------------- */
+
+static void enqueue(Engine *e, int32_t b, int src, int dst, int kind) {
+    if (e->queue_len == e->queue_cap) {
+        e->broken = "more moves in flight than slots";
+        return;
+    }
+    Queued *q = &e->queue[(e->queue_head + e->queue_len) % e->queue_cap];
+    q->block = b;
+    q->src = (int8_t)src;
+    q->dst = (int8_t)dst;
+    q->kind = (int8_t)kind;
+    e->queue_len++;
+}
+
+/* `TierManager._evict`: `b`'s copy in `ti` (already out of its LRU order) is released, demoted
+ * into the first tier below that admits it and has or can make room, or dropped. */
+static void evict(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    t->evictions++;
+    if (e->num_copies[b] > 1) {
+        for (int i = 0; i < e->num_tiers; i++) {
+            uint8_t s = e->tier[i].state[b];
+            if (i != ti && s != FREE && s != FREEING) {
+                release(e, b, ti, DROP_EVICTED);  /* never the last copy */
+                return;
+            }
+        }
+    }
+    if (ti == e->num_tiers - 1) {
+        release(e, b, ti, DROP_EVICTED);
+        return;
+    }
+    int refused = 0;
+    for (int lo = ti + 1; lo < e->num_tiers; lo++) {
+        Tier *l = &e->tier[lo];
+        if (l->state[b] != FREE)
+            continue;
+        if (!admits(l, 1, e->hits[b])) {
+            refused = 1;
+            continue;
+        }
+        if (l->num_free == 0) {
+            int32_t victim = lru_evict_one(l);
+            if (victim >= 0)
+                evict(e, victim, lo);
+        }
+        if (l->num_free == 0)
+            continue;
+        l->num_free--;
+        t->readers[b]++;  /* the demotion reads the source */
+        l->state[b] = WRITING;
+        e->num_copies[b]++;
+        t->outgoing++;
+        enqueue(e, b, ti, lo, DEMOTE);
+        return;
+    }
+    release(e, b, ti, refused ? DROP_ADMISSION : DROP_LOWER_FULL);
+}
+
+/* `TierManager._free_slot`: takes a free slot of `ti` for a block it admits, evicting one victim
+ * if that frees one now; returns whether it took one. */
+static int take_slot(Engine *e, int ti, int demoted, int64_t hits) {
+    Tier *t = &e->tier[ti];
+    if (!admits(t, demoted, hits))
+        return 0;
+    if (t->num_free == 0) {
+        int32_t victim = lru_evict_one(t);
+        if (victim >= 0)
+            evict(e, victim, ti);
+    }
+    if (t->num_free == 0)
+        return 0;
+    t->num_free--;
+    return 1;
+}
+
+/* `TierManager._rebalance`: every watermarked tier above its high mark demotes down to its low mark. */
+static void rebalance(Engine *e) {
+    int over_high = 0;
+    for (int ti = 0; ti < e->num_tiers; ti++) {
+        Tier *t = &e->tier[ti];
+        if (!t->watermarked)
+            continue;
+        int64_t used = t->num_slots - t->num_free - t->outgoing;
+        if (used <= t->high_slots)
+            continue;
+        while (used > t->low_slots) {
+            int64_t want = used - t->low_slots, got = 0;
+            if (want > 1 && lru_evict_n(t, want))
+                got = want;
+            if (got == 0) {
+                int32_t one = lru_evict_one(t);
+                if (one < 0) {
+                    over_high |= used > t->high_slots;
+                    break;
+                }
+                t->victims[0] = one;
+                got = 1;
+            }
+            for (int64_t i = 0; i < got; i++)
+                evict(e, t->victims[i], ti);
+            used = t->num_slots - t->num_free - t->outgoing;
+        }
+    }
+    e->over_high = over_high;
+}
+
+/* `TierManager._finish_demotion`: returns whether the source was freed at once and was the only
+ * other copy (then the watermark check after it may be skipped: see `complete_queued`). */
+static int finish_demotion(Engine *e, int32_t b, int src, int dst) {
+    Tier *s = &e->tier[src], *d = &e->tier[dst];
+    if (s->readers[b] || e->num_copies[b] != 2) {
+        make_ready(e, b, dst);
+        e->demotions[src][dst]++;
+        release(e, b, src, DROP_EVICTED);
+        return 0;
+    }
+    if (d->state[b] != WRITING) {
+        e->broken = "a demoted copy was completed twice";
+        return 1;
+    }
+    d->state[b] = READY;
+    lru_insert(e, d, b);
+    e->demotions[src][dst]++;
+    s->state[b] = FREE;
+    s->num_free++;
+    e->num_copies[b] = 1;
+    e->ready[b] = (uint8_t)dst;
+    return 1;
+}
+
+/* `TierManager._complete` for a promotion (`_land`, `_finish_move`, then `_rebalance`). */
+static void finish_promotion(Engine *e, int32_t b, int src, int dst) {
+    e->inbound[b] = -1;
+    e->tier[src].readers[b]--;
+    make_ready(e, b, dst);
+    e->promotions[src][dst]++;
+    if (e->inclusive)
+        settle(e, b, src);
+    else
+        retire(e, b, src, DROP_EVICTED);  /* never the last copy: dst is READY */
+    rebalance(e);
+}
+
+/* `TierManager._complete_queued`: the queued moves, and those their completions queue, in order. */
+static void complete_queued(Engine *e) {
+    e->over_high = 1;
+    while (e->queue_len > 0 && e->broken == NULL) {
+        Queued q = e->queue[e->queue_head];
+        e->queue_head = (e->queue_head + 1) % e->queue_cap;
+        e->queue_len--;
+        if (q.kind == DEMOTE) {
+            e->tier[q.src].outgoing--;
+            e->tier[q.src].readers[q.block]--;
+            if (!finish_demotion(e, q.block, q.src, q.dst) || e->over_high)
+                rebalance(e);
+        } else {
+            finish_promotion(e, q.block, q.src, q.dst);
+        }
+    }
+}
+
+/* `TierManager._load_source` for a leased copy of `b` in `ti`: counts the hit, promotes the block
+ * where the manager would; returns the tier the engine reads it from. */
+static int load_source(Engine *e, int32_t b, int ti) {
+    Tier *t = &e->tier[ti];
+    e->hits[b]++;
+    t->hits++;
+    lru_touch(t, b);
+    if (e->inbound[b] >= 0) {  /* already on its way up (this load listed it twice): read that copy */
+        int dst = e->inbound[b];
+        t->readers[b]--;
+        e->tier[dst].readers[b]++;
+        return dst;
+    }
+    int up = e->promote_to;
+    if (up >= 0 && ti > up && e->tier[up].state[b] == FREE && take_slot(e, up, 0, e->hits[b])) {
+        claim(e, b, up);  /* `_start_move(PROMOTE)`: the move leases the source; the load, the destination */
+        e->inbound[b] = (int8_t)up;
+        enqueue(e, b, ti, up, PROMOTE);
+        e->tier[up].readers[b]++;
+        return up;
+    }
+    return ti;
+}
+
+/* `TierManager.lookup`: the longest prefix of `keys` with a READY copy. */
+static int64_t lookup(const Engine *e, const int32_t *keys, int64_t len) {
+    int64_t n = 0;
+    while (n < len && e->num_copies[keys[n]] != 0 && e->ready[keys[n]] != NO_TIER)
+        n++;
+    return n;
+}
+
+/* `TierManager.load_now`: `prepare_load`, its moves, `complete_load`, its moves. */
+static void load(Engine *e, const int32_t *keys, int64_t len) {
+    int64_t leased = 0;
+    for (int64_t i = 0; i < len; i++) {  /* lease every source first, as `prepare_load` */
+        int32_t b = keys[i];
+        int ti = e->num_copies[b] ? e->ready[b] : NO_TIER;
+        if (ti == NO_TIER)
+            continue;  /* a miss: never here, since `lookup` found every key READY */
+        e->tier[ti].readers[b]++;
+        e->leased_block[leased] = b;
+        e->leased_tier[leased++] = (int8_t)ti;
+    }
+    for (int64_t i = 0; i < leased; i++)
+        e->source_tier[i] = (int8_t)load_source(e, e->leased_block[i], e->leased_tier[i]);
+    complete_queued(e);
+    for (int64_t i = 0; i < leased; i++) {  /* `complete_load` */
+        int32_t b = e->leased_block[i];
+        int ti = e->source_tier[i];
+        Tier *t = &e->tier[ti];
+        t->engine_reads++;
+        if (t->state[b] == FREE)
+            continue;  /* the manager skips a source whose copy is gone; a leased copy never goes */
+        t->readers[b]--;
+        settle(e, b, ti);
+    }
+    rebalance(e);
+    complete_queued(e);
+}
+
+/* `TierManager._place_new`: claims a slot for `b` in the first tier with room, and in inclusive
+ * mode one in every tier below too; returns whether it claimed any. */
+static int place(Engine *e, int32_t b, int64_t *num_placed) {
+    int claimed = 0;
+    for (int ti = 0; ti < e->num_tiers; ti++) {
+        if (claimed && !e->inclusive)
+            break;
+        if (e->tier[ti].state[b] != FREE)
+            continue;  /* a copy of an earlier life is still leaving this tier */
+        if (!take_slot(e, ti, 0, 0))
+            continue;
+        claim(e, b, ti);
+        e->placed_block[*num_placed] = b;
+        e->placed_tier[(*num_placed)++] = (int8_t)ti;
+        claimed = 1;
+    }
+    return claimed;
+}
+
+/* `TierManager.store_now`: `_place`, its moves, the writes completed, the watermarks, their moves. */
+static void store(Engine *e, const int32_t *keys, int64_t len) {
+    int64_t placed = 0;
+    for (int64_t i = 0; i < len; i++) {
+        int32_t b = keys[i];
+        if (e->num_copies[b] && is_live(e, b))
+            continue;  /* already stored or being stored */
+        if (!place(e, b, &placed))
+            e->dropped[DROP_NO_SPACE]++;
+    }
+    complete_queued(e);
+    for (int64_t i = 0; i < placed; i++) {
+        make_ready(e, e->placed_block[i], e->placed_tier[i]);
+        e->tier[(int)e->placed_tier[i]].stores++;
+    }
+    rebalance(e);
+    complete_queued(e);
+}
+
+/* ---- arguments ------------------------------------------------------------------------------- */
+
+/* A C-contiguous one-dimensional buffer of `itemsize`-byte items whose format is one of `formats`
+ * (a byte order prefix of native order allowed); `name` is named in errors. 0 or -1 (raised). */
+static int get_array(PyObject *obj, Py_buffer *view, const char *name, Py_ssize_t itemsize, const char *formats,
+                     int writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "replay_lru: %s must be a %scontiguous array of %zd-byte items, got %.100s",
+                     name, writable ? "writable " : "", itemsize, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (view->ndim != 1 || view->itemsize != itemsize || strlen(f) != 1 || strchr(formats, *f) == NULL) {
+        PyErr_Format(PyExc_TypeError, "replay_lru: %s must be a one-dimensional array of %zd-byte items "
+                     "(format one of '%s'), got format '%s', itemsize %zd, %d dimensions",
+                     name, itemsize, formats, view->format ? view->format : "B", view->itemsize, view->ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* One tier's rules from its tuple (see `replay_lru`'s docstring); 0 or -1 (raised). */
+static int parse_tier(PyObject *spec, int i, int last, Tier *t) {
+    int admission, allow_demoted;
+    long long num_slots, min_hits, high_slots, low_slots;
+    double seconds_per_block;
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 7) {
+        PyErr_Format(PyExc_TypeError, "replay_lru: tiers[%d] must be a tuple (num_slots, admission, min_hits, "
+                     "allow_demoted, high_slots, low_slots, seconds_per_block)", i);
+        return -1;
+    }
+    if (!PyArg_ParseTuple(spec, "LiLpLLd", &num_slots, &admission, &min_hits, &allow_demoted, &high_slots, &low_slots,
+                          &seconds_per_block))
+        return -1;
+    if (num_slots < 1 || num_slots > INT32_MAX - 1) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: tiers[%d]: num_slots must be in [1, 2**31 - 2], got %lld", i,
+                     num_slots);
+        return -1;
+    }
+    if (admission < ADMIT_ALL || admission > ADMIT_REUSED || min_hits < 0) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: tiers[%d]: admission must be 0 (all), 1 (evicted) or 2 (reused) "
+                     "with min_hits >= 0, got %d and %lld", i, admission, min_hits);
+        return -1;
+    }
+    if (low_slots < 0 || low_slots > high_slots || high_slots > num_slots) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: tiers[%d]: need 0 <= low_slots <= high_slots <= num_slots, "
+                     "got %lld, %lld, %lld", i, low_slots, high_slots, num_slots);
+        return -1;
+    }
+    if (!(seconds_per_block >= 0)) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: tiers[%d]: seconds_per_block must be >= 0", i);
+        return -1;
+    }
+    t->num_slots = t->num_free = num_slots;
+    t->admission = admission;
+    t->min_hits = min_hits;
+    t->allow_demoted = allow_demoted;
+    t->high_slots = high_slots;
+    t->low_slots = low_slots;
+    t->watermarked = high_slots < num_slots && !last;
+    t->seconds_per_block = seconds_per_block;
+    t->head = t->tail = END;
+    return 0;
+}
+
+/* Checks the trace arrays against each other; 0 or -1 (raised). Sets the longest request's length. */
+static int check_trace(const Py_buffer *ids, const Py_buffer *starts, const Py_buffer *lengths,
+                       const Py_buffer *inputs, const Py_buffer *ttft, const Py_buffer *ttft_no_cache,
+                       long long num_blocks, int64_t *max_len) {
+    Py_ssize_t num_ids = ids->len / 4, num_requests = starts->len / 8;
+    if (lengths->len / 8 != num_requests || inputs->len / 8 != num_requests || ttft->len / 8 != num_requests
+        || ttft_no_cache->len / 8 != num_requests) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: starts, lengths, input_tokens, ttft_s and ttft_no_cache_s must "
+                     "have one item per request (%zd)", num_requests);
+        return -1;
+    }
+    const int32_t *id = ids->buf;
+    for (Py_ssize_t i = 0; i < num_ids; i++) {
+        if (id[i] < 0 || id[i] >= num_blocks) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: ids[%zd] = %d is not a block id in [0, num_blocks = %lld)", i,
+                         (int)id[i], num_blocks);
+            return -1;
+        }
+    }
+    const int64_t *start = starts->buf, *length = lengths->buf, *input = inputs->buf;
+    *max_len = 0;
+    for (Py_ssize_t r = 0; r < num_requests; r++) {
+        if (start[r] < 0 || length[r] < 0 || start[r] > num_ids || length[r] > num_ids - start[r]) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: request %zd: ids[%lld : %lld + %lld] is not inside the %zd ids",
+                         r, (long long)start[r], (long long)start[r], (long long)length[r], num_ids);
+            return -1;
+        }
+        if (input[r] < 0) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: request %zd: input_tokens must be >= 0, got %lld", r,
+                         (long long)input[r]);
+            return -1;
+        }
+        if (length[r] > *max_len)
+            *max_len = length[r];
+    }
+    return 0;
+}
+
+/* ---- the engine's memory --------------------------------------------------------------------- */
+
+static void engine_free(Engine *e) {
+    for (int i = 0; i < MAX_TIERS; i++) {
+        Tier *t = &e->tier[i];
+        PyMem_Free(t->state);
+        PyMem_Free(t->readers);
+        PyMem_Free(t->prev);
+        PyMem_Free(t->next);
+        PyMem_Free(t->victims);
+    }
+    PyMem_Free(e->num_copies);
+    PyMem_Free(e->ready);
+    PyMem_Free(e->hits);
+    PyMem_Free(e->inbound);
+    PyMem_Free(e->queue);
+    PyMem_Free(e->leased_block);
+    PyMem_Free(e->leased_tier);
+    PyMem_Free(e->source_tier);
+    PyMem_Free(e->placed_block);
+    PyMem_Free(e->placed_tier);
+}
+
+/* Allocates the per-block and scratch arrays of `e` (tiers parsed); 0 or -1 (MemoryError). */
+static int engine_alloc(Engine *e, int64_t num_blocks, int64_t max_len) {
+    size_t n = (size_t)(num_blocks > 0 ? num_blocks : 1), m = (size_t)(max_len > 0 ? max_len : 1);
+    int64_t total_slots = 0;
+    for (int i = 0; i < e->num_tiers; i++) {
+        Tier *t = &e->tier[i];
+        t->state = PyMem_Calloc(n, 1);
+        t->readers = PyMem_Calloc(n, sizeof(int32_t));
+        t->prev = PyMem_Malloc(n * sizeof(int32_t));
+        t->next = PyMem_Malloc(n * sizeof(int32_t));
+        t->victims = PyMem_Malloc((size_t)t->num_slots * sizeof(int32_t));
+        if (!t->state || !t->readers || !t->prev || !t->next || !t->victims)
+            return PyErr_NoMemory(), -1;
+        for (size_t b = 0; b < n; b++)
+            t->prev[b] = OUT;
+        total_slots += t->num_slots;
+    }
+    e->num_copies = PyMem_Calloc(n, 1);
+    e->ready = PyMem_Malloc(n);
+    e->hits = PyMem_Calloc(n, sizeof(int64_t));
+    e->inbound = PyMem_Malloc(n);
+    e->queue_cap = total_slots + 1;
+    e->queue = PyMem_Malloc((size_t)e->queue_cap * sizeof(Queued));
+    e->leased_block = PyMem_Malloc(m * sizeof(int32_t));
+    e->leased_tier = PyMem_Malloc(m);
+    e->source_tier = PyMem_Malloc(m);
+    e->placed_block = PyMem_Malloc(m * MAX_TIERS * sizeof(int32_t));
+    e->placed_tier = PyMem_Malloc(m * MAX_TIERS);
+    if (!e->num_copies || !e->ready || !e->hits || !e->inbound || !e->queue || !e->leased_block || !e->leased_tier
+        || !e->source_tier || !e->placed_block || !e->placed_tier)
+        return PyErr_NoMemory(), -1;
+    memset(e->ready, NO_TIER, n);
+    memset(e->inbound, -1, n);
+    return 0;
+}
+
+/* ---- results --------------------------------------------------------------------------------- */
+
+static PyObject *tier_counts(const Engine *e, size_t offset) {
+    PyObject *out = PyList_New(e->num_tiers);
+    for (int i = 0; out != NULL && i < e->num_tiers; i++) {
+        PyObject *v = PyLong_FromLongLong(*(const int64_t *)((const char *)&e->tier[i] + offset));
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *route_counts(const Engine *e, const int64_t counts[MAX_TIERS][MAX_TIERS]) {
+    PyObject *out = PyList_New(e->num_tiers);
+    for (int i = 0; out != NULL && i < e->num_tiers; i++) {
+        PyObject *row = PyList_New(e->num_tiers);
+        for (int j = 0; row != NULL && j < e->num_tiers; j++) {
+            PyObject *v = PyLong_FromLongLong(counts[i][j]);
+            if (v == NULL)
+                Py_CLEAR(row);
+            else
+                PyList_SET_ITEM(row, j, v);
+        }
+        if (row == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
+/* Per tier, its LRU order (block ids, oldest first). */
+static PyObject *lru_orders(const Engine *e) {
+    PyObject *out = PyList_New(e->num_tiers);
+    for (int i = 0; out != NULL && i < e->num_tiers; i++) {
+        const Tier *t = &e->tier[i];
+        PyObject *order = PyList_New(0);
+        for (int32_t b = t->head; order != NULL && b != END; b = t->next[b]) {
+            PyObject *v = PyLong_FromLong(b);
+            if (v == NULL || PyList_Append(order, v) < 0)
+                Py_CLEAR(order);
+            Py_XDECREF(v);
+        }
+        if (order == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, order);
+    }
+    return out;
+}
+
+static PyObject *results(const Engine *e, int64_t num_accesses, int64_t cached_tokens, int64_t input_tokens,
+                         int with_orders) {
+    PyObject *used = PyList_New(e->num_tiers);
+    for (int i = 0; used != NULL && i < e->num_tiers; i++) {
+        PyObject *v = PyLong_FromLongLong(e->tier[i].num_slots - e->tier[i].num_free);
+        if (v == NULL)
+            Py_CLEAR(used);
+        else
+            PyList_SET_ITEM(used, i, v);
+    }
+    PyObject *out = Py_BuildValue(
+        "{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:(LLLL),s:L,s:L,s:L}",
+        "hits", tier_counts(e, offsetof(Tier, hits)), "stores", tier_counts(e, offsetof(Tier, stores)),
+        "evictions", tier_counts(e, offsetof(Tier, evictions)),
+        "engine_reads", tier_counts(e, offsetof(Tier, engine_reads)), "used_slots", used,
+        "demotions", route_counts(e, e->demotions), "promotions", route_counts(e, e->promotions),
+        "dropped", (long long)e->dropped[DROP_EVICTED], (long long)e->dropped[DROP_ADMISSION],
+        (long long)e->dropped[DROP_LOWER_FULL], (long long)e->dropped[DROP_NO_SPACE],
+        "num_accesses", (long long)num_accesses, "cached_tokens", (long long)cached_tokens,
+        "input_tokens", (long long)input_tokens);
+    if (out != NULL && with_orders) {
+        PyObject *orders = lru_orders(e);
+        if (orders == NULL || PyDict_SetItemString(out, "lru_orders", orders) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(orders);
+    }
+    return out;
+}
+
+/* ---- the entry point ------------------------------------------------------------------------- */
+
+/* Serves every request; fills the TTFT arrays; returns 0, or -1 with an exception set. */
+static int run(Engine *e, const Py_buffer *ids, const Py_buffer *starts, const Py_buffer *lengths,
+               const Py_buffer *inputs, double *ttft, double *ttft_no_cache, long long block_tokens,
+               double seconds_per_token, PyObject *on_progress, long long progress_every, int64_t totals[3]) {
+    const int32_t *id = ids->buf;
+    const int64_t *start = starts->buf, *length = lengths->buf, *input = inputs->buf;
+    Py_ssize_t num_requests = starts->len / 8;
+    int64_t before[MAX_TIERS];
+    for (Py_ssize_t r = 0; r < num_requests; r++) {
+        const int32_t *keys = id + start[r];
+        int64_t len = length[r], n = lookup(e, keys, len);
+        double load_s = 0.0;
+        if (n) {
+            for (int i = 0; i < e->num_tiers; i++)
+                before[i] = e->tier[i].hits;
+            load(e, keys, n);
+            for (int i = 0; i < e->num_tiers; i++)  /* left to right, as `_Replay.run` sums them */
+                load_s += (double)(e->tier[i].hits - before[i]) * e->tier[i].seconds_per_block;
+        }
+        if (n < len)
+            store(e, keys + n, len - n);
+        if (e->broken != NULL) {
+            PyErr_Format(PyExc_RuntimeError, "replay_lru: request %zd: %s (a bug in kvtier._replay)", r, e->broken);
+            return -1;
+        }
+        int64_t cached = n * block_tokens < input[r] ? n * block_tokens : input[r];
+        int64_t computed = input[r] - cached > 1 ? input[r] - cached : 1;
+        totals[0] += len;
+        totals[1] += cached;
+        totals[2] += input[r];
+        ttft[r] = (double)computed * seconds_per_token + load_s;
+        ttft_no_cache[r] = (double)input[r] * seconds_per_token;
+        if (on_progress != Py_None && r % progress_every == progress_every - 1) {
+            PyObject *done = PyObject_CallFunction(on_progress, "L", progress_every);
+            if (done == NULL)
+                return -1;
+            Py_DECREF(done);
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(replay_lru_doc,
+"replay_lru(ids, starts, lengths, input_tokens, num_blocks, tiers, inclusive, promote_to, block_tokens,\n"
+"           seconds_per_token, ttft_s, ttft_no_cache_s, on_progress=None, progress_every=256,\n"
+"           lru_orders=False) -> dict\n"
+"\n"
+"Replays a trace through LRU tiers exactly as kvtier's TierManager decides (see the module source).\n"
+"\n"
+"Args:\n"
+"    ids: int32 array, every request's block ids back to back, each in [0, num_blocks).\n"
+"    starts, lengths: int64 arrays, per request: where its ids start and how many it has.\n"
+"    input_tokens: int64 array, per request.\n"
+"    num_blocks: the number of distinct block ids.\n"
+"    tiers: 1 to 4 tuples, fastest first: (num_slots, admission (0 all, 1 evicted, 2 reused),\n"
+"        min_hits, allow_demoted, high_slots = floor(high_watermark * num_slots),\n"
+"        low_slots = floor(low_watermark * num_slots), seconds_per_block). The last tier's marks\n"
+"        are ignored (it evicts on demand).\n"
+"    inclusive: stores write through to every lower tier (else exclusive).\n"
+"    promote_to: index of the tier hits below it are promoted into, or -1.\n"
+"    block_tokens: tokens per block; seconds_per_token: the TTFT model's prefill cost.\n"
+"    ttft_s, ttft_no_cache_s: writable float64 arrays, one item per request, filled.\n"
+"    on_progress: called with progress_every after every progress_every requests.\n"
+"    lru_orders: also return each tier's final LRU order (block ids, oldest first).\n"
+"Returns:\n"
+"    A dict of lists per tier (hits, stores, evictions, engine_reads, used_slots), per route\n"
+"    (demotions, promotions: [src][dst]), dropped (evicted, admission, lower_full, no_space), and\n"
+"    num_accesses, cached_tokens, input_tokens.\n"
+"Raises:\n"
+"    TypeError, ValueError: an argument is malformed (the message names it).\n"
+"    RuntimeError: an invariant broke (a bug).\n");
+
+static PyObject *replay_lru(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"ids", "starts", "lengths", "input_tokens", "num_blocks", "tiers", "inclusive",
+                             "promote_to", "block_tokens", "seconds_per_token", "ttft_s", "ttft_no_cache_s",
+                             "on_progress", "progress_every", "lru_orders", NULL};
+    PyObject *ids_obj, *starts_obj, *lengths_obj, *inputs_obj, *tiers, *ttft_obj, *ttft_nc_obj;
+    PyObject *on_progress = Py_None;
+    long long num_blocks, block_tokens, progress_every = 256;
+    int inclusive, promote_to, with_orders = 0;
+    double seconds_per_token;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOpiLdOO|OLp:replay_lru", kwlist, &ids_obj, &starts_obj,
+                                     &lengths_obj, &inputs_obj, &num_blocks, &tiers, &inclusive, &promote_to,
+                                     &block_tokens, &seconds_per_token, &ttft_obj, &ttft_nc_obj, &on_progress,
+                                     &progress_every, &with_orders))
+        return NULL;
+    if (num_blocks < 0 || num_blocks > INT32_MAX - 1) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: num_blocks must be in [0, 2**31 - 2], got %lld", num_blocks);
+        return NULL;
+    }
+    if (block_tokens < 1 || progress_every < 1 || !(seconds_per_token >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "replay_lru: block_tokens and progress_every must be >= 1 and "
+                        "seconds_per_token >= 0");
+        return NULL;
+    }
+    if (on_progress != Py_None && !PyCallable_Check(on_progress)) {
+        PyErr_SetString(PyExc_TypeError, "replay_lru: on_progress must be callable or None");
+        return NULL;
+    }
+    if (!PyTuple_Check(tiers) || PyTuple_GET_SIZE(tiers) < 1 || PyTuple_GET_SIZE(tiers) > MAX_TIERS) {
+        PyErr_SetString(PyExc_ValueError, "replay_lru: tiers must be a tuple of 1 to 4 tier tuples");
+        return NULL;
+    }
+    Engine e;
+    memset(&e, 0, sizeof e);
+    e.num_tiers = (int)PyTuple_GET_SIZE(tiers);
+    e.inclusive = inclusive;
+    if (promote_to < -1 || promote_to >= e.num_tiers) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: promote_to must be -1 or a tier index below %d, got %d",
+                     e.num_tiers, promote_to);
+        return NULL;
+    }
+    e.promote_to = promote_to;
+    for (int i = 0; i < e.num_tiers; i++) {
+        if (parse_tier(PyTuple_GET_ITEM(tiers, i), i, i == e.num_tiers - 1, &e.tier[i]) < 0)
+            return NULL;
+    }
+    Py_buffer views[6];
+    const char *names[6] = {"ids", "starts", "lengths", "input_tokens", "ttft_s", "ttft_no_cache_s"};
+    PyObject *objs[6] = {ids_obj, starts_obj, lengths_obj, inputs_obj, ttft_obj, ttft_nc_obj};
+    const char *formats[6] = {"il", "lq", "lq", "lq", "d", "d"};
+    int got = 0;
+    PyObject *out = NULL;
+    for (; got < 6; got++) {
+        if (get_array(objs[got], &views[got], names[got], got == 0 ? 4 : 8, formats[got], got >= 4) < 0)
+            goto done;
+    }
+    int64_t max_len, totals[3] = {0, 0, 0};
+    if (check_trace(&views[0], &views[1], &views[2], &views[3], &views[4], &views[5], num_blocks, &max_len) < 0
+        || engine_alloc(&e, num_blocks, max_len) < 0)
+        goto done;
+    if (run(&e, &views[0], &views[1], &views[2], &views[3], views[4].buf, views[5].buf, block_tokens,
+            seconds_per_token, on_progress, progress_every, totals) < 0)
+        goto done;
+    out = results(&e, totals[0], totals[1], totals[2], with_orders);
+done:
+    while (got-- > 0)
+        PyBuffer_Release(&views[got]);
+    engine_free(&e);
+    return out;
+}
+
+static PyMethodDef replay_methods[] = {
+    {"replay_lru", (PyCFunction)(void (*)(void))replay_lru, METH_VARARGS | METH_KEYWORDS, replay_lru_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef replay_module = {
+    PyModuleDef_HEAD_INIT, "kvtier._replay", "kvtier simulate's trace replay for LRU tiers, in C.", -1,
+    replay_methods,
+};
+
+PyMODINIT_FUNC PyInit__replay(void) { return PyModule_Create(&replay_module); }

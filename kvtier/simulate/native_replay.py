@@ -1,0 +1,195 @@
+"""The native replay engine: `kvtier simulate`'s replay of LRU tiers, in C (kvtier/_replay.c).
+
+`kvtier.simulate.replay.simulate` runs it for the configurations it accepts (see that module's
+docstring for which, and for how its equality with the manager is checked). This module only
+turns a trace into the arrays the C entry point takes and calls it:
+
+  * `intern_requests`: every request's hash ids, interned to dense block ids 0 .. num_blocks - 1
+    (equal ids, equal block), back to back in one int32 array, with per-request offsets, lengths
+    (the partial tail left out under `full_blocks_only`) and input tokens;
+  * `run_native`: one replay over `NativeTier`s, returning the C engine's counters per tier index.
+
+Nothing here decides anything: the decisions are the C port's, of `TierManager.store_now` and
+`load_now`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier._replay import replay_lru
+from kvtier.errors import KVTierError
+from kvtier.policy.admission import AdmissionKind, AdmissionRule
+
+# The C engine's ids are int32 (2**31 - 1 is kept free, as `SlotList` keeps it).
+MAX_BLOCKS = 2**31 - 2
+# `AdmissionKind` -> the C engine's code for it.
+_ADMISSION_CODES = {AdmissionKind.ALL: 0, AdmissionKind.EVICTED: 1, AdmissionKind.REUSED: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceArrays:
+    """A trace's requests as the C engine takes them.
+
+    Attributes:
+        ids: int32, every request's block ids back to back (dense: 0 .. num_blocks - 1).
+        starts: int64, per request, where its ids start in `ids`.
+        lengths: int64, per request, how many of its ids are accessed.
+        input_tokens: int64, per request.
+        keys: per dense id, the hash id it stands for.
+    """
+
+    ids: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    input_tokens: np.ndarray
+    keys: Sequence[Hashable]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeTier:
+    """One tier's rules, as `kvtier.simulate.replay.build_manager` gives them to the manager.
+
+    Attributes:
+        num_slots: blocks the tier holds.
+        admission: which blocks it admits.
+        high_watermark, low_watermark: ignored for the last tier (it evicts on demand).
+        seconds_per_block: what reading one block out of it costs in the TTFT model.
+    """
+
+    num_slots: int
+    admission: AdmissionRule
+    high_watermark: float
+    low_watermark: float
+    seconds_per_block: float
+
+    def as_tuple(self) -> tuple:
+        """The tuple `replay_lru` takes; the watermarks in slots, as `TierManager._rebalance` compares them.
+
+        The manager compares a tier's slots in use (an integer) with `high_watermark * num_slots`
+        and demotes down to `floor(low_watermark * num_slots)`; for an integer, being at most a
+        number is being at most its floor, so both marks travel as floors.
+        """
+        rule = self.admission
+        return (self.num_slots, _ADMISSION_CODES[rule.kind], rule.min_hits, rule.allow_demoted,
+                math.floor(self.high_watermark * self.num_slots), math.floor(self.low_watermark * self.num_slots),
+                self.seconds_per_block)
+
+
+class NotNative(KVTierError, ValueError):
+    """A trace the native engine does not take; the message says why (the manager replays it instead)."""
+
+
+def intern_requests(requests: Sequence, full_blocks_only: bool) -> TraceArrays:
+    """The C engine's arrays for `requests` (each with `hash_ids`, `input_tokens`, `partial_tail`).
+
+    Hash ids must be Python ints, as a trace file's are: the manager's index tells keys apart as
+    a dict does for ints, but not for every other type (a bool is not the int key 1 there), so
+    the engine takes no other. Ids that fit in 64 bits are interned by sorting (`np.unique`), others
+    through a dict; either way equal ids get one block id, as they get one entry in the index.
+
+    Args:
+        requests: the trace's requests, in order.
+        full_blocks_only: leave each request's partial tail block out, as `simulate` does.
+    Returns:
+        The arrays.
+    Raises:
+        NotNative: an id is not an int, or more than `MAX_BLOCKS` distinct ids.
+    """
+    num_requests = len(requests)
+    lengths = np.fromiter((len(r.hash_ids) for r in requests), dtype=np.int64, count=num_requests)
+    starts = np.zeros(num_requests, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    num_ids = int(lengths.sum())
+    types = set(map(type, _flat(requests)))
+    if not types <= {int}:
+        names = sorted(t.__name__ for t in types - {int})
+        raise NotNative(f"hash ids of type {', '.join(names)}: the native engine takes int ids only")
+    try:
+        hash_ids = np.fromiter(_flat(requests), dtype=np.int64, count=num_ids)
+    except OverflowError:  # an id beyond int64
+        dense: dict[int, int] = {}
+        ids = np.fromiter((dense.setdefault(h, len(dense)) for h in _flat(requests)), dtype=np.int64, count=num_ids)
+        return _arrays(ids, starts, lengths, requests, list(dense), full_blocks_only)
+    keys, ids = np.unique(hash_ids, return_inverse=True)
+    return _arrays(ids, starts, lengths, requests, keys, full_blocks_only)
+
+
+def _flat(requests: Sequence) -> Iterator[Hashable]:
+    return itertools.chain.from_iterable(r.hash_ids for r in requests)
+
+
+def _arrays(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, requests: Sequence,
+            keys: Sequence[Hashable], full_blocks_only: bool) -> TraceArrays:
+    if len(keys) > MAX_BLOCKS:
+        raise NotNative(f"the native engine takes at most {MAX_BLOCKS:,} distinct blocks, got {len(keys):,}")
+    if full_blocks_only:
+        lengths = lengths - np.fromiter((r.partial_tail for r in requests), dtype=np.int64, count=len(requests))
+    input_tokens = np.fromiter((r.input_tokens for r in requests), dtype=np.int64, count=len(requests))
+    return TraceArrays(ids.astype(np.int32), starts, lengths, input_tokens, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeResult:
+    """One native replay's counters, by tier index (fastest first), as `replay_lru` returns them.
+
+    Attributes:
+        counts: `replay_lru`'s dict (hits, stores, evictions, engine_reads, used_slots per tier;
+            demotions, promotions per [src][dst]; dropped; num_accesses, cached_tokens, input_tokens).
+        ttft_s, ttft_no_cache_s: per request, the TTFT model's estimate with and without the cache.
+        lru_orders: per tier, the hash ids of its LRU order, oldest first (only when asked for).
+    """
+
+    counts: dict
+    ttft_s: np.ndarray
+    ttft_no_cache_s: np.ndarray
+    lru_orders: list[list[Hashable]] | None
+
+
+def run_native(arrays: TraceArrays, tiers: Sequence[NativeTier], *, inclusive: bool, promote_to: int | None,
+               block_tokens: int, seconds_per_token: float, on_progress: Callable[[int], None] | None,
+               progress_every: int, lru_orders: bool = False) -> NativeResult:
+    """Replays `arrays` through LRU `tiers` (fastest first) in C.
+
+    Args:
+        arrays: the trace, from `intern_requests`.
+        tiers: 1 to 4 tiers, fastest first.
+        inclusive: stores write through to every lower tier; False: exclusive.
+        promote_to: the index in `tiers` a hit below it is promoted into, or None.
+        block_tokens: tokens per block.
+        seconds_per_token: the TTFT model's prefill cost per token computed.
+        on_progress: called with `progress_every` after every `progress_every` requests.
+        progress_every: see `on_progress`.
+        lru_orders: also return each tier's final LRU order (for tests).
+    Returns:
+        The counters and per-request TTFTs.
+    Raises:
+        TypeError, ValueError: malformed arrays or tiers (the message names the argument).
+        RuntimeError: the engine found one of its invariants broken (a bug).
+        Exception: whatever `on_progress` raises.
+    """
+    num_requests = len(arrays.starts)
+    ttft_s, ttft_no_cache_s = np.empty(num_requests), np.empty(num_requests)
+    counts = replay_lru(arrays.ids, arrays.starts, arrays.lengths, arrays.input_tokens, arrays.num_blocks,
+                        tuple(t.as_tuple() for t in tiers), inclusive, -1 if promote_to is None else promote_to,
+                        block_tokens, seconds_per_token, ttft_s, ttft_no_cache_s, on_progress=on_progress,
+                        progress_every=progress_every, lru_orders=lru_orders)
+    orders = counts.pop("lru_orders", None)
+    if orders is not None:
+        keys = arrays.keys
+        orders = [[_plain(keys[b]) for b in order] for order in orders]
+    return NativeResult(counts, ttft_s, ttft_no_cache_s, orders)
+
+
+def _plain(key: object) -> Hashable:
+    """A numpy integer as a Python int; any other key as it is."""
+    return int(key) if isinstance(key, np.integer) else key
