@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 
-from kvtier.simulate.replay import SimConfig, SimEngine, SimPolicy, VirtualTier, simulate
+from kvtier.simulate.replay import SimConfig, SimEngine, SimPolicy, VirtualTier, native_declines, simulate
 from kvtier.simulate.trace import load_trace, resolve_trace_path
 from kvtier.tiers.base import TierKind
 
@@ -117,7 +117,8 @@ def main() -> int:
     rows = []
     for config in cases:
         manager_cpu_s = None
-        for engine in engines:
+        declined = args.engine == "both" and native_declines(config) is not None
+        for engine in [SimEngine.MANAGER] if declined else engines:  # not the manager twice
             row = measure(trace, config, args.repeat, engine)
             rows.append(row)
             ratio = manager_cpu_s / row["call_cpu_s"] if manager_cpu_s and row["engine"] == "native" else None
