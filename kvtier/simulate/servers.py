@@ -377,7 +377,11 @@ def _message(private: dict, shared: dict, size: int | None, total_blocks: int, n
             f"one shared pool of the same {total_blocks:,} blocks hits {shared['block_hit_rate']:.1%}")
     if size is None:
         return head + "; no pool size tried matches the private hit rate"
-    return (head + f"; a pool of {size:,} block{'s' * (size != 1)} already matches the private hit rate, "
+    blocks = f"{size:,} block{'s' * (size != 1)}"
+    if size > total_blocks:  # pooling costs capacity here: the servers' hit sets overlap little
+        return (head + f"; a pool needs {blocks} to match the private hit rate, "
+                f"{(size - total_blocks) / total_blocks:.1%} more capacity than the private tiers")
+    return (head + f"; a pool of {blocks} already matches the private hit rate, "
             f"{(total_blocks - size) / total_blocks:.1%} less capacity")
 
 

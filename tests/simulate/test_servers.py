@@ -249,3 +249,12 @@ def test_cli_json_and_plot_on_the_conversation_trace(capsys, tmp_path):
 def test_cli_bad_servers_input_exits_2(capsys, chat, args, message):
     code, _, err = run_cli(capsys, "--trace", chat.path, *args)
     assert code == 2 and message in err
+
+
+def test_the_message_says_when_a_pool_needs_more_capacity_than_the_private_tiers():
+    from kvtier.simulate.servers import _message
+
+    private, shared = {"block_hit_rate": 0.0786}, {"block_hit_rate": 0.0776}
+    assert _message(private, shared, 2806, 2764, 2).endswith(
+        "a pool needs 2,806 blocks to match the private hit rate, 1.5% more capacity than the private tiers")
+    assert _message(private, shared, 2756, 2764, 2).endswith("0.3% less capacity")
