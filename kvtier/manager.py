@@ -804,12 +804,19 @@ class TierManager:
     def _keep_evicted(self, block: int, tier: TierKind) -> None:
         """A victim that could not be read out of `tier`, because the tier is down, stays there:
         back in its policy, served again if the tier comes back (a hung node), dropped by a failed
-        read if it comes back without it (a restarted one)."""
+        read if it comes back without it (a restarted one). Unless another demotion of it out of
+        `tier` is still in flight (a victim may leave to two tiers: one that may drop it, and one
+        that keeps it): it leaves with that one, so its policy must not take it back."""
         slot = self._slot[tier][block]
-        if self._state[tier][slot] == READY:
-            self._policies[tier].insert(slot)
-        else:
+        if self._state[tier][slot] != READY:
             self._settle(block, tier)
+        elif not self._leaving(block, tier):
+            self._policies[tier].insert(slot)
+
+    def _leaving(self, block: int, tier: TierKind) -> bool:
+        """Whether a demotion of `block` out of `tier` is in flight (a scan of the moves: failures only)."""
+        key = self._key_of(block)
+        return any(m.reason is _DEMOTE and m.src is tier and m.key == key for m in self._moves.values())
 
     def _count_bad_read(self, reason: str) -> None:
         if reason == DropReason.CHECKSUM:

@@ -534,3 +534,20 @@ def test_without_a_tier_below_a_block_may_live_in_the_pool_alone():
         _finish(m, _store_ready(m, [k])[1])
     assert m.stats.num_dropped == 0 and len(m.index) == 3
     assert any(set(e.copies) == {P} for e in m.index), "the pool is the last tier: it may be a block's only home"
+
+
+def test_a_victim_leaving_to_two_tiers_is_not_taken_back_when_one_of_them_is_down():
+    """Found by the state machine: HBM's victim left to the pool (which may drop it) and to the SSD
+    (which keeps it); the pool's demotion failed for the tier being down, and HBM's policy took the
+    victim back while the SSD's demotion still read it out, so the slot freed by that demotion would
+    have stayed in the policy."""
+    m = make_manager((1, 1, 1), pool=(2, False))
+    first, _ = m.prepare_store([0]), m.prepare_store([1])
+    m.complete_store(first)
+    to_pool, to_ssd = m.prepare_store([2]).moves
+    assert (to_pool.dst, to_ssd.dst) == (P, S) and to_pool.key == to_ssd.key == 0
+    m.complete_move(to_pool.id, False, None, DropReason.TIER_DOWN)
+    assert m.num_used(H) == 1 and m._tiers[H].policy.evict(1, lambda slot: False) is None  # not back in HBM's policy
+    m.complete_move(to_ssd.id, True, (0,))
+    assert m.where(0) is S and m.num_used(H) == 0
+    assert m.prepare_store([3]).placements[0].tier is H  # HBM's freed slot is reused, its policy agrees
