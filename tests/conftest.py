@@ -29,3 +29,4 @@ from support.pool import tenants_file  # noqa: E402,F401 (alice the operator, bo
 from support.runtime import ssd  # noqa: E402,F401 (an SSD tier in tmp_path)
 from support.sglang import sgl  # noqa: E402,F401 (SGLang's modules from its wheel)
 from support.vllm import pool_node, reference, tiny_model  # noqa: E402,F401 (vLLM's model, reference runs, a node)
+from support.traces import conversation, synthetic  # noqa: E402,F401 (the shared Mooncake traces, once per module)

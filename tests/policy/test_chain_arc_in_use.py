@@ -22,8 +22,8 @@ from kvtier.plans import TierSlots
 from kvtier.policy import PolicyKind, make_policy
 from kvtier.runtime import KVTier
 from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, simulate
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, load_trace
 from kvtier.tiers.base import TierKind
+from support.traces import mooncake, needs_traces
 
 D, S = TierKind.DRAM, TierKind.SSD
 WAIT_S = 30
@@ -94,15 +94,11 @@ def test_yaml_selects_chain_arc_and_the_runtime_tells_it_each_store_and_load(tmp
         assert torch.equal(into, blocks([1, 2]))
 
 
-needs_traces = pytest.mark.skipif(not (DEFAULT_TRACE_DIR / "conversation_trace.jsonl").is_file(),
-                                  reason=f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
-
-
 @pytest.mark.slow
 @needs_traces
 @pytest.mark.parametrize("name", ["conversation", "synthetic"])
 def test_chain_arc_hits_more_than_arc_and_saves_more_prefill_on_both_traces(name):
-    trace = load_trace(DEFAULT_TRACE_DIR / f"{name}_trace.jsonl")
+    trace = mooncake(name)
     for share in (0.05, 0.10):
         tier = (VirtualTier(TierKind.HBM, int(share * trace.num_unique_blocks), 1000.0),)
         arc, chain = (simulate(trace, SimConfig(tier, 1, policy=p)) for p in (SimPolicy.ARC, SimPolicy.CHAIN_ARC))

@@ -29,7 +29,8 @@ from kvtier.errors import ConfigError
 from kvtier.kinds import TierKind
 from kvtier.simulate.replay import (SimConfig, SimEngine, SimPolicy, VirtualTier, native_declines, replay_counts,
                                     simulate)
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, Trace, TraceRequest, load_trace
+from kvtier.simulate.trace import Trace, TraceRequest
+from support.traces import needs_traces
 
 H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD
 BLOCK_TOKENS = 4
@@ -154,20 +155,6 @@ def test_a_copy_released_while_still_read_is_freed_when_the_read_ends():
 
 
 # ---- the shared Mooncake traces --------------------------------------------------------------------
-
-needs_traces = pytest.mark.skipif(not (DEFAULT_TRACE_DIR / "conversation_trace.jsonl").is_file(),
-                                  reason=f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
-
-
-@pytest.fixture(scope="module")
-def conversation():
-    return load_trace(DEFAULT_TRACE_DIR / "conversation_trace.jsonl")
-
-
-@pytest.fixture(scope="module")
-def synthetic():
-    return load_trace(DEFAULT_TRACE_DIR / "synthetic_trace.jsonl")
-
 
 def three_tiers(**kw) -> SimConfig:
     """The bench's three tiers (bench/bench_simulate.py)."""

@@ -7,7 +7,6 @@ KVTIER_TRACE_DIR) for routing balance and one short CLI run. Counts are asserted
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,11 +18,9 @@ from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier
 from kvtier.simulate.servers import (GRID_SHARES, Route, common_blocks, compare, route_requests,
                                      smallest_matching_pool, split_trace)
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, load_trace
+from kvtier.simulate.trace import load_trace
+from support.traces import TRACE_DIR, mooncake, needs_traces
 
-TRACE_DIR = Path(os.environ.get("KVTIER_TRACE_DIR", DEFAULT_TRACE_DIR))
-needs_traces = pytest.mark.skipif(not (TRACE_DIR / "conversation_trace.jsonl").is_file(),
-                                  reason=f"Mooncake traces not found in {TRACE_DIR} (set KVTIER_TRACE_DIR)")
 
 # Block 0 is a system prompt four conversations branch off (fan-out 4: common). Conversation 0 is
 # r0, r2, r6 and r7 (r7 branches off it at block 1, which is not common), 1 is r1 and r4, 2 is r3,
@@ -93,7 +90,7 @@ def test_split_trace_keeps_each_servers_requests_in_order(chat):
 @pytest.mark.parametrize("name", ["conversation", "synthetic"])
 def test_conversation_routing_on_the_mooncake_traces(name):
     """No conversation split, every extension on its parent's server, and the load spread evenly."""
-    trace = load_trace(TRACE_DIR / f"{name}_trace.jsonl")
+    trace = mooncake(name)
     routing = route_requests(trace, 4, Route.CONVERSATION)
     assert routing.num_split_conversations == 0
     common, _ = common_blocks(trace)

@@ -19,17 +19,14 @@ from kvtier.errors import CapacityError, ConfigError, KVTierError
 from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, parse_capacity, simulate
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.sweep import recommend, sweep
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, OnError, TraceError, load_trace
+from kvtier.simulate.trace import OnError, TraceError, load_trace
 from kvtier.tiers.base import TierKind
+from support.traces import needs_traces
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 MiB = 1 << 20
 
-needs_traces = pytest.mark.skipif(
-    not (DEFAULT_TRACE_DIR / "conversation_trace.jsonl").is_file(),
-    reason=f"Mooncake traces not found in {DEFAULT_TRACE_DIR} (the shared/ directory next to the repo)",
-)
 
 # Five requests over 512-token blocks, with partial tails; answers worked out by hand below.
 TINY = [
@@ -48,16 +45,6 @@ def write_trace(path: Path, lines: list) -> Path:
 
 def one_tier(num_slots: int, policy: SimPolicy = SimPolicy.LRU, **kw) -> SimConfig:
     return SimConfig((VirtualTier(HBM, num_slots, 1.0),), block_bytes=1_000_000, policy=policy, **kw)
-
-
-@pytest.fixture(scope="module")
-def conversation():
-    return load_trace(DEFAULT_TRACE_DIR / "conversation_trace.jsonl")
-
-
-@pytest.fixture(scope="module")
-def synthetic():
-    return load_trace(DEFAULT_TRACE_DIR / "synthetic_trace.jsonl")
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ from kvtier.manager import TierManager, TierSlots
 from kvtier.policy import LRUPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, load_trace
+from kvtier.simulate.trace import load_trace
 from kvtier.tiers.base import TierKind
+from support.traces import TRACE_DIR, needs_traces
 
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
@@ -97,8 +98,7 @@ def replay_both(requests, sizes, policy, mode, promote_to, admission, marks, che
     return ref
 
 
-TRACE = DEFAULT_TRACE_DIR / "conversation_trace.jsonl"
-needs_traces = pytest.mark.skipif(not TRACE.is_file(), reason=f"Mooncake traces not found in {DEFAULT_TRACE_DIR}")
+TRACE = TRACE_DIR / "conversation_trace.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,31 @@
+"""The shared Mooncake traces in tests: where they are, a mark for the tests that need them, a loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.simulate.trace import DEFAULT_TRACE_DIR, Trace, load_trace
+
+TRACE_DIR = Path(os.environ.get("KVTIER_TRACE_DIR", DEFAULT_TRACE_DIR))
+needs_traces = pytest.mark.skipif(
+    not (TRACE_DIR / "conversation_trace.jsonl").is_file(),
+    reason=f"Mooncake traces not found in {TRACE_DIR} (the shared/ directory next to the repo, or KVTIER_TRACE_DIR)",
+)
+
+
+def mooncake(name: str) -> Trace:
+    """The shared trace `name` ("conversation" or "synthetic"), loaded whole."""
+    return load_trace(TRACE_DIR / f"{name}_trace.jsonl")
+
+
+@pytest.fixture(scope="module")
+def conversation() -> Trace:
+    return mooncake("conversation")
+
+
+@pytest.fixture(scope="module")
+def synthetic() -> Trace:
+    return mooncake("synthetic")
