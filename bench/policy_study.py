@@ -64,22 +64,23 @@ def reuse_table(trace: Trace) -> list[dict]:
             for (prior, tail), c in sorted(rows.items())]
 
 
-def prefix_lru_hits(trace: Trace, num_slots: int, store: set | None) -> int:
-    """Block hits of one LRU tier with prefix accounting; `store`: the blocks it may store (None: all)."""
+def prefix_lru_hits(trace: Trace, num_slots: int, stored: list[set] | None = None) -> int:
+    """Block hits of one LRU tier with prefix accounting.
+
+    `stored`: per request, the blocks of it the tier may store (None: every block).
+    """
     order: OrderedDict[int, None] = OrderedDict()
     num_hits = 0
-    for request in trace.requests:
+    for i, request in enumerate(trace.requests):
         blocks = request.hash_ids
         n = 0
         while n < len(blocks) and blocks[n] in order:
             n += 1
         num_hits += n
-        for block in blocks[:n]:
-            order.move_to_end(block)
-        for block in blocks[n:]:
+        for block in blocks:
             if block in order:
                 order.move_to_end(block)
-            elif store is None or block in store:
+            elif stored is None or block in stored[i]:
                 if len(order) >= num_slots:
                     order.popitem(last=False)
                 order[block] = None
@@ -98,23 +99,7 @@ def reused_later(trace: Trace) -> list[set]:
 
 def oracle_bypass_hits(trace: Trace, num_slots: int) -> int:
     """Hits of LRU that never stores a block no later request accesses (knows dead blocks, nothing else)."""
-    alive = reused_later(trace)
-    order: OrderedDict[int, None] = OrderedDict()
-    num_hits = 0
-    for request, keep in zip(trace.requests, alive):
-        blocks = request.hash_ids
-        n = 0
-        while n < len(blocks) and blocks[n] in order:
-            n += 1
-        num_hits += n
-        for block in blocks:
-            if block in order:
-                order.move_to_end(block)
-            elif block in keep:
-                if len(order) >= num_slots:
-                    order.popitem(last=False)
-                order[block] = None
-    return num_hits
+    return prefix_lru_hits(trace, num_slots, reused_later(trace))
 
 
 def capacity_rows(trace: Trace, shares: list[float]) -> list[dict]:
@@ -124,7 +109,7 @@ def capacity_rows(trace: Trace, shares: list[float]) -> list[dict]:
         num_slots = max(1, int(share / 100 * trace.num_unique_blocks))
         tier = (VirtualTier(TierKind.HBM, num_slots, 1000.0),)
         rates = {p.value: simulate(trace, SimConfig(tier, BLOCK_BYTES, policy=p))["block_hit_rate"] for p in SimPolicy}
-        rates["lru_check"] = prefix_lru_hits(trace, num_slots, None) / trace.num_accesses
+        rates["lru_check"] = prefix_lru_hits(trace, num_slots) / trace.num_accesses
         rates["oracle_bypass"] = oracle_bypass_hits(trace, num_slots) / trace.num_accesses
         gap = rates["belady"] - rates["lru"]
         closed = {name: (rate - rates["lru"]) / gap if gap > 0 else 0.0 for name, rate in rates.items()}
