@@ -392,7 +392,7 @@ class _Replay:
         seconds_per_block = [_seconds_per_block(cfg, t) for t in cfg.tiers]
         seconds_per_token = 1 / cfg.prefill_tokens_per_s
         order, single = m.order, len(m.order) == 1
-        order_chain, chain_aware = m.order_chain, cfg.policy is SimPolicy.CHAIN_ARC
+        order_chain, partial_tails = m.order_chain, not cfg.full_blocks_only
         block_tokens, ttft, ttft_no_cache = self.block_tokens, self.ttft_s, self.ttft_no_cache_s
         for i, request in enumerate(trace.requests):
             blocks = keys[i]
@@ -411,8 +411,7 @@ class _Replay:
                         load_s += (hits[t] - b) * s
             if n < len(blocks):
                 self._store(blocks[n:])
-            if chain_aware:
-                order_chain(blocks, partial_tail=request.partial_tail and not cfg.full_blocks_only)
+            order_chain(blocks, partial_tail=request.partial_tail and partial_tails)  # a no-op but for chain-arc
             self.num_accesses += len(blocks)
             cached = min(n * block_tokens, request.input_tokens)
             self.cached_tokens += cached
