@@ -30,8 +30,8 @@ three times 50 %. LRU that skips the blocks a predictor calls dead, the predicto
 hindsight the reuse rate of every combination of six such features (conversation turn, output
 length, request length, already-seen prefix, prior accesses, partial tail: 2,825 combinations on the
 conversation trace), closes 0.20 and 0.20 of the conversation trace's gap and 0.14 and 0.19 of the
-synthetic trace's: an online predictor of the same features, which must learn those rates as it
-goes, does no better.
+synthetic trace's; a predictor that must learn those rates as it goes, and not in hindsight,
+is unlikely to do much better.
 """
 
 from __future__ import annotations

@@ -93,9 +93,16 @@ def recommend(rows: Sequence[dict], target_hit_rate: float, max_hit_rate: float)
     Returns:
         `target_hit_rate`, `by_label` (each configuration's smallest capacity reaching it, or None),
         `recommended` (the row chosen, or None), `belady` (Belady's smallest, or None) and `message`.
+        A trace that never accesses a block twice (`max_hit_rate` 0) has nothing to size: no
+        recommendation, a message saying so, whatever the target.
     Raises:
-        ConfigError: the target is not in (0, 1].
+        ConfigError: the target is not in (0, 1] (on a trace with a possible hit).
     """
+    if max_hit_rate <= 0:
+        return {"target_hit_rate": target_hit_rate, "by_label": {row["label"]: None for row in rows},
+                "recommended": None, "belady": None,
+                "message": "no block of this trace is accessed twice: every capacity hits 0.0%, so there is "
+                           "nothing to size"}
     if not 0 < target_hit_rate <= 1:
         raise ConfigError(f"target_hit_rate must be in (0, 1], got {target_hit_rate!r}")
     first: dict[str, dict | None] = {}

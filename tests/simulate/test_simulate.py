@@ -263,6 +263,19 @@ def test_cli_compare_sweep_and_plot(capsys, tmp_path):
     assert code == 0 and "lru" in out and "30.8%" in out
 
 
+def test_cli_sweep_of_a_trace_without_reuse_says_there_is_nothing_to_size(capsys, tmp_path):
+    trace = write_trace(tmp_path / "once.jsonl", [{"timestamp": 0, "input_length": 1000, "output_length": 1,
+                                                   "hash_ids": [1, 2]}])
+    for policy in ("lru", "chain-arc"):
+        code, out, err = run_cli(capsys, "--trace", str(trace), "--capacity", "dram=10", "--policy", policy,
+                                 "--sweep", "--json", "--plot", str(tmp_path / "plots"))
+        assert code == 0, err
+        recommendation = json.loads(out)["sweep"]["recommendation"]
+        assert recommendation["recommended"] is None and "nothing to size" in recommendation["message"]
+    code, _, err = run_cli(capsys, "--trace", str(trace), "--capacity", "dram=10", "--sweep", "--target-hit-rate", "0")
+    assert code == 2 and "target-hit-rate must be in (0, 1]" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--capacity", "hbm=0"], "at least one"),
     (["--capacity", "hbm=-3"], "positive"),
