@@ -424,12 +424,21 @@ def _servers_table(result: dict) -> Table:
     return table
 
 
+MAX_SERVER_ROWS = 16  # the load table shows the first and last 8 servers beyond this (the JSON lists all)
+
+
 def _loads_table(result: dict) -> Table:
     table = Table(title=f"load per server ({result['num_conversations']:,} conversations, "
                         f"{result['num_split_conversations']:,} split across servers)")
     for header in ("server", "requests", "block accesses", "conversations", "private hit"):
         table.add_column(header, justify="right")
-    for s in result["per_server"]:
+    servers = result["per_server"]
+    shown = servers if len(servers) <= MAX_SERVER_ROWS else [*servers[:MAX_SERVER_ROWS // 2], None,
+                                                              *servers[-(MAX_SERVER_ROWS // 2):]]
+    for s in shown:
+        if s is None:
+            table.add_row(f"({len(servers) - MAX_SERVER_ROWS:,} more)", "...", "...", "...", "...")
+            continue
         table.add_row(str(s["server"]), f"{s['num_requests']:,}", f"{s['num_accesses']:,}",
                       f"{s['num_conversations']:,}", f"{s['private_block_hit_rate']:.1%}")
     return table

@@ -220,7 +220,8 @@ def compare(trace: Trace, config: SimConfig, num_servers: int, route: Route, poo
     Returns:
         A JSON-ready dict: `num_servers`, `route`, `routing_rule`, `per_server` loads, `private`,
         `shared` and `matching` results (`matching` None if no size tried reaches the private
-        hits), `search` (every pool size replayed) and a one-line `message`.
+        hits, or if the private tiers hit nothing), `search` (every pool size replayed) and a
+        one-line `message`.
     Raises:
         ConfigError: the configuration is not exactly one DRAM tier, or `num_servers` is bad.
     """
@@ -236,7 +237,8 @@ def compare(trace: Trace, config: SimConfig, num_servers: int, route: Route, poo
 
     pool = _PoolReplays(trace, config, pool_bandwidth_gbps, on_progress)
     shared = pool.result(total_blocks, total_blocks)
-    size = smallest_matching_pool(pool.num_hits, private["num_hits"], total_blocks)
+    # Nothing to match when the private tiers hit nothing (any pool, however small, "matches").
+    size = smallest_matching_pool(pool.num_hits, private["num_hits"], total_blocks) if private["num_hits"] else None
     return {
         "num_servers": num_servers, "route": route.value, "routing_rule": ROUTE_RULES[route],
         "common_min_fanout": routing.common_min_fanout, "num_common_blocks": routing.num_common_blocks,
@@ -247,7 +249,8 @@ def compare(trace: Trace, config: SimConfig, num_servers: int, route: Route, poo
         "private": private, "shared": shared,
         "matching": None if size is None else pool.result(size, total_blocks),
         "search": _search_report(pool.hits_by_size, trace.num_accesses, private["num_hits"]),
-        "message": _message(private, shared, size, total_blocks, num_servers),
+        "message": _message(private, shared, size, total_blocks, num_servers,
+                            sum(1 for r in runs if not r["num_requests"])),
     }  # fmt: skip
 
 
@@ -372,9 +375,14 @@ def _search_report(hits_by_size: dict[int, int], num_accesses: int, target_hits:
                         else 0.0} for size, h in hits_by_size.items()]}
 
 
-def _message(private: dict, shared: dict, size: int | None, total_blocks: int, num_servers: int) -> str:
-    head = (f"{num_servers} private DRAM tiers ({total_blocks:,} blocks in all) hit {private['block_hit_rate']:.1%}; "
-            f"one shared pool of the same {total_blocks:,} blocks hits {shared['block_hit_rate']:.1%}")
+def _message(private: dict, shared: dict, size: int | None, total_blocks: int, num_servers: int,
+             num_idle: int = 0) -> str:
+    idle = f"; {num_idle:,} server{'s' * (num_idle != 1)} given no request" if num_idle else ""
+    head = (f"{num_servers} private DRAM tiers ({total_blocks:,} blocks in all{idle}) hit "
+            f"{private['block_hit_rate']:.1%}; one shared pool of the same {total_blocks:,} blocks hits "
+            f"{shared['block_hit_rate']:.1%}")
+    if not private["num_hits"]:
+        return head + "; the private tiers hit nothing, so there is no hit rate for a pool to match"
     if size is None:
         return head + "; no pool size tried matches the private hit rate"
     blocks = f"{size:,} block{'s' * (size != 1)}"

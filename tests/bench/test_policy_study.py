@@ -13,7 +13,7 @@ from pathlib import Path
 from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier, simulate
 from kvtier.simulate.trace import Trace, TraceRequest
-from tests.support.traces import mooncake, needs_traces
+from support.traces import mooncake, needs_traces
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))

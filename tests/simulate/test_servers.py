@@ -251,7 +251,22 @@ def test_cli_bad_servers_input_exits_2(capsys, chat, args, message):
 def test_the_message_says_when_a_pool_needs_more_capacity_than_the_private_tiers():
     from kvtier.simulate.servers import _message
 
-    private, shared = {"block_hit_rate": 0.0786}, {"block_hit_rate": 0.0776}
+    private, shared = {"block_hit_rate": 0.0786, "num_hits": 786}, {"block_hit_rate": 0.0776}
     assert _message(private, shared, 2806, 2764, 2).endswith(
         "a pool needs 2,806 blocks to match the private hit rate, 1.5% more capacity than the private tiers")
     assert _message(private, shared, 2756, 2764, 2).endswith("0.3% less capacity")
+
+
+def test_more_servers_than_requests_and_no_private_hit_are_said_not_matched(capsys, tmp_path):
+    # Three requests that share nothing, over 40 servers: 37 servers idle, no hit anywhere.
+    trace = write_trace(tmp_path / "once.jsonl", [[1, 2], [3], [4, 5]])
+    result = compare(load_trace(trace), dram(2), 40, Route.REQUEST, 10.0)
+    assert result["private"]["num_hits"] == 0 and result["matching"] is None
+    assert "37 servers given no request" in result["message"]
+    assert result["message"].endswith("the private tiers hit nothing, so there is no hit rate for a pool to match")
+    code, out, err = run_cli(capsys, "--trace", str(trace), "--capacity", "dram=2", "--servers", "40",
+                             "--route", "request")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("│") and "load per server" not in line]
+    assert any("(24 more)" in line for line in rows)  # 40 servers, 16 rows shown
+    assert not any(line.split("│")[1].strip() == "20" for line in rows)  # server 20 is among those elided
