@@ -338,6 +338,9 @@ def print_report(report: dict, console: Console) -> None:
     console.print(f"[bold]{t['path']}[/bold]: {t['num_requests']:,} requests, {t['num_accesses']:,} block "
                   f"accesses, {t['num_unique_blocks']:,} distinct blocks (best possible hit rate "
                   f"{t['max_block_hit_rate']:.1%})")
+    if t.get("num_reordered"):
+        console.print(f"{t['num_reordered']:,} requests came after a later timestamp in the file: replayed in "
+                      "timestamp order")
     tails = t["hash_ids_per_request"]
     if tails.get("tail_absent"):
         console.print(f"hash_ids per request: {tails['tail_listed']:,} list the partial tail block (ceil), "

@@ -13,7 +13,7 @@ the runtime's admission rules and watermarks, and the same verbs in the same ord
 all succeed at once: every move the manager plans (promotions, demotions) completes at once, in
 the order issued, and the moves that completions trigger follow (tests/simulate/test_simulate_fastpath.py
 checks that this decides exactly as the two-phase verbs driven that way). Nothing is in flight
-between requests, and requests are served one at a time in trace order (timestamps only order them).
+between requests, and requests are served one at a time in timestamp order (`load_trace` sorts a file that is not).
 
 Engines (`simulate(..., engine=...)`, `SimEngine`; the report's `engine` says which ran). "manager"
 replays through a `TierManager` as above. "native" (kvtier/_replay.c, driven by

@@ -79,7 +79,7 @@ class TraceRequest:
 
 @dataclass(frozen=True, slots=True)
 class Trace:
-    """A loaded trace: its requests in file order and what was skipped."""
+    """A loaded trace: its requests in timestamp order and what was skipped."""
 
     path: str
     block_tokens: int
@@ -90,6 +90,9 @@ class Trace:
     # Requests by how their line listed the partial tail block: "whole" (the input is a whole number
     # of blocks: floor = ceil), "tail_listed" (ceil: an id for the partial tail), "tail_absent" (floor).
     tail_counts: tuple[tuple[str, int], ...] = ()
+    # Requests whose line came after a line with a later timestamp: the file was not in time order,
+    # and `requests` is (a stable sort by timestamp, so equal timestamps keep their file order).
+    num_reordered: int = 0
 
     @property
     def max_block_hit_rate(self) -> float:
@@ -104,6 +107,7 @@ class Trace:
             "input_tokens": sum(r.input_tokens for r in self.requests),
             "max_block_hit_rate": self.max_block_hit_rate,
             "hash_ids_per_request": dict(self.tail_counts),
+            "num_reordered": self.num_reordered,
             "num_skipped_lines": len(self.skipped_lines),
             "skipped_lines": [{"line": n, "reason": why} for n, why in self.skipped_lines[:20]],
         }  # fmt: skip
@@ -141,7 +145,9 @@ def load_trace(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
         on_error: stop at the first malformed line, or skip it and record why.
         limit: read at most this many requests (None: all).
     Returns:
-        The requests in file order, with the skipped lines, access counts and tail counts.
+        The requests in timestamp order (file order where the file is in time order, as traces
+        usually are; otherwise sorted, stably, and `num_reordered` says how many moved), with the
+        skipped lines, access counts and tail counts.
     Raises:
         TraceError: the file cannot be read or decompressed, a line is malformed (with
             `OnError.STOP`; the message gives the file, the 1-based line number and what is wrong),
@@ -178,9 +184,23 @@ def load_trace(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
         raise TraceError(f"cannot read trace {str(path)!r}{where}: {getattr(e, 'strerror', None) or e}") from None
     if not requests:
         raise TraceError(f"{path}: no valid request in the trace ({len(skipped)} malformed lines skipped)")
+    num_reordered = _num_out_of_order(requests)
+    if num_reordered:
+        requests.sort(key=lambda r: r.timestamp_ms)  # stable
     num_accesses = sum(len(r.hash_ids) for r in requests)
     return Trace(str(path), block_tokens, tuple(requests), tuple(skipped), num_accesses, len(ids),
-                 tuple(tails.items()))
+                 tuple(tails.items()), num_reordered)
+
+
+def _num_out_of_order(requests: list[TraceRequest]) -> int:
+    """How many requests have a timestamp below that of some request before them."""
+    latest, count = -math.inf, 0
+    for request in requests:
+        if request.timestamp_ms < latest:
+            count += 1
+        else:
+            latest = request.timestamp_ms
+    return count
 
 
 @contextmanager

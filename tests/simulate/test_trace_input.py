@@ -14,6 +14,7 @@ from kvtier.cli import main as cli_main
 from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier, simulate
 from kvtier.simulate.trace import OnError, TraceError, load_trace
+from support.traces import TRACE_DIR, needs_traces
 
 # 512-token blocks. Request 1 lists its partial tail (ceil), request 2 leaves it out (floor), request
 # 3 is whole blocks; request 4 repeats request 2's prefix.
@@ -122,10 +123,31 @@ def test_cli_reads_a_zstd_trace_and_reports_the_tail_counts(tmp_path, capsys):
     assert "2 leave it out (floor" in capsys.readouterr().out
 
 
-CONVERSATION = Path(__file__).resolve().parents[2].parent / "shared/data/traces/mooncake/conversation_trace.jsonl"
+def test_a_file_out_of_time_order_is_replayed_in_time_order_and_says_so(tmp_path, capsys):
+    # Lines 2 and 4 come after a later timestamp. In time order the trace is LINES (timestamps
+    # 0, 1, 2, 3, with 2 and 3 given equal timestamps here: a stable sort keeps their file order).
+    shuffled = [dict(LINES[2], timestamp=2), LINES[1], LINES[0], dict(LINES[3], timestamp=2)]
+    path = tmp_path / "merged.jsonl"
+    path.write_bytes(text(shuffled))
+    trace = load_trace(path)
+    assert trace.num_reordered == 2 and trace.describe()["num_reordered"] == 2
+    assert [r.hash_ids for r in trace.requests] == [(1, 2, 3), (1, 4), (5, 6), (1, 4)]
+    in_order = load_trace(_write(tmp_path / "sorted.jsonl", text(LINES)))
+    assert in_order.num_reordered == 0
+    assert simulate(trace, one_tier(100))["num_hits"] == simulate(in_order, one_tier(100))["num_hits"] == 3
+    assert cli_main(["simulate", "--trace", str(path), "--capacity", "hbm=100", "--no-progress"]) == 0
+    assert "2 requests came after a later timestamp in the file: replayed in timestamp order" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not CONVERSATION.is_file(), reason=f"{CONVERSATION} not found")
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+CONVERSATION = TRACE_DIR / "conversation_trace.jsonl"
+
+
+@needs_traces
 @pytest.mark.parametrize("share", [0.02, 0.10])
 def test_single_tier_lru_hits_exactly_what_libcachesim_hits_on_a_gzipped_floor_trace(tmp_path, share):
     """An independent simulator (libCacheSim's LRU, its C code) as the check: each hash id an
