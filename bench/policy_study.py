@@ -19,7 +19,9 @@ Not a test and not the simulator: a study of one trace, for whoever designs an e
    share of accesses under each key that are followed by another access of the block, and runs LRU
    that does not store a block whose key's share is below a threshold (the best of `THRESHOLDS`).
    Its key rates are fitted on the very trace it replays, so it is better than any online
-   predictor of those features can be; what it cannot close is beyond them.
+   predictor of those features can be; what it cannot close is beyond them. The *runtime oracle*
+   is the same with only the features `KVTier` itself has when it stores (`RUNTIME_FEATURES`: an
+   engine does not tell it a request's output length, and it does not track conversations).
 
 The oracle of (2) is a plain LRU over an OrderedDict with the simulator's prefix accounting (a hit
 counts only inside the matched prefix); it reproduces the manager's LRU figure when it stores every
@@ -44,6 +46,8 @@ MAX_PRIOR = 3  # accesses before this one, 3 meaning 3 or more
 MAX_TURN = 6  # conversation turns, 6 meaning 6 or more
 THRESHOLDS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1: the feature oracle stores keys reused at least this often
 FEATURES = ("turn", "log2_output_tokens", "log2_blocks", "log2_seen_prefix", "prior_accesses", "partial_tail")
+RUNTIME_FEATURES = ("log2_blocks", "log2_seen_prefix", "prior_accesses", "partial_tail")
+ORACLES = {"feature_oracle": FEATURES, "runtime_oracle": RUNTIME_FEATURES}  # name -> the features its keys hold
 BLOCK_BYTES = 1  # the study counts blocks; bytes do not matter
 
 
@@ -188,19 +192,26 @@ def capacity_rows(trace: Trace, shares: list[float]) -> list[dict]:
     """Hit rates at each share of the trace's distinct blocks: the runtime's policies, Belady, the oracle."""
     rows = []
     keys = access_keys(trace)
-    key_rates = hindsight_rates(trace, keys)
+    oracles = {}  # name -> (its keys, their hindsight rates)
+    for name, features in ORACLES.items():
+        columns = [FEATURES.index(f) for f in features]
+        projected = [[tuple(key[c] for c in columns) for key in request_keys] for request_keys in keys]
+        oracles[name] = (projected, hindsight_rates(trace, projected))
     for share in shares:
         num_slots = max(1, int(share / 100 * trace.num_unique_blocks))
         tier = (VirtualTier(TierKind.HBM, num_slots, 1000.0),)
         rates = {p.value: simulate(trace, SimConfig(tier, BLOCK_BYTES, policy=p))["block_hit_rate"] for p in SimPolicy}
         rates["lru_check"] = prefix_lru_hits(trace, num_slots) / trace.num_accesses
         rates["oracle_bypass"] = oracle_bypass_hits(trace, num_slots) / trace.num_accesses
-        best = feature_oracle(trace, num_slots, keys, key_rates)
-        rates["feature_oracle"] = best["num_hits"] / trace.num_accesses
+        fitted = {}
+        for name, (oracle_keys, key_rates) in oracles.items():
+            best = feature_oracle(trace, num_slots, oracle_keys, key_rates)
+            rates[name] = best["num_hits"] / trace.num_accesses
+            fitted[name] = {"features": ORACLES[name], "threshold": best["threshold"], "num_keys": len(key_rates)}
         gap = rates["belady"] - rates["lru"]
         closed = {name: (rate - rates["lru"]) / gap if gap > 0 else 0.0 for name, rate in rates.items()}
         rows.append({"share_pct": share, "num_slots": num_slots, "hit_rate": rates, "gap_closed": closed,
-                     "feature_oracle_threshold": best["threshold"], "feature_oracle_keys": len(key_rates)})
+                     "oracles": fitted})
     return rows
 
 
@@ -228,8 +239,9 @@ def main() -> int:
         print(f"{row['share_pct']:>5g}%{row['num_slots']:>9,}" + "".join(
             f"{row['hit_rate'][n]:>13.2%} ({row['gap_closed'][n]:+.2f})" for n in names))
     for row in rows:
-        print(f"feature oracle at {row['share_pct']:g}%: stores keys reused at least {row['feature_oracle_threshold']:.0%} "
-              f"of the time; {row['feature_oracle_keys']:,} keys of {', '.join(FEATURES)}")
+        for name, fit in row["oracles"].items():
+            print(f"{name} at {row['share_pct']:g}%: stores keys reused at least {fit['threshold']:.0%} of the time; "
+                  f"{fit['num_keys']:,} keys of {', '.join(fit['features'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": trace.path, "num_accesses": trace.num_accesses, "reuse": reuse, "capacities": rows},

@@ -30,8 +30,10 @@ three times 50 %. LRU that skips the blocks a predictor calls dead, the predicto
 hindsight the reuse rate of every combination of six such features (conversation turn, output
 length, request length, already-seen prefix, prior accesses, partial tail: 2,825 combinations on the
 conversation trace), closes 0.20 and 0.20 of the conversation trace's gap and 0.14 and 0.19 of the
-synthetic trace's; a predictor that must learn those rates as it goes, and not in hindsight,
-is unlikely to do much better.
+synthetic trace's; with only what `KVTier` has when it stores (request length, seen prefix, prior
+accesses, partial tail), 0.16, 0.12, 0.05 and 0.10: chain-arc's 0.13, 0.10, 0.05 and 0.05 are near
+that ceiling, which a predictor that must learn those rates as it goes, not in hindsight, is
+unlikely to pass (it could only by tracking rates that drift within the trace).
 """
 
 from __future__ import annotations
