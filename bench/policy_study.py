@@ -165,14 +165,12 @@ def access_keys(trace: Trace) -> list[list[tuple]]:
 
 def hindsight_rates(trace: Trace, keys: list[list[tuple]]) -> dict[tuple, float]:
     """Per key, the share of accesses under it that some later access of the same block follows."""
-    accessed_later: set = set()
     counts: dict[tuple, list[int]] = {}
-    for request, request_keys in zip(reversed(trace.requests), reversed(keys)):
+    for request, request_keys, later in zip(trace.requests, keys, reused_later(trace)):
         for block, key in zip(request.hash_ids, request_keys):
             c = counts.setdefault(key, [0, 0])
-            c[0] += block in accessed_later
+            c[0] += block in later
             c[1] += 1
-        accessed_later.update(request.hash_ids)
     return {key: again / total for key, (again, total) in counts.items()}
 
 

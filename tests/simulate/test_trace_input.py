@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from pathlib import Path
 
 import pytest
 import zstandard
@@ -132,16 +131,12 @@ def test_a_file_out_of_time_order_is_replayed_in_time_order_and_says_so(tmp_path
     trace = load_trace(path)
     assert trace.num_reordered == 2 and trace.describe()["num_reordered"] == 2
     assert [r.hash_ids for r in trace.requests] == [(1, 2, 3), (1, 4), (5, 6), (1, 4)]
-    in_order = load_trace(_write(tmp_path / "sorted.jsonl", text(LINES)))
+    (tmp_path / "sorted.jsonl").write_bytes(text(LINES))
+    in_order = load_trace(tmp_path / "sorted.jsonl")
     assert in_order.num_reordered == 0
     assert simulate(trace, one_tier(100))["num_hits"] == simulate(in_order, one_tier(100))["num_hits"] == 3
     assert cli_main(["simulate", "--trace", str(path), "--capacity", "hbm=100", "--no-progress"]) == 0
     assert "2 requests came after a later timestamp in the file: replayed in timestamp order" in capsys.readouterr().out
-
-
-def _write(path: Path, data: bytes) -> Path:
-    path.write_bytes(data)
-    return path
 
 
 CONVERSATION = TRACE_DIR / "conversation_trace.jsonl"
