@@ -115,10 +115,19 @@ def _check_outputs(args: argparse.Namespace) -> None:
     for option, folder in (("--json", Path(args.json).parent if args.json else None),
                            ("--plot", Path(args.plot) if args.plot else None)):
         if folder is not None:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"{option}: cannot create {folder}: {e.strerror}") from None
+            create_folder(folder, option)
+
+
+def create_folder(folder: Path, option: str) -> None:
+    """Creates an output folder (and its parents) before a long run, not after it.
+
+    Raises:
+        ConfigError: it cannot be made (a file of that name, no permission, a full disk); names `option`.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option}: cannot create {folder}: {e.strerror}") from None
 
 
 def _items(value: str, option: str) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvtier.cli.bench import create_folder
 from kvtier.model_catalog import resolve_model
 from kvtier.cli.simulate_tables import print_report
 from kvtier.config import CacheMode
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         ConfigError, CapacityError: bad tiers, capacities, bandwidths or options.
     """
     num_servers = _check_servers_options(args)
+    if args.plot:
+        create_folder(Path(args.plot), "--plot")  # now, not after a replay of minutes
     trace = load_trace(resolve_trace_path(args.trace), block_tokens=_positive_int(args.block_tokens, "block-tokens"),
                        on_error=OnError(args.on_error),
                        limit=None if args.limit is None else _positive_int(args.limit, "limit"))

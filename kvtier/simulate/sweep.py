@@ -188,8 +188,17 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    """Writes `fig` as a PNG at `path`.
+
+    Raises:
+        ConfigError: it cannot be written (its folder is a file, a full disk...), naming the path.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise ConfigError(f"plot: cannot write {str(path)!r}: {e.strerror or e}") from None
+    finally:
+        _pyplot().close(fig)
     return path

@@ -263,6 +263,26 @@ def test_cli_compare_sweep_and_plot(capsys, tmp_path):
     assert code == 0 and "lru" in out and "30.8%" in out
 
 
+def test_cli_refuses_a_plot_folder_it_cannot_make_before_replaying(capsys, tmp_path):
+    trace = write_trace(tmp_path / "tiny.jsonl", TINY)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for args in (["--capacity", "hbm=3", "--plot", str(blocker)],
+                 ["--servers", "2", "--capacity", "dram=3", "--plot", str(blocker / "plots")]):
+        code, out, err = run_cli(capsys, "--trace", str(trace), *args)
+        assert code == 2 and "--plot: cannot create" in err and out == ""
+
+
+def test_a_plot_that_cannot_be_written_is_a_config_error_naming_it(tmp_path):
+    from kvtier.simulate.sweep import plot_runs
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    runs = [{"label": "lru", "tiers": {"hbm": {"hit_rate": 0.3}}, "block_hit_rate": 0.3}]
+    with pytest.raises(ConfigError, match="plot: cannot write .*a_file/hit.png"):
+        plot_runs(runs, blocker / "hit.png")
+
+
 def test_cli_sweep_of_a_trace_without_reuse_says_there_is_nothing_to_size(capsys, tmp_path):
     trace = write_trace(tmp_path / "once.jsonl", [{"timestamp": 0, "input_length": 1000, "output_length": 1,
                                                    "hash_ids": [1, 2]}])
