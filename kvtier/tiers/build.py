@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError, TierIOError
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -22,10 +25,7 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
         return DRAMTier(cfg.capacity_bytes, slot_bytes)
     if cfg.kind is TierKind.SSD:
         from kvtier.tiers.ssd import SSDTier
-        try:
-            cfg.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise TierIOError(f"tiers.ssd.path {cfg.path}: cannot create the directory: {e.strerror}") from None
+        _make_ssd_directory(cfg.path)
         return SSDTier(cfg.path, cfg.capacity_bytes, slot_bytes, num_files=cfg.num_files, direct=cfg.o_direct,
                        persist=cfg.persist)
     if cfg.kind is TierKind.POOL:
@@ -66,6 +66,26 @@ def planned_facts(cfg: TierConfig, slot_bytes: int) -> dict[str, object]:
         facts.update(nodes=list(cfg.nodes), transport=cfg.transport.value, tenant=cfg.tenant,
                      transport_reason="configured; decided per node when it connects", backend=cfg.backend.value)
     return facts
+
+
+def _make_ssd_directory(path: Path) -> None:
+    """Creates the SSD tier's folder, unless its nearest existing ancestor is a device or kernel
+    folder (/dev, /proc, /sys: nothing is made there).
+
+    Raises:
+        TierIOError: naming `tiers.ssd.path`, the ancestor is refused or the folder cannot be made.
+    """
+    from kvtier.tiers.ssd_files import open_directory
+
+    existing = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    try:
+        if existing is not None:
+            os.close(open_directory(str(existing)))
+        path.mkdir(parents=True, exist_ok=True)
+    except TierIOError as e:
+        raise TierIOError(e.errno, f"tiers.ssd.path {path}: {e.strerror}", e.filename) from None
+    except OSError as e:
+        raise TierIOError(f"tiers.ssd.path {path}: cannot create the directory: {e.strerror}") from None
 
 
 _MEDIA = {TierKind.HBM: Medium.DEVICE.value, TierKind.DRAM: Medium.HOST.value, TierKind.SSD: Medium.DISK.value,

@@ -11,6 +11,9 @@ bandwidth is the device's. It needs the buffer address, file offset and length 4
 aligned request goes straight from/to the caller's memory (e.g. a DRAM-tier slot), anything else
 through the calling thread's aligned bounce buffer. Filesystems that refuse O_DIRECT get buffered
 I/O, said in `describe()` and in one warning, never silently.
+
+The folder is opened once and the files relative to it, never through a link, and only regular
+files of this user's with one link are used (`kvtier.tiers.ssd_files` says why and how).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import threading
 
 import numpy as np
@@ -28,6 +30,7 @@ import torch
 
 from kvtier.errors import ConfigError, TierIOError, TierUnavailable
 from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+from kvtier.tiers.ssd_files import check_reopened, open_directory, open_file, remove_files
 
 ALIGN_BYTES = 4096
 MAX_BOUNCE_BYTES = 4 << 20
@@ -72,8 +75,10 @@ class SSDTier(Tier):
         Raises:
             CapacityError: capacity is below one slot.
             ConfigError: slot_bytes or num_files is not positive.
-            TierIOError: the directory is missing or unwritable, the space cannot be reserved
-                (errno ENOSPC), or direct=True and the filesystem refuses O_DIRECT.
+            TierIOError: the directory is missing, unwritable or a device or kernel folder (/dev,
+                /proc, /sys), a file under the tier's names is a symlink, not a regular file, a
+                hard link or another user's, the space cannot be reserved (errno ENOSPC), or
+                direct=True and the filesystem refuses O_DIRECT.
         """
         if slot_bytes <= 0 or num_files <= 0:
             raise ConfigError(
@@ -89,13 +94,16 @@ class SSDTier(Tier):
         self._bounce_bytes = min(self.slot_stride_bytes, MAX_BOUNCE_BYTES)
         self._local = threading.local()
         self._paths: list[str] = []
+        self._files: list[os.stat_result] = []  # what each path was when created: reopens must match
         self._fds: list[int] = []
+        self._dir_fd = -1
         self._ready = False
         try:
+            self._dir_fd = open_directory(self.directory)
             self._create_files()
-            self._direct, self._direct_reason = _decide_direct(self._paths[0], direct)
-            for file_path in self._paths:
-                self._fds.append(_open(file_path, self._direct))
+            self._direct, self._direct_reason = _decide_direct(self._paths[0], direct, self._dir_fd, self._files[0])
+            for file_path, created in zip(self._paths, self._files):
+                self._fds.append(_open(self._dir_fd, file_path, self._direct, created))
         except BaseException:
             self._release()
             raise
@@ -198,19 +206,20 @@ class SSDTier(Tier):
     # -- internals -------------------------------------------------------------------------------
 
     def _create_files(self) -> None:
-        """Creates `_num_files` files and reserves their space; appends each to `_paths` as it goes."""
-        _check_directory(self.directory)
+        """Creates `_num_files` files and reserves their space; appends each to `_paths` as it goes.
+
+        A persistent tier's names are fixed, so a name already taken by a link, a special file or
+        another user's file is refused (`open_file`) and left alone.
+        """
         stem = "kvtier-ssd" if self.persist else f"kvtier-ssd-{os.getpid()}-{secrets.token_hex(4)}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (0 if self.persist else os.O_EXCL)
+        flags = os.O_RDWR | os.O_CREAT | (0 if self.persist else os.O_EXCL)
         for i in range(self._num_files):
             path = os.path.join(self.directory, f"{stem}-{i}.slab")
             num_bytes = self._slots_in_file(i) * self.slot_stride_bytes
-            try:
-                fd = os.open(path, flags, 0o600)
-            except OSError as e:
-                raise TierIOError(e.errno, f"SSD tier: cannot create a file ({e.strerror})", path) from e
+            fd = open_file(self._dir_fd, path, flags, 0o600)
             self._paths.append(path)
             try:
+                self._files.append(os.fstat(fd))
                 os.posix_fallocate(fd, 0, num_bytes)
             except OSError as e:
                 message = f"SSD tier: cannot reserve {num_bytes} bytes ({e.strerror})"
@@ -265,8 +274,8 @@ class SSDTier(Tier):
 
     def _release(self) -> None:
         """Closes fds and removes files (unless kept); raises the first close error at the end."""
-        fds, paths = self._fds, self._paths
-        self._fds, self._paths = [], []
+        fds, paths, dir_fd = self._fds, self._paths, self._dir_fd
+        self._fds, self._paths, self._dir_fd = [], [], -1
         self._local = threading.local()
         first_error: OSError | None = None
         for fd, path in zip(fds, paths):
@@ -276,30 +285,23 @@ class SSDTier(Tier):
                 error = TierIOError(e.errno, f"SSD tier: close failed ({e.strerror})", path)
                 first_error = first_error or error
         if not (self._keep_files and self._ready):
-            _remove_files(paths)
+            remove_files(paths, dir_fd)
+        if dir_fd >= 0:
+            os.close(dir_fd)
         if first_error is not None:
             raise first_error
 
 
-def _check_directory(directory: str) -> None:
-    """Raises TierIOError (ENOENT, ENOTDIR, ...) naming `directory` unless it is an existing directory."""
-    try:
-        is_dir = stat.S_ISDIR(os.stat(directory).st_mode)
-    except OSError as e:
-        raise TierIOError(e.errno, f"SSD tier: cannot use the directory ({e.strerror})", directory) from e
-    if not is_dir:
-        raise TierIOError(errno.ENOTDIR, "SSD tier: not a directory", directory)
-
-
-def _decide_direct(path: str, direct: bool | None) -> tuple[bool, str]:
-    """Returns (use O_DIRECT, why) for the filesystem holding `path`.
+def _decide_direct(path: str, direct: bool | None, dir_fd: int | None = None,
+                   expected: os.stat_result | None = None) -> tuple[bool, str]:
+    """Returns (use O_DIRECT, why) for the filesystem holding `path` (see `_probe_direct`).
 
     Raises:
         TierIOError: direct=True and O_DIRECT is refused, or the probe hit a real I/O error.
     """
     if direct is False:
         return False, "disabled by the caller (direct=False)"
-    refusal = _probe_direct(path)
+    refusal = _probe_direct(path, dir_fd, expected)
     if refusal is None:
         return True, "an aligned O_DIRECT write and read succeeded"
     if direct:
@@ -307,25 +309,35 @@ def _decide_direct(path: str, direct: bool | None) -> tuple[bool, str]:
     return False, refusal
 
 
-def _probe_direct(path: str) -> str | None:
-    """Opens `path` with O_DIRECT, reads its first 4 KiB and writes the same bytes back.
+def _probe_direct(path: str, dir_fd: int | None = None, expected: os.stat_result | None = None) -> str | None:
+    """Opens `path` with O_DIRECT (never through a link), reads its first 4 KiB and writes the same bytes back.
 
     Reading first keeps the content: a persistent tier's slot 0 may hold a block from an earlier run.
 
+    Args:
+        path: the file to probe.
+        dir_fd: its folder's descriptor, to open the base name against (None: open `path` itself).
+        expected: the file as created; the probe refuses another one found under its name.
     Returns:
         None when O_DIRECT works, else why not.
     Raises:
-        TierIOError: an error other than the filesystem refusing O_DIRECT.
+        TierIOError: an error other than the filesystem refusing O_DIRECT (a link under the name included).
     """
     flag = getattr(os, "O_DIRECT", None)
     if flag is None:
         return "os.O_DIRECT does not exist on this platform"
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | flag)
+        fd = os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | flag, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in _REFUSED:
             return f"the filesystem refused to open a file with O_DIRECT ({e.strerror})"
         raise TierIOError(e.errno, f"SSD tier: O_DIRECT probe failed to open ({e.strerror})", path) from e
+    try:
+        check_reopened(fd, path, expected)
+    except BaseException:
+        os.close(fd)
+        raise
     buf = mmap.mmap(-1, ALIGN_BYTES)
     try:
         _pread_all(fd, memoryview(buf), 0, True)
@@ -340,17 +352,24 @@ def _probe_direct(path: str) -> str | None:
     return None
 
 
-def _open(path: str, direct: bool) -> int:
-    """Opens a slot file read-write, with O_DIRECT when `direct`.
+def _open(dir_fd: int, path: str, direct: bool, expected: os.stat_result) -> int:
+    """Opens a slot file read-write (O_NOFOLLOW, O_CLOEXEC), with O_DIRECT when `direct`.
 
+    Args:
+        dir_fd: the tier folder's descriptor.
+        path: the file's path.
+        direct: add O_DIRECT.
+        expected: the file as created: the one opened must be the same inode.
     Raises:
-        TierIOError: the file cannot be opened.
+        TierIOError: the file cannot be opened, or another file took its name since it was created.
     """
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    fd = open_file(dir_fd, path, os.O_RDWR | (os.O_DIRECT if direct else 0))
     try:
-        return os.open(path, flags)
-    except OSError as e:
-        raise TierIOError(e.errno, f"SSD tier: cannot open ({e.strerror})", path) from e
+        check_reopened(fd, path, expected)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _pwrite_all(fd: int, buf: memoryview, file_offset: int) -> None:
@@ -427,14 +446,6 @@ def _aligned_chunks(offset: int, end: int, chunk_bytes: int) -> list[tuple[int, 
     lo = offset - offset % ALIGN_BYTES
     hi = _round_up(end, ALIGN_BYTES)
     return [(p, min(p + chunk_bytes, hi)) for p in range(lo, hi, chunk_bytes)]
-
-
-def _remove_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -7,6 +7,8 @@ have landed; it is never trusted blindly: every read below DRAM is checked again
 checksums, which are seeded with the block's key (`kvtier.transfer.block_seed`), so a record left
 over from a crash, a slot rewritten since, or a record under another block's key is a counted
 miss, never wrong data. An exclusive `flock` keeps two processes from sharing one directory.
+The file is opened like the slabs (`kvtier.tiers.ssd_files`): never through a link, and only a
+regular file of this user's with one link.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import struct
 from collections.abc import Iterator
 
 from kvtier.errors import TierIOError
+from kvtier.tiers.ssd_files import open_directory, open_file
 
 JOURNAL_NAME = "kvtier-ssd.journal"
 HEADER_BYTES = 4096
@@ -41,7 +44,9 @@ class SlotJournal:
         fingerprint: 16 bytes naming the block layout and key namespace; records written under
             another fingerprint are discarded at open.
     Raises:
-        TierIOError: the journal cannot be opened, or another process holds it (EBUSY).
+        TierIOError: the journal cannot be opened, is a symlink, not a regular file, a hard link
+            or another user's file, the directory is a device or kernel folder, or another process
+            holds it (EBUSY).
     """
 
     def __init__(self, directory: str, num_slots: int, slot_bytes: int, num_layers: int, fingerprint: bytes) -> None:
@@ -49,10 +54,11 @@ class SlotJournal:
         self.num_slots, self.num_layers = num_slots, num_layers
         self.record_bytes = _RECORD_HEAD.size + 8 * num_layers
         self._header = _HEADER.pack(_MAGIC, _VERSION, num_slots, slot_bytes, fingerprint.ljust(16, b"\0")[:16])
+        dir_fd = open_directory(directory)
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise TierIOError(e.errno, f"SSD journal: cannot open ({e.strerror})", self.path) from e
+            self._fd = open_file(dir_fd, self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        finally:
+            os.close(dir_fd)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
