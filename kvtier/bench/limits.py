@@ -77,7 +77,7 @@ class DirectIOLimit:
         self.block_bytes, self.num_files = block_bytes, min(num_files, num_blocks)
         self.host = random_fill(host_buffer(num_blocks, block_bytes, pinned=torch.cuda.is_available()))
         self._views = [byte_view(self.host[b], writable=True, what="raw I/O buffer") for b in range(num_blocks)]
-        flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)  # as the SSD tier opens its files
         self.paths: list[str] = []
         self.fds: list[int] = []
         try:
