@@ -10,6 +10,10 @@ garbage to the new ones. So the namespace names the weights themselves, in one o
   (`fingerprint_files`); a Hugging Face hub id is first resolved to its snapshot in the local
   cache, offline — never downloaded.
 - `params:<xxh3-128 hex>`: tensors already in memory (`fingerprint_tensors`; transformers models).
+A model's config is not a weight but changes the KV as much (RoPE base and scaling, norms, the
+attention implementation), so where an integration holds the loaded config it appends
+`;config:<xxh3-128 hex>` (`fingerprint_config`: the config as canonical JSON, and the tensors
+that are not weights but shape K/V, such as RoPE's `inv_freq` buffer).
 - `name:<model>@<revision>`: weights that cannot be read (a hub id not in the local cache, an
   object-store URI), logged as a warning: new weights under that name would hit old KV.
 
@@ -36,6 +40,7 @@ index entries). The cache is a bounded memo of a pure function of the file, not 
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -43,7 +48,7 @@ import struct
 import threading
 import time
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,9 +280,65 @@ def fingerprint_tensors(named_tensors: Iterable[tuple[str, Any]]) -> str:
         ValueError: a tensor's bytes cannot be read (on the `meta` device, or a tensor subclass
             without a byte view); the message names it.
     """
+    hasher = xxhash.xxh3_128(_TAG + b".tensors")
+    _hash_tensors(hasher, named_tensors)
+    return "params:" + hasher.hexdigest()
+
+
+CONFIG_FIELDS_WITHOUT_KV = frozenset({"_name_or_path", "_commit_hash"})
+"""Config fields left out of `fingerprint_config`, at any depth: where the files came from (a path
+or a hub commit is not an identity; the weights fingerprint names them). Everything else stays in,
+down to output flags and label maps: a field kept that cannot change the KV only costs misses,
+one left out that can would serve wrong KV."""
+
+
+def fingerprint_config(config: Mapping[str, Any], buffers: Iterable[tuple[str, Any]] = ()) -> str:
+    """The `config:` fingerprint of a loaded model's config and of the buffers that shape its K/V.
+
+    Args:
+        config: the model's config as a mapping (e.g. transformers' `config.to_dict()`, plus what
+            the engine resolved at load time, such as the attention implementation). Hashed as
+            canonical JSON (sorted keys, no whitespace), without `CONFIG_FIELDS_WITHOUT_KV`.
+        buffers: named tensors that are not weights but enter the computation (e.g. RoPE's
+            non-persistent `inv_freq`), hashed as `fingerprint_tensors` hashes weights.
+
+    Returns:
+        `config:<xxh3-128 hex>`: equal for equal configs and buffers in any process.
+
+    Raises:
+        ValueError: a buffer's bytes cannot be read (see `fingerprint_tensors`).
+    """
+    canonical = json.dumps(_without_fields(config, CONFIG_FIELDS_WITHOUT_KV), sort_keys=True,
+                           separators=(",", ":"), default=_json_value)
+    hasher = xxhash.xxh3_128(_TAG + b".config")
+    hasher.update(_framed(canonical.encode("utf-8")))
+    _hash_tensors(hasher, buffers)
+    return "config:" + hasher.hexdigest()
+
+
+def _without_fields(value: Any, fields: frozenset[str]) -> Any:
+    """`value` with the keys `fields` removed from every mapping in it, at any depth."""
+    if isinstance(value, Mapping):
+        return {str(k): _without_fields(v, fields) for k, v in value.items() if k not in fields}
+    if isinstance(value, (list, tuple)):
+        return [_without_fields(v, fields) for v in value]
+    return value
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON form of what `json` cannot encode: enums by value, sets sorted, anything else by type
+    and `repr` (one that shows an address only makes another process miss)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return f"{type(value).__module__}.{type(value).__qualname__}:{value!r}"
+
+
+def _hash_tensors(hasher: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    """Feeds each tensor's name, dtype, shape and sampled bytes to `hasher` (see `fingerprint_tensors`)."""
     import torch
 
-    hasher = xxhash.xxh3_128(_TAG + b".tensors")
     for name, tensor in named_tensors:
         if tensor.is_meta:
             raise ValueError(f"tensor {name} has no data here (meta device, e.g. offloaded)")
@@ -288,7 +349,6 @@ def fingerprint_tensors(named_tensors: Iterable[tuple[str, Any]]) -> str:
         except (RuntimeError, TypeError, NotImplementedError) as e:
             raise ValueError(f"tensor {name} ({type(tensor).__name__}, {tensor.dtype}): no byte view: {e}") from None
         hasher.update(sample.cpu().numpy().tobytes())
-    return "params:" + hasher.hexdigest()
 
 
 def _framed(data: bytes) -> bytes:

@@ -21,6 +21,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.weights import (
     WeightsSource,
+    fingerprint_config,
     fingerprint_files,
     fingerprint_tensors,
     user_weights_id,
@@ -214,6 +215,28 @@ def test_tensor_fingerprints_follow_values_dtypes_names_and_not_layout():
     assert fingerprint_tensors(strided.items()) == first
     with pytest.raises(ValueError, match="tensor w has no data here"):
         fingerprint_tensors([("w", torch.empty(4, device="meta"))])
+
+
+def test_config_fingerprints_follow_every_field_but_where_the_files_came_from():
+    config = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "num_hidden_layers": 4,
+              "text_config": {"_name_or_path": "/a", "head_dim": 16}, "_name_or_path": "/models/a",
+              "transformers_version": "5.19.0", "torch_dtype": torch.float32}
+    first = fingerprint_config(config)
+    assert first.startswith("config:") and first == fingerprint_config(dict(reversed(list(config.items()))))
+    moved = {**config, "_name_or_path": "/elsewhere", "_commit_hash": "abc",
+             "text_config": {"head_dim": 16, "_name_or_path": "/b"}}
+    assert fingerprint_config(moved) == first, "a path or a hub commit is not an identity"
+    for changed in ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                    {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+                    {"text_config": {"head_dim": 32}}, {"transformers_version": "5.20.0"},
+                    {"torch_dtype": torch.float16}, {"use_cache": False}):
+        assert fingerprint_config({**config, **changed}) != first, changed
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)
+    with_buffer = fingerprint_config(config, [("rotary_emb.inv_freq", inv_freq)])
+    assert with_buffer != first and with_buffer == fingerprint_config(config, [("rotary_emb.inv_freq", inv_freq.clone())])
+    assert fingerprint_config(config, [("rotary_emb.inv_freq", inv_freq / 4)]) != with_buffer
+    with pytest.raises(ValueError, match="tensor b has no data here"):
+        fingerprint_config(config, [("b", torch.empty(4, device="meta"))])
 
 
 SCRIPT = """

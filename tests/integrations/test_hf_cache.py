@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.integrations.hf.adapter import HFKVTier, KVTierStreamingCache, weights_of
+from kvtier.integrations.hf.adapter import HFKVTier, KVTierStreamingCache, config_of, model_fingerprint, weights_of
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import BlockLayout
@@ -206,14 +206,24 @@ def test_streaming_layer_computes_while_the_next_layer_is_still_loading(model, p
 # ---- the weights in the namespace -------------------------------------------------------------
 
 
-def test_the_binding_names_the_weights_it_computes_with(model, model_dir, kv):
+def test_the_binding_names_the_weights_and_config_it_computes_with(model, model_dir, kv, tmp_path):
     hf = HFKVTier(model, kv, NS)
-    assert hf.namespace == replace(NS, weights=weights_of(model)) and hf.namespace.weights.startswith("params:")
+    weights, config = hf.namespace.weights.split(";")
+    assert hf.namespace == replace(NS, weights=f"{weights_of(model)};{config_of(model)}")
+    assert weights.startswith("params:") and config.startswith("config:")
+    import shutil
+
     from transformers import AutoModelForCausalLM
 
-    assert weights_of(AutoModelForCausalLM.from_pretrained(model_dir)) == hf.namespace.weights  # loaded again
+    moved = shutil.copytree(model_dir, tmp_path / "elsewhere")  # the same files at another path
+    for path in (model_dir, moved):
+        again = AutoModelForCausalLM.from_pretrained(path)
+        assert model_fingerprint(again) == hf.namespace.weights, f"loaded again from {path}"
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    assert config_of(eager) != config, "another attention implementation rounds otherwise"
     named = replace(NS, weights="id:ckpt-7")
-    assert HFKVTier(model, kv, named).namespace == named, "a namespace that names its weights is kept"
+    assert HFKVTier(model, kv, named).namespace == replace(NS, weights=f"id:ckpt-7;{config}"), (
+        "a namespace that names its weights keeps that name, and gets the config")
 
 
 def test_offloaded_tensors_are_fingerprinted_by_their_files(model, model_dir):
@@ -223,6 +233,7 @@ def test_offloaded_tensors_are_fingerprinted_by_their_files(model, model_dir):
         offloaded = LlamaForCausalLM(model.config)  # no bytes in memory, as with disk offload
     offloaded.name_or_path = str(model_dir)
     assert weights_of(offloaded) == weights_fingerprint(WeightsSource(str(model_dir)))
+    assert config_of(offloaded).startswith("config:"), "meta buffers enter by name, dtype and shape"
     offloaded.name_or_path = ""
     with pytest.raises(ConfigError, match="Namespace.weights: cannot fingerprint"):
         weights_of(offloaded)

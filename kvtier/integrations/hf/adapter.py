@@ -38,11 +38,13 @@ from kvtier.integrations.hf.prefix import KVTierPrefixCache, leading_ok, token_i
 from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
 from kvtier.keys import BlockKey, Namespace
 from kvtier.runtime import KVTier
-from kvtier.weights import WeightsSource, fingerprint_tensors, weights_fingerprint
+from kvtier.tiers.base import TierKind
+from kvtier.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Generation", "HFKVTier", "KVTierPrefixCache", "KVTierStreamingCache", "Observer"]
+__all__ = ["Generation", "HFKVTier", "KVTierPrefixCache", "KVTierStreamingCache", "Observer", "config_of",
+           "model_fingerprint", "weights_of"]
 
 
 class HFKVTier:
@@ -51,12 +53,15 @@ class HFKVTier:
     Args:
         model: a loaded `PreTrainedModel` (e.g. `AutoModelForCausalLM`) with full-attention layers.
         kv: the runtime holding the blocks; its layout must be this model's.
-        namespace: the namespace block keys are made in. Without `weights`, this binding fills
-            them in with a fingerprint of the model's tensors as loaded (`weights_of`): the
-            weights actually used, whatever path they came from. A namespace with `weights` is
-            kept as given (the caller names the weights, e.g. with a checkpoint digest).
-            `self.namespace` is the one keys are made in. Build a new `HFKVTier` after
-            changing the model's weights in place: the fingerprint is taken here.
+        namespace: the namespace block keys are made in. This binding sets its `weights` to
+            `<weights>;<config>` (`model_fingerprint`): `<weights>` is the namespace's own when
+            given (the caller names the weights, e.g. with a checkpoint digest), else a
+            fingerprint of the model's tensors as loaded (`weights_of`: the weights actually
+            used, whatever path they came from); `<config>` is always the loaded model's config
+            and the buffers outside `state_dict()` (`config_of`: RoPE settings change the KV as
+            much as weights do). `self.namespace` is the one keys are made in. Build a new
+            `HFKVTier` after changing the model's weights or config in place: the fingerprint
+            is taken here.
 
     Raises:
         GeometryError, ConfigError: the model's layers, KV heads, head size or dtype do not give
@@ -65,9 +70,9 @@ class HFKVTier:
 
     def __init__(self, model: Any, kv: KVTier, namespace: Namespace) -> None:
         self.codec: BlockCodec = bind_model(model.config, model.dtype, kv.layout, namespace)
-        if not namespace.weights:
-            namespace = replace(namespace, weights=weights_of(model))
+        namespace = replace(namespace, weights=model_fingerprint(model, namespace.weights))
         self.model, self.kv, self.namespace = model, kv, namespace
+        _log_key_change(kv)
         self.device = model.device
 
     def prefix_cache(self) -> KVTierPrefixCache:
@@ -119,6 +124,46 @@ class HFKVTier:
             return blocks, 0
         handle = self.kv.load(keys, blocks, sync=True)  # waited for at once: copied in this thread
         return blocks, leading_ok(keys, handle)
+
+
+def model_fingerprint(model: Any, weights: str = "") -> str:
+    """`Namespace.weights` for a loaded model: `<weights>;<config>`.
+
+    Args:
+        weights: the caller's name for the weights (e.g. `id:<digest>`); empty: `weights_of(model)`.
+
+    Raises:
+        ConfigError: the weights are not named and cannot be fingerprinted (see `weights_of`).
+    """
+    return f"{weights or weights_of(model)};{config_of(model)}"
+
+
+def config_of(model: Any) -> str:
+    """The `config:` fingerprint of a loaded model (`kvtier.weights.fingerprint_config`).
+
+    It covers `model.config.to_dict()` (sub-configs included; the RoPE base and scaling, layer
+    and head counts, norms, quantization, the transformers version that resolves them), the
+    attention implementation the model runs (eager, sdpa, flash differ in rounding), and every
+    buffer outside `state_dict()` (RoPE's non-persistent `inv_freq`; persistent buffers are in
+    `weights_of`). Only where the files came from is left out (`_name_or_path`, `_commit_hash`):
+    the same model at another path shares its KV. A buffer without bytes here (the `meta`
+    device) enters by name, dtype and shape only.
+    """
+    config = model.config.to_dict()
+    config["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    in_state = set(model.state_dict())
+    buffers = [(name, b) for name, b in model.named_buffers() if name not in in_state]
+    config["_meta_buffers"] = [f"{name}:{b.dtype}{tuple(b.shape)}" for name, b in buffers if b.is_meta]
+    return fingerprint_config(config, [(name, b) for name, b in buffers if not b.is_meta])
+
+
+def _log_key_change(kv: KVTier) -> None:
+    """One line where blocks outlive the process (a persistent SSD tier, a pool): keys changed."""
+    ssd, pool = kv.config.tier(TierKind.SSD), kv.config.tier(TierKind.POOL)
+    if pool is not None or (ssd is not None and ssd.persist):
+        log.info("kvtier: Hugging Face block keys now name the model's config and its buffers besides its "
+                 "weights; blocks an older kvtier stored on the %s are misses under the new keys, never served",
+                 "pool" if pool is not None else "persistent SSD tier")
 
 
 def weights_of(model: Any) -> str:
