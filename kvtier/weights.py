@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack", ".h5",
                              ".npz", ".tensors"})
 CONFIG_NAMES = frozenset({"config.json", "params.json", "quantize_config.json", "quant_config.json"})
+ADAPTER_CONFIG_NAMES = CONFIG_NAMES | {"adapter_config.json"}
+"""The config files read next to a LoRA adapter's weights (PEFT's rank, alpha and target modules)."""
 SAMPLE_BYTES = 4096
 _EDGE_BYTES = 64 << 10
 _NUM_SPREAD = 64
@@ -102,8 +104,12 @@ def user_weights_id(value: Any, field: str) -> str | None:
     return f"id:{value}"
 
 
-def weights_fingerprint(source: WeightsSource) -> str:
+def weights_fingerprint(source: WeightsSource, config_names: frozenset[str] = CONFIG_NAMES) -> str:
     """What `Namespace.weights` holds for the weights an engine loads from `source`.
+
+    Args:
+        config_names: the config files read in full besides the weights (`ADAPTER_CONFIG_NAMES`
+            for a LoRA adapter).
 
     Returns:
         `files:<hex>` for a local directory or file (or a hub id whose snapshot is in the local
@@ -115,7 +121,7 @@ def weights_fingerprint(source: WeightsSource) -> str:
     path, why = _local_weights(source)
     if path is not None:
         try:
-            fingerprint = fingerprint_files(path)
+            fingerprint = fingerprint_files(path, config_names)
         except OSError as e:
             raise ConfigError(f"weights: cannot read {e.filename or path} to fingerprint the weights ({e}); "
                               "make it readable or set weights_id") from None
@@ -145,10 +151,13 @@ def _local_weights(source: WeightsSource) -> tuple[Path | None, str]:
     return Path(snapshot), ""
 
 
-def fingerprint_files(path: str | os.PathLike) -> str | None:
+def fingerprint_files(path: str | os.PathLike, config_names: frozenset[str] = CONFIG_NAMES) -> str | None:
     """The `files:` fingerprint of the weights at `path`: one file, or a directory's top-level files.
 
     Engines load a checkpoint's top-level files; subdirectories (e.g. `original/`) are not read.
+
+    Args:
+        config_names: the names of the config files read in full besides the weight files.
 
     Returns:
         None where `path` holds no weight file (by suffix: `WEIGHT_SUFFIXES`).
@@ -158,7 +167,7 @@ def fingerprint_files(path: str | os.PathLike) -> str | None:
     """
     path = Path(path)
     files = [path] if path.is_file() else sorted(
-        (p for p in path.iterdir() if (p.suffix in WEIGHT_SUFFIXES or p.name in CONFIG_NAMES) and p.is_file()),
+        (p for p in path.iterdir() if (p.suffix in WEIGHT_SUFFIXES or p.name in config_names) and p.is_file()),
         key=lambda p: p.name)
     if not any(f.suffix in WEIGHT_SUFFIXES for f in files):
         return None

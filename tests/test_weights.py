@@ -20,6 +20,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.weights import (
+    ADAPTER_CONFIG_NAMES,
     WeightsSource,
     fingerprint_config,
     fingerprint_files,
@@ -215,6 +216,18 @@ def test_tensor_fingerprints_follow_values_dtypes_names_and_not_layout():
     assert fingerprint_tensors(strided.items()) == first
     with pytest.raises(ValueError, match="tensor w has no data here"):
         fingerprint_tensors([("w", torch.empty(4, device="meta"))])
+
+
+def test_an_adapter_fingerprint_reads_its_adapter_config(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    safetensors_torch.save_file(tensors(0), adapter / "adapter_model.safetensors")
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    first = weights_fingerprint(WeightsSource(str(adapter)), ADAPTER_CONFIG_NAMES)
+    base = weights_fingerprint(WeightsSource(str(adapter)))
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 32}))
+    assert weights_fingerprint(WeightsSource(str(adapter)), ADAPTER_CONFIG_NAMES) != first, "alpha scales the update"
+    assert weights_fingerprint(WeightsSource(str(adapter))) == base, "a base model's fingerprint reads no adapter config"
 
 
 def test_config_fingerprints_follow_every_field_but_where_the_files_came_from():
