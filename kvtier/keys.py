@@ -6,13 +6,22 @@ with `key_{-1}` = 16 zero bytes. Equal keys therefore mean equal prefixes (model
 block size, tenant salt and every earlier token), so any process on any machine that computed a prefix
 can serve it to any other. Nothing here uses Python's `hash()`, so keys survive `PYTHONHASHSEED` and restarts.
 
+A block whose K and V depend on more than its tokens and its prefix (a LoRA adapter, an image behind
+placeholder tokens, prompt embeddings, a per-request salt: what an engine mixes into its own block
+hashes) gets that input as its *extra* (`block_extra`: tagged, length-prefixed items), appended:
+
+    key_i = xxh3_128(namespace.digest ‖ key_{i-1} ‖ tokens ‖ "kvtier.block-extra.v1" ‖ len ‖ extra)
+
+A block without an extra gets exactly the key above, so the keys of plain requests, and every block
+persisted under them, stay valid; the extra reaches every later key through the chain.
+
 Changing this encoding invalidates every persisted block (SSD files, pool nodes): bump `_NAMESPACE_TAG`.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NewType
@@ -31,6 +40,7 @@ ROOT_KEY = BlockKey(bytes(KEY_BYTES))
 """The parent of a sequence's first block."""
 
 _NAMESPACE_TAG = b"kvtier.namespace.v2"  # v2: the weights fingerprint
+_EXTRA_TAG = b"kvtier.block-extra.v1"
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -82,32 +92,59 @@ def _length_prefixed(data: bytes) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-def block_keys(namespace: Namespace, token_ids: Any, parent: BlockKey = ROOT_KEY) -> list[BlockKey]:
+def block_keys(namespace: Namespace, token_ids: Any, parent: BlockKey = ROOT_KEY,
+               extras: Sequence[bytes | None] | None = None) -> list[BlockKey]:
     """The keys of every full block of `token_ids`; a partial last block gets no key.
 
     Args:
         namespace: model, dtype, block size and tenant the blocks belong to.
         token_ids: a 1-D sequence of integer token ids: list, tuple, numpy array or torch tensor.
         parent: the key of the block before `token_ids[0]`, to extend a chain; the root by default.
+        extras: per full block, what else shapes its K and V (`block_extra`), or None (or b"") for
+            nothing: such a block gets the key it would get without `extras`. None: no block has any.
 
     Returns:
         `len(token_ids) // namespace.block_tokens` keys, in order.
 
     Raises:
-        TypeError: token_ids are not integers.
-        ValueError: token_ids are not 1-D, a value does not fit int64, or parent is not 16 bytes.
+        TypeError: token_ids are not integers, or an extra is not bytes.
+        ValueError: token_ids are not 1-D, a value does not fit int64, parent is not 16 bytes, or
+            `extras` does not have one entry per full block.
     """
     _check_key(parent)
     tokens = _as_int64(token_ids)
     block_tokens = namespace.block_tokens
+    num_blocks = len(tokens) // block_tokens
+    if extras is not None and len(extras) != num_blocks:
+        raise ValueError(f"extras: one per full block ({num_blocks}), got {len(extras)}")
     data = memoryview(tokens.tobytes())
     block_bytes = block_tokens * 8
     keys: list[BlockKey] = []
     prev = parent
-    for start in range(0, (len(tokens) // block_tokens) * block_bytes, block_bytes):
-        prev = _chain(namespace.digest, prev, data[start : start + block_bytes])
+    for i in range(num_blocks):
+        extra = extras[i] if extras is not None else None
+        prev = _chain(namespace.digest, prev, data[i * block_bytes: (i + 1) * block_bytes], extra)
         keys.append(prev)
     return keys
+
+
+def block_extra(items: Iterable[tuple[str, bytes]]) -> bytes | None:
+    """One block's extra input (for `block_keys`) from `(tag, value)` items, in the order given.
+
+    Each tag and value is length-prefixed, so no item, and no split of one, can read as another.
+
+    Returns:
+        The encoded items, or None when there are none (the block's plain key).
+
+    Raises:
+        TypeError: a tag is not a string or a value is not bytes.
+    """
+    parts = []
+    for tag, value in items:
+        if not isinstance(tag, str) or not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"a block extra is (str tag, bytes value), got ({tag!r}, {type(value).__name__})")
+        parts.append(_length_prefixed(tag.encode("utf-8")) + _length_prefixed(bytes(value)))
+    return b"".join(parts) or None
 
 
 def next_block_key(namespace: Namespace, parent: BlockKey, block_token_ids: Any) -> BlockKey:
@@ -124,11 +161,16 @@ def next_block_key(namespace: Namespace, parent: BlockKey, block_token_ids: Any)
     return _chain(namespace.digest, parent, tokens.tobytes())
 
 
-def _chain(namespace_digest: bytes, parent: bytes, token_bytes: bytes | memoryview) -> BlockKey:
+def _chain(namespace_digest: bytes, parent: bytes, token_bytes: bytes | memoryview,
+           extra: bytes | None = None) -> BlockKey:
     hasher = xxhash.xxh3_128()
     hasher.update(namespace_digest)
     hasher.update(parent)
     hasher.update(token_bytes)
+    if extra:
+        if not isinstance(extra, bytes):
+            raise TypeError(f"a block's extra input is bytes (block_extra), got {type(extra).__name__}")
+        hasher.update(_EXTRA_TAG + _length_prefixed(extra))
     return BlockKey(hasher.digest())
 
 

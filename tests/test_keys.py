@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.geometry import KVDtype
-from kvtier.keys import ROOT_KEY, Namespace, block_keys, keys_hex, next_block_key
+from kvtier.keys import ROOT_KEY, Namespace, block_extra, block_keys, keys_hex, next_block_key
 
 NS = Namespace(model="Llama-2-7B", kv_dtype="fp16", block_tokens=4, tenant_salt="tenant-a")
 TOKENS = list(range(10))
@@ -160,3 +160,53 @@ def test_bad_parent_and_namespace_raise():
         Namespace("", "fp16", 16)
     with pytest.raises(ConfigError, match="Namespace.weights must be a string"):
         Namespace("m", "fp16", 16, weights=b"files:0123")
+
+
+# ---- per-block extra inputs (a LoRA adapter, an image, prompt embeddings, a salt) ----------------
+
+GOLDEN = ["597e12c428c57e2dff1f4b71ecf64e05", "b02d57da238c573035bb2fc3447c7ca8"]
+
+
+@pytest.mark.parametrize("extras", [None, [None, None], [b"", None], [None, b""]])
+def test_a_block_without_an_extra_keeps_the_key_it_had_before_extras_existed(extras):
+    """Upgrading keeps every persisted block of a plain request (SSD tiers, pool nodes) valid."""
+    assert keys_hex(block_keys(NS, TOKENS, extras=extras)) == GOLDEN
+    assert block_extra([]) is None
+
+
+def test_golden_keys_with_an_extra_never_change():
+    extras = [block_extra([("lora", b"x")]), None]
+    assert keys_hex(block_keys(NS, TOKENS, extras=extras)) == [
+        "14fe2a7f920795d3ea97beebaf89f269",
+        "d698a2cb91417ff2782b1f88680ca4fd",
+    ]
+
+
+def test_an_extra_changes_its_block_and_every_later_one_never_an_earlier_one():
+    plain = block_keys(NS, list(range(12)))
+    salted = block_keys(NS, list(range(12)), extras=[None, block_extra([("salt", b"a")]), None])
+    assert salted[0] == plain[0]
+    assert salted[1] != plain[1] and salted[2] != plain[2]
+    # a chain extended from a key that carried an extra carries it on
+    assert block_keys(NS, list(range(8, 12)), parent=salted[1]) == salted[2:]
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ([("lora", b"x")], [("lora", b"y")]),
+    ([("lora", b"x")], [("salt", b"x")]),
+    ([("ab", b"c")], [("a", b"bc")]),  # no shift of bytes between tag and value
+    ([("a", b"x"), ("b", b"y")], [("b", b"y"), ("a", b"x")]),  # order is part of it
+    ([("a", b"xy")], [("a", b"x"), ("a", b"y")]),
+])  # fmt: skip
+def test_different_extras_give_different_keys(a, b):
+    assert block_extra(a) != block_extra(b)
+    assert block_keys(NS, TOKENS[:4], extras=[block_extra(a)]) != block_keys(NS, TOKENS[:4], extras=[block_extra(b)])
+
+
+def test_bad_extras_raise():
+    with pytest.raises(ValueError, match="one per full block"):
+        block_keys(NS, TOKENS, extras=[None])
+    with pytest.raises(TypeError, match="bytes"):
+        block_keys(NS, TOKENS, extras=["text", None])
+    with pytest.raises(TypeError, match="tag"):
+        block_extra([("lora", "not bytes")])
