@@ -315,10 +315,14 @@ def fingerprint_config(config: Mapping[str, Any], buffers: Iterable[tuple[str, A
         `config:<xxh3-128 hex>`: equal for equal configs and buffers in any process.
 
     Raises:
-        ValueError: a buffer's bytes cannot be read (see `fingerprint_tensors`).
+        ValueError: a config value has no canonical JSON form (not JSON, an enum, a set, a path or
+            a torch dtype), or a buffer's bytes cannot be read (see `fingerprint_tensors`).
     """
-    canonical = json.dumps(_without_fields(config, CONFIG_FIELDS_WITHOUT_KV), sort_keys=True,
-                           separators=(",", ":"), default=_json_value)
+    try:
+        canonical = json.dumps(_without_fields(config, CONFIG_FIELDS_WITHOUT_KV), sort_keys=True,
+                               separators=(",", ":"), default=_json_value)
+    except (TypeError, ValueError) as e:  # also a mapping whose keys do not sort (mixed types)
+        raise ValueError(f"model config: cannot fingerprint it: {e}") from None
     hasher = xxhash.xxh3_128(_TAG + b".config")
     hasher.update(_framed(canonical.encode("utf-8")))
     _hash_tensors(hasher, buffers)
@@ -335,13 +339,20 @@ def _without_fields(value: Any, fields: frozenset[str]) -> Any:
 
 
 def _json_value(value: Any) -> Any:
-    """A JSON form of what `json` cannot encode: enums by value, sets sorted, anything else by type
-    and `repr` (one that shows an address only makes another process miss)."""
+    """A JSON form of the few non-JSON values configs hold: enums by value, sets sorted, paths and
+    torch dtypes by name.
+
+    Raises:
+        TypeError: any other type: its `repr` may not show all its state (a long tensor's is
+            abridged), and two configs that differ must never hash alike.
+    """
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
-    return f"{type(value).__module__}.{type(value).__qualname__}:{value!r}"
+    if isinstance(value, os.PathLike) or type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value)
+    raise TypeError(f"a value of type {type(value).__module__}.{type(value).__qualname__} has no canonical JSON form")
 
 
 def _hash_tensors(hasher: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:

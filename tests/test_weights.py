@@ -250,6 +250,8 @@ def test_config_fingerprints_follow_every_field_but_where_the_files_came_from():
     assert fingerprint_config(config, [("rotary_emb.inv_freq", inv_freq / 4)]) != with_buffer
     with pytest.raises(ValueError, match="tensor b has no data here"):
         fingerprint_config(config, [("b", torch.empty(4, device="meta"))])
+    with pytest.raises(ValueError, match="model config: cannot fingerprint it: .*torch.Tensor has no canonical"):
+        fingerprint_config({**config, "scales": torch.zeros(4096)})  # its repr is abridged: never hashed
 
 
 SCRIPT = """

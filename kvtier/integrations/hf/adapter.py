@@ -133,7 +133,8 @@ def model_fingerprint(model: Any, weights: str = "") -> str:
         weights: the caller's name for the weights (e.g. `id:<digest>`); empty: `weights_of(model)`.
 
     Raises:
-        ConfigError: the weights are not named and cannot be fingerprinted (see `weights_of`).
+        ConfigError: the weights are not named and cannot be fingerprinted (see `weights_of`), or the
+            config cannot be (see `config_of`).
     """
     return f"{weights or weights_of(model)};{config_of(model)}"
 
@@ -148,13 +149,20 @@ def config_of(model: Any) -> str:
     `weights_of`). Only where the files came from is left out (`_name_or_path`, `_commit_hash`):
     the same model at another path shares its KV. A buffer without bytes here (the `meta`
     device) enters by name, dtype and shape only.
+
+    Raises:
+        ConfigError: a config value has no canonical JSON form (see `fingerprint_config`).
     """
     config = model.config.to_dict()
     config["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     in_state = set(model.state_dict())
     buffers = [(name, b) for name, b in model.named_buffers() if name not in in_state]
     config["_meta_buffers"] = [f"{name}:{b.dtype}{tuple(b.shape)}" for name, b in buffers if b.is_meta]
-    return fingerprint_config(config, [(name, b) for name, b in buffers if not b.is_meta])
+    try:
+        return fingerprint_config(config, [(name, b) for name, b in buffers if not b.is_meta])
+    except ValueError as e:
+        raise ConfigError(f"Namespace.weights: {e}; the KV of a model whose config cannot be fingerprinted "
+                          "cannot be told from another's") from None
 
 
 def _log_key_change(kv: KVTier) -> None:
