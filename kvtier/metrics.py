@@ -2,7 +2,8 @@
 
 A custom collector turns `KVTier.snapshot()` into metric families on each scrape, so the hot path
 only bumps plain counters and nothing is exported twice. Each exporter has its own registry:
-several runtimes in one process each serve their own endpoint.
+several runtimes in one process each serve their own endpoint, on 127.0.0.1 unless told
+otherwise, from a server that holds a bounded number of connections (`kvtier.metrics_server`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
+from kvtier.metrics_server import MetricsServer
 from kvtier.stats import TRANSFER_BUCKETS_S  # no torch: the pool node imports this module too
 
 
@@ -142,14 +144,17 @@ def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> 
     return family
 
 
-def serve_metrics(collector: Any, port: int, addr: str = "127.0.0.1") -> tuple[Any, int]:
+def serve_metrics(collector: Any, port: int, addr: str = "127.0.0.1") -> tuple[MetricsServer, int]:
     """Serves `collector` (a `RuntimeCollector`, `NodeCollector` or anything with their `collect()`)
-    over HTTP on `addr:port` (0: any free port) from a daemon thread.
+    over HTTP on `addr:port` (0: any free port) from one daemon thread, holding a bounded number of
+    connections, each with a deadline (`kvtier.metrics_server`).
 
     Returns:
         (server, port actually bound); call `server.shutdown()` to stop.
+    Raises:
+        OSError: the address cannot be resolved or bound.
     """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    server = MetricsServer(registry, addr, port)
     return server, server.server_port

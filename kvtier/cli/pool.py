@@ -52,7 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--max-leases-per-tenant", type=int, default=MAX_LEASES_PER_TENANT,
                        help=f"leases one tenant may hold over all its connections (default {MAX_LEASES_PER_TENANT})")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
-                       help="serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port)")
+                       help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics (0: any free port); "
+                            "no credential is asked, so keep it on a trusted address")
+    serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                       help="address the metrics are served on (default 127.0.0.1, whatever --listen says)")
     serve.set_defaults(func=run_serve)
     stats = sub.add_parser("stats", help="show a node's capacity, use, hits, evictions and transport",
                            description="What the credential may see: a tenant's own use and counters and the "
@@ -86,6 +89,8 @@ def node_config(args: argparse.Namespace):
             raise ConfigError(f"--{name.replace('_', '-')}: must be in [0, 1e6), got {getattr(args, name)}")
     if not 0 < args.handshake_timeout_s < 1e6:
         raise ConfigError(f"--handshake-timeout-s: must be in (0, 1e6), got {args.handshake_timeout_s}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port: expected a port number 0-65535 (0: any free port), got {args.metrics_port}")
     for name in ("max_connections", "max_handshakes", "max_leases_per_connection", "max_leases_per_tenant"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -116,12 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.tenants:
         print("kvtier pool: no --tenants file: every client is tenant 'default' without a secret; "
               "serve only a trusted network", file=sys.stderr)
-    metrics = None
-    if args.metrics_port is not None:
-        from kvtier.metrics import NodeCollector, serve_metrics
-
-        metrics, bound = serve_metrics(NodeCollector(node.stats), args.metrics_port, host)
-        _emit({"event": "metrics", "url": f"http://{host}:{bound}/metrics"})
+    metrics = _serve_metrics(args, node) if args.metrics_port is not None else None
     facts = node.stats()
     _emit({"event": "ready", "listen": f"{host}:{port}", "transport": config.transport,
            "transport_reason": config.transport_reason, "capacity_bytes": facts["capacity_bytes"],
@@ -134,6 +134,26 @@ def run_serve(args: argparse.Namespace) -> int:
     node.stop()
     _emit({"event": "stopped", "listen": f"{host}:{port}"})
     return 0
+
+
+def _serve_metrics(args: argparse.Namespace, node: Any) -> Any:
+    """Starts the node's metrics endpoint on --metrics-host:--metrics-port and says where.
+
+    Raises:
+        ConfigError: the port cannot be bound on that host (the node is stopped first).
+    """
+    from kvtier.metrics import NodeCollector, serve_metrics
+
+    host, port = args.metrics_host, args.metrics_port
+    try:
+        metrics, bound = serve_metrics(NodeCollector(node.stats), port, host)
+    except OSError as e:
+        node.stop()
+        raise ConfigError(f"--metrics-host/--metrics-port: cannot serve metrics on {host}:{port}: "
+                          f"{e.strerror or e}") from None
+    shown = f"[{host}]" if ":" in host else host
+    _emit({"event": "metrics", "url": f"http://{shown}:{bound}/metrics"})
+    return metrics
 
 
 def run_stats(args: argparse.Namespace) -> int:

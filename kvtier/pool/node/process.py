@@ -1,8 +1,9 @@
 """Pool nodes as real subprocesses (`kvtier pool serve` on 127.0.0.1), for the demo, the benches and tests.
 
 Readiness is the node's own "ready" line on stdout followed by an answered STATS call: nothing
-sleeps or guesses. A node can be stopped (SIGTERM), killed (SIGKILL), frozen (SIGSTOP, the way a
-node hangs mid-transfer) and restarted on the same address.
+sleeps or guesses. Lines the node prints before it (`{"event": "metrics", "url": ...}` with
+`--metrics-port`) are kept in `events`. A node can be stopped (SIGTERM), killed (SIGKILL), frozen
+(SIGSTOP, the way a node hangs mid-transfer) and restarted on the same address.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class NodeProcess:
         # the verbs provider its clients need under RDMA: what `--verbs` names, pyverbs by default
         self.verbs = extra[list(extra).index("--verbs") + 1] if "--verbs" in extra else "pyverbs"
         self.ready: dict = {}
+        self.events: dict[str, dict] = {}  # the node's start-up lines by event name ("metrics", "ready")
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile()
         if not wait:
@@ -61,7 +63,9 @@ class NodeProcess:
     def spawn(self) -> None:
         """Starts the process without waiting; `wait_ready()` waits."""
         cmd = [sys.executable, "-m", "kvtier", "pool", "serve", "--listen", self.address, *self._args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
+        # bufsize=0: readline takes one line from the pipe and no more, so a line already printed
+        # is never stuck in Python's buffer while the selector waits on an empty pipe
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, bufsize=0,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self) -> None:
@@ -73,7 +77,14 @@ class NodeProcess:
                         timeout_s=READY_TIMEOUT_S) as probe:
             probe.stats()
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the node's metrics endpoint (`--metrics-port`), None without one."""
+        url = self.events.get("metrics", {}).get("url")
+        return int(url.rsplit(":", 1)[1].split("/")[0]) if url else None
+
     def _read_ready(self) -> dict:
+        self.events = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -83,6 +94,7 @@ class NodeProcess:
                     if not line:
                         break
                     event = json.loads(line)
+                    self.events[event.get("event")] = event
                     if event.get("event") == "ready":
                         return event
         self.kill()
