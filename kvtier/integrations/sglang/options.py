@@ -11,15 +11,28 @@ Our keys of SGLang's extra config (every key we own starts with `kvtier_`; an un
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
 from kvtier.tiers.base import TierKind
-from kvtier.weights import WeightsSource, user_weights_id, weights_fingerprint
+from kvtier.weights import (
+    ADAPTER_CONFIG_NAMES,
+    WeightsSource,
+    fingerprint_config,
+    user_weights_id,
+    weights_fingerprint,
+)
+
+log = logging.getLogger(__name__)
 
 _OWN_PREFIX = "kvtier_"
 _OWN_KEYS = {"kvtier_config", "kvtier_timeout_s", "kvtier_weights_id"}
@@ -81,19 +94,133 @@ def shard_label(sc: Any) -> str:
 
 
 def page_namespace(sc: Any, options: Options, config: KVTierConfig, dtype: str, page_tokens: int,
-                   host_layout: str) -> Namespace:
+                   host_layout: str, settings: Mapping[str, Any] | None = None) -> Namespace:
     """The namespace of this rank's pages.
 
     It covers the served model (SGLang's name for it, else the kvtier config's `model`), its
     weights (`kvtier_weights_id`, else a fingerprint of the weight files: `served_weights`), the
-    page dtype and size, and in the salt the tenant, the rank's shard and the host layout.
+    server's settings that shape K/V (`served_settings`, appended to the weights as `;config:`),
+    the page dtype and size, and in the salt the tenant, the rank's shard and the host layout.
+
+    Args:
+        settings: `served_settings()`; None outside an SGLang server (the keys are then those of
+            kvtier before it read settings).
 
     Raises:
-        ConfigError: a weight file exists but cannot be read.
+        ConfigError: a weight file exists but cannot be read, or a setting has no canonical form.
     """
     salt = f"{config.tenant}|{shard_label(sc)}|{host_layout}"
     weights = options.weights_id or weights_fingerprint(served_weights(sc, config))
+    if settings is not None:
+        try:
+            weights = f"{weights};{fingerprint_config(settings)}"
+        except ValueError as e:
+            raise ConfigError(f"SGLang's server settings: {e}") from None
     return Namespace(sc.model_name or config.model, dtype, page_tokens, salt, weights)
+
+
+MODEL_SETTINGS = ("json_model_override_args", "dtype", "kv_cache_dtype", "quantization", "quantization_param_path",
+                  "context_length", "model_impl", "load_format", "model_loader_extra_config", "revision")
+"""What SGLang resolves at start-up (`get_model()`) that changes a page's bytes for the same files:
+config overrides (RoPE), activation and KV dtypes (fp8 e4m3 and e5m2 pages are both uint8 to the
+host pool), quantization and its KV scales, the context length (some RoPE scalings follow it),
+the implementation and loader."""
+LORA_SETTINGS = ("enable_lora", "max_lora_rank", "lora_target_modules")
+
+
+def served_settings() -> dict[str, Any] | None:
+    """The settings of the SGLang server this process runs in that shape K/V, or None outside one.
+
+    `MODEL_SETTINGS` and the KV scales file's bytes; `LORA_SETTINGS` and, per `--lora-paths`
+    adapter, its name, path, SGLang's `lora_id` (uuid5 of name and path: the same after a
+    restart, so it is not an identity) and a fingerprint of its files (`ADAPTER_CONFIG_NAMES`);
+    the weight version the server started with; SGLang's version (page formats follow it).
+
+    Raises:
+        ConfigError: an adapter's or the KV scales' file exists but cannot be read.
+    """
+    try:
+        from sglang.srt.runtime_context import get_lora, get_model, get_serving
+
+        model, lora, serving = get_model(), get_lora(), get_serving()
+    except (ImportError, ValueError, AttributeError):  # not in an SGLang server, or not published yet
+        return None
+    settings: dict[str, Any] = {name: getattr(model, name, None) for name in MODEL_SETTINGS}
+    settings["kv_scales"] = _file_digest(settings["quantization_param_path"], "quantization_param_path")
+    settings["lora"] = {name: getattr(lora, name, None) for name in LORA_SETTINGS}
+    settings["lora_adapters"] = [_adapter_identity(*ref) for ref in lora_refs(getattr(lora, "lora_paths", None))]
+    settings["weight_version"] = getattr(serving, "weight_version", None)
+    settings["sglang_version"] = _sglang_version()
+    return settings
+
+
+def weight_version_reader() -> Any:
+    """A callable giving the server's current weight version (it moves with in-place weight updates
+    that name one), or None outside an SGLang server."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+    except ImportError:
+        return None
+    return lambda: getattr(get_serving(), "weight_version", None)
+
+
+def lora_refs(lora_paths: Any) -> list[tuple[str, str, str | None]]:
+    """(name, path, lora_id) of each `--lora-paths` adapter, in any form SGLang accepts or resolves
+    it to: `LoRARef`s, `{"lora_name", "lora_path"}` dicts, `NAME=PATH` or `PATH` strings, a name->path dict.
+
+    Raises:
+        ConfigError: an entry of none of these forms.
+    """
+    if not lora_paths:
+        return []
+    if isinstance(lora_paths, Mapping):
+        return [(str(name), str(path), None) for name, path in lora_paths.items()]
+    refs = []
+    for entry in lora_paths:
+        if isinstance(entry, str):
+            name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+            refs.append((name, path, None))
+        elif isinstance(entry, Mapping) and "lora_path" in entry:
+            refs.append((str(entry.get("lora_name")), str(entry["lora_path"]), entry.get("lora_id")))
+        elif getattr(entry, "lora_path", None) is not None:
+            refs.append((str(entry.lora_name), str(entry.lora_path), getattr(entry, "lora_id", None)))
+        else:
+            raise ConfigError(f"lora_paths: cannot read the adapter entry {entry!r}")
+    return refs
+
+
+def _adapter_identity(name: str, path: str, lora_id: str | None) -> list[Any]:
+    return [name, path, lora_id, weights_fingerprint(WeightsSource(path), ADAPTER_CONFIG_NAMES)]
+
+
+def log_key_change(config: KVTierConfig) -> None:
+    """One line where pages outlive the process (a persistent SSD tier, a pool): keys changed."""
+    ssd, pool = config.tier(TierKind.SSD), config.tier(TierKind.POOL)
+    if pool is not None or (ssd is not None and ssd.persist):
+        log.info("kvtier HiCache storage: page keys now name SGLang's settings (overrides, dtypes, quantization, "
+                 "LoRA adapters, weight version) besides the weights; pages an older kvtier stored on the %s "
+                 "are misses under the new keys, never served", "pool" if pool is not None else "persistent SSD tier")
+
+
+def _file_digest(path: Any, field: str) -> str | None:
+    """xxh3-128 of a small file's bytes (KV scales JSON), or None where no path is given.
+
+    Raises:
+        ConfigError: the file cannot be read.
+    """
+    if not path:
+        return None
+    try:
+        return xxhash.xxh3_128_hexdigest(Path(path).read_bytes())
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot read {path} to key pages by it ({e})") from None
+
+
+def _sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def served_weights(sc: Any, config: KVTierConfig) -> WeightsSource:

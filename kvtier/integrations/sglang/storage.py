@@ -28,10 +28,13 @@ Why the page geometry comes from SGLang, not from `model`: an SGLang page is wha
 (its share of KV heads, in the host pool's layout), so the block layout is built when SGLang
 registers its host pool: one block is one page, stored as opaque bytes (one "layer": the page's
 byte order is SGLang's, not layer-major). A page of any other byte size is a miss with a counted
-error, never a crash. Keys: `xxh3_128(namespace ‖ epoch ‖ SGLang page hash)`, where the namespace
-covers the served model, a fingerprint of its weights (files rebuilt under the same model path
-give other keys: `kvtier.weights`), the page dtype, the page size, the host layout (two layouts
-order the same bytes differently), the tenant and the rank's shard (TP rank unless MLA, PP and CP).
+error, never a crash. Keys (`page_keys`): `xxh3_128(namespace ‖ epoch [‖ extras] ‖ SGLang page
+hash)`. SGLang's page hash chains the tokens, its `extra_key` (with the LoRA `lora_id`) and the
+`cache_salt`; the namespace covers the served model, a fingerprint of its weights (`kvtier.weights`),
+the server's settings (`options.served_settings`: overrides, dtypes, quantization, the files of
+its `--lora-paths` adapters, weight version), the page dtype and size, the host layout, the tenant
+and the rank's shard (TP rank unless MLA, PP and CP); the extras, a weight version that moved and
+the call's `extra_info`. What SGLang does not pass, kvtier cannot key: see README.md (SGLang).
 
 Sharing: with a pool tier, pages go to the pool under these keys, so every SGLang process of the
 tenant serving the same model and shard finds the pages any other backed up (`KVTier`'s shared pool
@@ -55,10 +58,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import xxhash
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.integrations.sglang.options import Options, page_namespace
+from kvtier.integrations.sglang.options import (
+    Options,
+    log_key_change,
+    page_namespace,
+    served_settings,
+    weight_version_reader,
+)
+from kvtier.integrations.sglang.page_keys import PageKeys, UnkeyableCall
 from kvtier.keys import BlockKey
 from kvtier.layout import BlockLayout
 from kvtier.runtime import KVTier
@@ -83,6 +92,7 @@ class Errors:
     RUNTIME = "runtime_error"
     BAD_INDICES = "host_indices_mismatch"
     SIDECAR = "sidecar_pool_unsupported"
+    UNKEYABLE = "unkeyable_extra_info"  # an identity kvtier cannot encode: misses, never stored
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -110,9 +120,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.runtime = runtime
         self._owns_runtime = runtime is None
         self._host: Any = None
-        self._namespace: bytes | None = None  # set with the host pool
-        self._digest: bytes | None = None  # namespace ‖ epoch
-        self._epoch = 0
+        self._page_keys: PageKeys | None = None  # set with the host pool; replaced by clear()
         self._lock = threading.Lock()
         self.errors: Counter = Counter()
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
@@ -138,25 +146,28 @@ class KVTierHiCacheStorage(HiCacheStorage):
                               f"{page_bytes} bytes ({page_tokens} tokens, {mem_pool_host.dtype}, "
                               f"layout {getattr(mem_pool_host, 'layout', '?')})")
         dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+        settings = served_settings()
         namespace = page_namespace(self.storage_config, self.options, self.runtime.config, dtype, page_tokens,
-                                   getattr(mem_pool_host, "layout", ""))
+                                   getattr(mem_pool_host, "layout", ""), settings)
+        version = weight_version_reader() if settings is not None else None
         with self._lock:
             self._host = mem_pool_host
-            self._namespace = namespace.digest
-            self._digest = self._namespace + self._epoch.to_bytes(8, "little")
+            self._page_keys = PageKeys(namespace.digest, 0, version, version() if version else None)
+        if settings is not None:
+            log_key_change(self.runtime.config)
         log.info("kvtier HiCache storage: %d-byte pages of %d tokens (%s, %s), tiers %s", page_bytes,
                  page_tokens, dtype, getattr(mem_pool_host, "layout", "?"), list(self.runtime.usage()))
 
     def block_key(self, key: str) -> BlockKey:
-        """The kvtier key of an SGLang page hash in the current epoch.
+        """The kvtier key of an SGLang page hash in the current epoch, for a call without extra info.
 
         Raises:
             KVTierError: no host pool is registered yet.
         """
-        digest = self._digest
-        if digest is None:
+        page_keys = self._page_keys
+        if page_keys is None:
             raise KVTierError("no SGLang host pool registered: call register_mem_pool_host first")
-        return BlockKey(xxhash.xxh3_128_digest(digest + key.encode("utf-8")))
+        return page_keys.keys([key])[0]
 
     # ---- the ABC: single and batched, generic (page tensors) -----------------------------------
 
@@ -186,10 +197,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Number of leading keys whose pages are stored (SGLang's prefix semantics)."""
-        runtime = self.runtime
-        if self._digest is None or runtime is None:
+        runtime, page_keys = self.runtime, self._page_keys
+        if page_keys is None or runtime is None:
             return 0
-        return runtime.lookup([self.block_key(k) for k in keys])
+        bkeys = self._keys_of(page_keys, keys, extra_info)
+        return runtime.lookup(bkeys) if bkeys is not None else 0
 
     # ---- v1: pages addressed by host-pool indices (`interface_v1: 1`) --------------------------
 
@@ -202,7 +214,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if host is None:
             return [False] * len(keys)
         staging = torch.empty(len(keys), self.runtime.layout.block_bytes, dtype=torch.uint8)
-        ok = self._load(keys, list(staging))
+        ok = self._load(keys, list(staging), extra_info)
         for i, good in enumerate(ok):
             if good:
                 host.set_from_flat_data_page(int(host_indices[i * host.page_size]), staging[i].view(host.dtype))
@@ -214,7 +226,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if host is None:
             return [False] * len(keys)
         pages = [host.get_data_page(int(host_indices[i * host.page_size]), flat=True) for i in range(len(keys))]
-        return self._store(keys, pages)
+        return self._store(keys, pages, extra_info)
 
     # ---- v2: sidecar pools of hybrid models, not stored (misses) --------------------------------
 
@@ -236,9 +248,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """Makes every stored page unreachable at once (a new key epoch); eviction reclaims their slots."""
         with self._lock:
-            self._epoch += 1
-            if self._namespace is not None:
-                self._digest = self._namespace + self._epoch.to_bytes(8, "little")
+            if self._page_keys is not None:
+                self._page_keys = self._page_keys.next_epoch()
 
     def get_stats(self):
         """SGLang's `StorageMetrics` since the last call (None unless storage metrics are enabled)."""
@@ -269,7 +280,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _load(self, keys: Sequence[str], targets: Sequence[torch.Tensor]) -> list[bool]:
+    def _load(self, keys: Sequence[str], targets: Sequence[torch.Tensor], extra_info: Any = None) -> list[bool]:
         """Loads into each target's bytes (staged when a target is not contiguous)."""
         if len(targets) != len(keys):
             raise ValueError(f"{len(targets)} targets for {len(keys)} keys")
@@ -278,27 +289,31 @@ class KVTierHiCacheStorage(HiCacheStorage):
         for i, t in enumerate(targets):
             if bufs[i] is None:  # not contiguous: load into staging, copy on success
                 bufs[i] = torch.empty(_nbytes(t), dtype=torch.uint8)
-        ok = self._transfer("load", keys, bufs)
+        ok = self._transfer("load", keys, bufs, extra_info)
         for i, good in enumerate(ok):
             if good and not _shares_memory(bufs[i], targets[i]):
                 targets[i].copy_(bufs[i].view(targets[i].dtype).reshape(targets[i].shape))
         self._record("prefetch", sum(ok), time.perf_counter() - start)
         return ok
 
-    def _store(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def _store(self, keys: Sequence[str], pages: Sequence[torch.Tensor], extra_info: Any = None) -> list[bool]:
         if len(pages) != len(keys):
             raise ValueError(f"{len(pages)} pages for {len(keys)} keys")
         start = time.perf_counter()
         bufs = {i: _byte_view(p) if p.is_contiguous() else _byte_view(p.contiguous()) for i, p in enumerate(pages)}
-        ok = self._transfer("store", keys, bufs)
+        ok = self._transfer("store", keys, bufs, extra_info)
         self._record("backup", sum(ok), time.perf_counter() - start)
         return ok
 
-    def _transfer(self, verb: str, keys: Sequence[str], bufs: dict[int, torch.Tensor]) -> list[bool]:
+    def _transfer(self, verb: str, keys: Sequence[str], bufs: dict[int, torch.Tensor],
+                  extra_info: Any = None) -> list[bool]:
         """Runs one batched load or store of the pages whose size fits; True per page that made it."""
-        runtime, ok = self.runtime, [False] * len(keys)
-        if runtime is None or self._digest is None:
+        runtime, page_keys, ok = self.runtime, self._page_keys, [False] * len(keys)
+        if runtime is None or page_keys is None:
             self._count(Errors.NOT_ATTACHED, len(keys), f"{verb} before register_mem_pool_host or after close")
+            return ok
+        all_keys = self._keys_of(page_keys, keys, extra_info)
+        if all_keys is None:
             return ok
         block_bytes = runtime.layout.block_bytes
         key_of: dict[int, BlockKey] = {}
@@ -307,7 +322,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             if bufs[i].numel() != block_bytes:
                 self._count(Errors.PAGE_SIZE, 1, f"page {key}: {bufs[i].numel()} bytes, kvtier blocks are {block_bytes}")
                 continue
-            key_of[i] = self.block_key(key)
+            key_of[i] = all_keys[i]
             first.setdefault(key_of[i], i)
         if not first:
             return ok
@@ -322,6 +337,14 @@ class KVTierHiCacheStorage(HiCacheStorage):
         for i, bkey in key_of.items():
             ok[i] = bkey not in handle.failed
         return ok
+
+    def _keys_of(self, page_keys: PageKeys, keys: Sequence[str], extra_info: Any) -> list[BlockKey] | None:
+        """The call's kvtier keys; None (counted) where its extra info cannot be keyed: misses, nothing stored."""
+        try:
+            return page_keys.keys(keys, extra_info)
+        except UnkeyableCall as e:
+            self._count(Errors.UNKEYABLE, len(keys), str(e))
+            return None
 
     def _wait(self, handle) -> None:
         """Waits for a transfer; past the timeout, cancels it and waits for it to stop, so that no
