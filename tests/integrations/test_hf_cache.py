@@ -258,6 +258,19 @@ def test_a_model_that_does_not_match_the_layout_or_namespace_is_refused_at_const
             HFKVTier(model, kv, Namespace(NS.model, "bf16", BLOCK_TOKENS))
 
 
+def test_generate_refuses_model_inputs_its_keys_cannot_see(model, kv):
+    hf = HFKVTier(model, kv, NS)
+    a, _ = prompts()
+    embeds = model.get_input_embeddings()(a)
+    padded = torch.ones_like(a)
+    padded[0, 0] = 0
+    for name, value in (("inputs_embeds", embeds), ("attention_mask", padded)):
+        with pytest.raises(ConfigError, match=f"HFKVTier.generate: {name} shapes the KV"):
+            hf.generate(a, **{name: value}, **GEN)
+    assert kv.lookup(block_keys(hf.namespace, a[0])) == 0, "nothing stored"
+    assert hf.generate(a, attention_mask=torch.ones_like(a), **GEN).num_stored_blocks > 0
+
+
 def test_prefix_cache_block_that_fails_to_load_is_a_miss_and_recomputed(model, probed, counted):
     kv, ssd = probed
     hf = HFKVTier(model, kv, NS)

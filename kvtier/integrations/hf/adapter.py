@@ -97,7 +97,13 @@ class HFKVTier:
             input_ids: the prompt, 1-D or `[1, T]`.
             streaming: use a `KVTierStreamingCache` instead of a `KVTierPrefixCache`.
             generate_kwargs: passed to `model.generate` (not `past_key_values`).
+
+        Raises:
+            ConfigError: `generate_kwargs` carry a model input besides the token ids (a tensor such
+                as `inputs_embeds`, `pixel_values` or a padding `attention_mask`): blocks are keyed
+                by token ids, so its KV would be served to every prompt of the same tokens.
         """
+        _refuse_inputs_beside_tokens(generate_kwargs)
         ids = token_ids_1d(input_ids)[None].to(self.device)
         cache = self.streaming_cache() if streaming else self.prefix_cache()
         try:
@@ -124,6 +130,14 @@ class HFKVTier:
             return blocks, 0
         handle = self.kv.load(keys, blocks, sync=True)  # waited for at once: copied in this thread
         return blocks, leading_ok(keys, handle)
+
+
+def _refuse_inputs_beside_tokens(generate_kwargs: dict[str, Any]) -> None:
+    """Tensors among `generate` kwargs are model inputs that shape K/V (an all-ones attention mask does not)."""
+    for name, value in generate_kwargs.items():
+        if isinstance(value, torch.Tensor) and not (name == "attention_mask" and bool(value.all())):
+            raise ConfigError(f"HFKVTier.generate: {name} shapes the KV but kvtier keys blocks by token ids only; "
+                              "generate without kvtier for prompts that carry it")
 
 
 def model_fingerprint(model: Any, weights: str = "") -> str:
