@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.inputs import RefusalReason
 from kvtier.integrations.vllm.scheduler import PromptBlocks
 from kvtier.integrations.vllm.settings import EXTRA, Settings
 from kvtier.integrations.vllm.transfers import WorkerStats
@@ -70,6 +71,7 @@ class EngineCollector:
                                       "that kvtier hits did not load: out of the window, never read again")
         skipped.add_metric([], self._prompt_blocks.window_skipped_bytes)
         yield skipped
+        yield from self._unkeyable_families()
         yield from merge_ranks((str(rank), _families(report)) for rank, report in reports.items() if report)
 
     def _prompt_block_family(self) -> CounterMetricFamily:
@@ -78,6 +80,19 @@ class EngineCollector:
         for source in ("engine", "kvtier", "computed"):
             family.add_metric([source], getattr(self._prompt_blocks, source))
         return family
+
+
+    def _unkeyable_families(self) -> Iterator[Metric]:
+        blocks = CounterMetricFamily("kvtier_vllm_unkeyable_prompt_blocks", "Full prompt blocks of requests kvtier "
+                                     "could not key safely (served without kvtier, never stored)")
+        blocks.add_metric([], self._prompt_blocks.unkeyable)
+        yield blocks
+        requests = CounterMetricFamily("kvtier_vllm_unkeyable_requests", "Requests kvtier could not key safely, by "
+                                       "why: an adapter it cannot read or whose files changed under its id, a "
+                                       "multimodal item without a content hash", labels=["reason"])
+        for reason in RefusalReason:
+            requests.add_metric([reason.value], self._prompt_blocks.unkeyable_requests.get(reason.value, 0))
+        yield requests
 
 
 def _families(report: dict) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.integrations.vllm.inputs import AdapterFingerprints, Refusal, RequestInputs, read_inputs
 from kvtier.integrations.vllm.lookup import RankLookup
 from kvtier.integrations.vllm.backends import SHARED, Backend
 from kvtier.integrations.vllm.settings import NULL_BLOCK_ID, Settings
@@ -172,23 +173,32 @@ class KeyDirectory:
 
 
 class RequestTracker:
-    """One request's block keys and how many of its leading blocks kvtier holds."""
+    """One request's block keys and how many of its leading blocks kvtier holds.
 
-    def __init__(self, request: Any, namespace: Namespace) -> None:
+    The keys chain the request's token ids and, per block, its other inputs (`vllm_inputs`: LoRA
+    adapter, multimodal items, cache salt, prompt embeddings). A request that cannot be keyed
+    safely (`refusal`) has no keys: kvtier neither loads nor stores any of its blocks.
+    """
+
+    def __init__(self, request: Any, namespace: Namespace,
+                 inputs: RequestInputs | Refusal = RequestInputs()) -> None:
         self.request = request  # vLLM's Request: `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`
         self._namespace = namespace
+        self.refusal = inputs if isinstance(inputs, Refusal) else None
+        self._inputs = inputs if isinstance(inputs, RequestInputs) else RequestInputs()
         self.keys: list[BlockKey] = []
         self.num_local_tokens = 0  # vLLM's own (block-aligned) prefix-cache hit, at the last lookup
         self.num_hit_blocks = 0  # leading blocks kvtier can supply (every group) at the last lookup
         self.num_stored_blocks: list[int] = []  # per group: leading blocks kvtier holds or is being sent
 
     def keys_for(self, num_blocks: int) -> list[BlockKey]:
-        """The first `num_blocks` keys, extending the chain as tokens arrive."""
-        if num_blocks > len(self.keys):
-            size = self._namespace.block_tokens
-            tokens = self.request.all_token_ids[len(self.keys) * size: num_blocks * size]
+        """The first `num_blocks` keys, extending the chain as tokens arrive; none when refused."""
+        if num_blocks > len(self.keys) and self.refusal is None:
+            size, first = self._namespace.block_tokens, len(self.keys)
+            tokens = self.request.all_token_ids[first * size: num_blocks * size]
             parent = self.keys[-1] if self.keys else ROOT_KEY
-            self.keys += block_keys(self._namespace, list(tokens), parent)
+            extras = self._inputs.extras(first, len(tokens) // size, size)
+            self.keys += block_keys(self._namespace, list(tokens), parent, extras)
         return self.keys[:num_blocks]
 
 
@@ -202,6 +212,10 @@ class PromptBlocks:
     # blocks of sliding-window groups a kvtier hit did not load (out of the window), and their bytes
     window_skipped: int = 0
     window_skipped_bytes: int = 0
+    # of `engine` and `computed`: blocks of requests kvtier could not key safely (`vllm_inputs.Refusal`),
+    # never loaded from or stored in kvtier; and those requests, by `RefusalReason` value
+    unkeyable: int = 0
+    unkeyable_requests: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -214,12 +228,25 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._loads: dict[str, list[LoadSpec]] = {}
         self._groups = settings.kv_groups
+        self._adapters = AdapterFingerprints()
 
     def track(self, request: Any) -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
         if tracker is None:
-            tracker = self._trackers[request.request_id] = RequestTracker(request, self.settings.namespace)
+            inputs = read_inputs(request, self._adapters)
+            if isinstance(inputs, Refusal):
+                self._refused(inputs)
+            tracker = self._trackers[request.request_id] = RequestTracker(request, self.settings.namespace, inputs)
         return tracker
+
+    def _refused(self, refusal: Refusal) -> None:
+        """Counts a request kvtier cannot key; the first of each reason is a warning, later ones debug."""
+        counts = self.prompt_blocks.unkeyable_requests
+        reason = refusal.reason.value
+        counts[reason] = counts.get(reason, 0) + 1
+        level = logging.WARNING if counts[reason] == 1 else logging.DEBUG
+        log.log(level, "kvtier: %s; such requests are served without kvtier (counted as unkeyable, never stored)",
+                refusal.detail)
 
     def num_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` (block-aligned) that kvtier can load.
@@ -229,7 +256,7 @@ class SchedulerSide:
         tracker = self.track(request)
         tracker.num_local_tokens = num_computed_tokens
         size = self.settings.block_tokens
-        max_blocks = (request.num_tokens - 1) // size
+        max_blocks = (request.num_tokens - 1) // size if tracker.refusal is None else 0
         tracker.num_hit_blocks = self._hit_blocks(tracker.keys_for(max_blocks)) if max_blocks > 0 else 0
         if not self.settings.can_load:
             return 0
@@ -263,7 +290,8 @@ class SchedulerSide:
         tracker = self.track(request)
         tracker.num_stored_blocks = [tracker.num_hit_blocks] * len(self._groups)
         size, local = self.settings.block_tokens, tracker.num_local_tokens
-        self._count_prompt_blocks(request, local // size, max(num_external_tokens, 0) // size)
+        self._count_prompt_blocks(request, local // size, max(num_external_tokens, 0) // size,
+                                  tracker.refusal is not None)
         if num_external_tokens <= 0:
             return
         first, end = local // size, (local + num_external_tokens) // size
@@ -281,11 +309,12 @@ class SchedulerSide:
                 loads.append(LoadSpec(request.request_id, group_keys, tuple(table[i] for i in rows), group.index))
         self._loads[request.request_id] = loads
 
-    def _count_prompt_blocks(self, request: Any, num_engine: int, num_kvtier: int) -> None:
+    def _count_prompt_blocks(self, request: Any, num_engine: int, num_kvtier: int, refused: bool) -> None:
         num_full = max(request.num_tokens - 1, 0) // self.settings.block_tokens
         self.prompt_blocks.engine += num_engine
         self.prompt_blocks.kvtier += num_kvtier
         self.prompt_blocks.computed += max(num_full - num_engine - num_kvtier, 0)
+        self.prompt_blocks.unkeyable += num_full if refused else 0
 
     def plan_step(self, scheduled: Iterable[ScheduledRequest],
                   block_ids_of: Callable[[str], Sequence[Any]]) -> StepPlan:
@@ -306,7 +335,7 @@ class SchedulerSide:
         """Per group, the blocks this step completes that the group still keeps (a sliding-window
         group has let go of the null ones: nothing to store there)."""
         tracker = self._trackers.get(item.req_id)
-        if tracker is None:
+        if tracker is None or tracker.refusal is not None:
             return []
         # Speculative tokens may be rejected: their KV is never stored.
         end_tokens = tracker.request.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens

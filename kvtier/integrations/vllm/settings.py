@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.pages import (
     inline_scales,
     page_format,
 )
+from kvtier.integrations.vllm.overrides import config_overrides, overrides_id
 from kvtier.integrations.vllm.shards import Sharding, rank_config
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import BlockLayout
@@ -111,6 +112,9 @@ class EngineFacts:
             the scheduler's process has no weights, and both roles must compute the same keys.
         load_settings: how the engine turns those files into the model it runs (dtype,
             quantization): the same files loaded another way compute other KV, so they key it too.
+        config_overrides: what of the model's config the engine changes without changing a file
+            (`vllm_overrides.config_overrides`: `--hf-overrides`, ...), by name; () for none, and
+            then the keys are those of an engine without overrides.
         data_parallel_rank: this engine's index in a data-parallel group (offsets its metrics port).
         mla: the cache holds MLA latents (`pages.MLA_FORMAT`), not K and V per head.
         attention: what of the attention changes the KV beyond the page format
@@ -138,6 +142,7 @@ class EngineFacts:
     attention: str = ""
     groups: tuple[KVGroup, ...] = ()
     scale_bytes: int = 0
+    config_overrides: tuple[tuple[str, str], ...] = ()
 
     @property
     def element_dtype(self) -> str:
@@ -230,6 +235,7 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     weights = user_weights_id(extra.get("weights_id"), f"{EXTRA}.weights_id")
     weights = weights or (weights_fingerprint(facts.weights) if facts.weights else "")
     weights += f";{facts.load_settings}" if facts.load_settings else ""
+    weights += _overrides(facts.config_overrides)
     attention = f";{facts.attention}" if facts.attention else ""
     namespace = Namespace(model_id, f"{facts.kv_dtype};{page.name}{attention}", facts.block_size, config.tenant,
                           weights)
@@ -244,6 +250,15 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
                     sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
                     page_format=page, groups=facts.groups, layer_group=layer_group,
                     **_metrics(extra, facts.data_parallel_rank))
+
+
+def _overrides(overrides: tuple[tuple[str, str], ...]) -> str:
+    """The namespace's part for the engine's config overrides ("" for none), said in one line."""
+    if not overrides:
+        return ""
+    log.info("kvtier: block keys name this engine's model config overrides (%s): blocks of the same model "
+             "without them, or with others, are misses", ", ".join(name for name, _ in overrides))
+    return ";" + overrides_id(dict(overrides))
 
 
 def _metrics(extra: Mapping[str, Any], data_parallel_rank: int) -> dict[str, Any]:
@@ -375,7 +390,8 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        load_settings=f"dtype={model.dtype};quantization={model.quantization}",
                        data_parallel_rank=int(parallel.data_parallel_rank or 0),
                        mla=isinstance(spec, MLAAttentionSpec), attention=attention, groups=kv_groups,
-                       scale_bytes=spec.num_kv_heads * spec.block_size * SCALE_BYTES if inline_scales(spec) else 0)
+                       scale_bytes=spec.num_kv_heads * spec.block_size * SCALE_BYTES if inline_scales(spec) else 0,
+                       config_overrides=tuple(config_overrides(model, vllm_config.cache_config).items()))
 
 
 def _sharding(vllm_config: Any) -> Sharding:
