@@ -10,13 +10,22 @@
  * shift: no tombstones): ~35-40 bytes a block, and nothing per key for the garbage collector.
  *
  * The table's kind of key is chosen by the first 16-byte `bytes` or int64 `int` stored while the
- * table part is empty (exact types: a bool is not an int key here, nor a bytes subclass). Any
- * other key (another kind, length or type) is kept in a dict on the side, as a dict would keep it,
- * so every hashable key works and only the usual ones are compact. Digests are hashed as Python
- * hashes bytes (SipHash with the process's random key: a client that picks its keys cannot pick
- * collisions), ints with a 64-bit mixer.
+ * table part is empty (exact types: a bool is not stored there, nor a bytes subclass). Any other
+ * key (another kind, length or type) is kept in a dict on the side, so every hashable key works
+ * and only the usual ones are compact. Keys match as a dict's do: by Python's hash and `==`, so
+ * True, 1 and 1.0 are one key, found in whichever part holds it (a key of another type is looked
+ * for in the table part by its hash, then compared with `==`). The table part's hash is derived
+ * from Python's: a digest's is SipHash with the process's random key (a client that picks its
+ * keys cannot pick collisions), an int's goes through a 64-bit mixer.
  *
- * Ids are the caller's (0 <= id < 2**31 - 1), one key each. Not thread-safe beyond the GIL.
+ * Ids are the caller's (0 <= id < 2**31 - 1), one key each.
+ *
+ * Re-entry. A key's `__hash__` and `__eq__`, and finalizers the garbage collector runs, are Python
+ * code that may run in the middle of a call, and may call the same table (or, while they wait,
+ * another thread may). Every call that reads or changes the table therefore holds it (`hold`):
+ * a second call that starts while one runs raises RuntimeError and changes nothing, and the
+ * first goes on with the state it started from. (A dict lets the second call through and starts
+ * its lookup again; ids and slots here cannot be found again as cheaply.)
  *
  * Also here: `KeyList`, an OrderedDict of keys -> 0..255 built on a KeyTable (ARC's and S3-FIFO's
  * queues), and `SlotList`, an LRU order over slot numbers (the base of `SlotLRUPolicy`).
@@ -47,6 +56,8 @@ typedef struct {
     int mode;
     PyObject *side;       /* (tag, key) -> id, for keys the table part does not take; NULL until one comes */
     PyObject *side_keys;  /* id -> key, for the same */
+    int busy;             /* a call is running (see "Re-entry" above) */
+    int in_list;          /* the index of a KeyList: errors name the KeyList */
 } KeyTable;
 
 /* One key, parsed against the table's mode. */
@@ -82,20 +93,43 @@ static int mode_of(PyObject *key) {
     return MODE_NONE;
 }
 
-/* Parses `key` for the table part: 1 if it belongs there, 0 if not (a side key), -1 on error. */
+/* The table part's hash of a key whose Python hash is `h`, under `tag`: equal keys, whatever their
+ * types, have equal Python hashes, so a key of another type is found where an equal stored key is. */
+static inline Py_hash_t table_hash(const KeyTable *t, Py_hash_t h, uint16_t tag) {
+    uint64_t x = t->mode == MODE_INT ? mix64((uint64_t)h) : (uint64_t)h;  /* a digest's is SipHash already */
+    return (Py_hash_t)(x ^ mix64(tag));
+}
+
+/* hash(v) for an int64 `v`, as Python computes it for an int (v modulo 2**61 - 1, keeping the
+ * sign; -1 is -2), without a call through the type: the table part's int keys are hashed often. */
+static inline Py_hash_t int64_hash(int64_t v) {
+#if SIZEOF_PY_HASH_T == 8 && defined(_PyHASH_BITS)
+    const uint64_t modulus = ((uint64_t)1 << _PyHASH_BITS) - 1;
+    uint64_t a = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    uint64_t r = (a & modulus) + (a >> _PyHASH_BITS);  /* 2**61 is 1 modulo 2**61 - 1 */
+    if (r >= modulus)
+        r -= modulus;
+    Py_hash_t h = v < 0 ? -(Py_hash_t)r : (Py_hash_t)r;
+    return h == -1 ? -2 : h;
+#else
+    PyObject *key = PyLong_FromLongLong(v);  /* never taken on the 64-bit builds kvtier targets */
+    Py_hash_t h = key ? PyObject_Hash(key) : -1;
+    Py_XDECREF(key);
+    return h;
+#endif
+}
+
+/* Parses `key` for the table part: 1 if it belongs there, 0 if not (a side key), -1 on error.
+ * Runs no Python code: the keys it takes are exact bytes and ints, hashed in C. */
 static int parse(KeyTable *t, PyObject *key, uint16_t tag, Key *out) {
     out->tag = tag;
+    Py_hash_t h;
     if (t->mode == MODE_DIGEST) {
         if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != DIGEST_BYTES)
             return 0;
         out->digest = (const unsigned char *)PyBytes_AS_STRING(key);
-        Py_hash_t h = PyObject_Hash(key);  /* cached in the bytes object */
-        if (h == -1)
-            return -1;
-        out->hash = (Py_hash_t)((uint64_t)h ^ mix64(tag));
-        return 1;
-    }
-    if (t->mode == MODE_INT) {
+        h = PyObject_Hash(key);  /* SipHash, cached in the bytes object */
+    } else if (t->mode == MODE_INT) {
         if (!PyLong_CheckExact(key))
             return 0;
         int overflow = 0;
@@ -105,10 +139,14 @@ static int parse(KeyTable *t, PyObject *key, uint16_t tag, Key *out) {
         if (overflow)
             return 0;
         out->value = (int64_t)v;
-        out->hash = (Py_hash_t)(mix64((uint64_t)v) ^ mix64(tag));
-        return 1;
+        h = int64_hash(out->value);
+    } else {
+        return 0;
     }
-    return 0;
+    if (h == -1)
+        return -1;
+    out->hash = table_hash(t, h, tag);
+    return 1;
 }
 
 static inline Py_hash_t stored_hash(KeyTable *t, int32_t id) { return t->hashes[id]; }
@@ -220,6 +258,10 @@ static PyObject *table_key(KeyTable *t, int32_t id) {
 
 /* ---- keys on the side ------------------------------------------------------------------- */
 
+/* Dict operations on side keys run the keys' __hash__ and __eq__: Python code, with the table held. */
+
+static const char *name_of(const KeyTable *t) { return t->in_list ? "KeyList" : "KeyTable"; }
+
 static PyObject *side_key(PyObject *key, uint16_t tag) { return Py_BuildValue("(HO)", tag, key); }
 
 /* 1 found (*id set), 0 not, -1 error. */
@@ -237,52 +279,97 @@ static int side_lookup(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id) {
     return 1;
 }
 
+/* Deletes `key` (an int: no Python code runs) from `dict`, keeping the exception that is set. */
+static void del_keeping_error(PyObject *dict, PyObject *key) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+    if (PyDict_DelItem(dict, key) < 0)
+        PyErr_Clear();
+    PyErr_SetRaisedException(exc);
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (PyDict_DelItem(dict, key) < 0)
+        PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+#endif
+}
+
+/* Stores `key`, found absent, at a free `id` on the side. 0 ok, -1 error (nothing changed). */
 static int side_store(KeyTable *t, PyObject *key, uint16_t tag, long id) {
-    if (t->side == NULL && ((t->side = PyDict_New()) == NULL || (t->side_keys = PyDict_New()) == NULL))
+    if (t->side == NULL && (t->side = PyDict_New()) == NULL)
+        return -1;
+    if (t->side_keys == NULL && (t->side_keys = PyDict_New()) == NULL)
         return -1;
     PyObject *k = side_key(key, tag), *v = PyLong_FromLong(id);
-    int rc = k == NULL || v == NULL ? -1 : PyDict_SetItem(t->side, k, v);
-    if (rc == 0)
-        rc = PyDict_SetItem(t->side_keys, v, k);
+    int rc = -1;
+    if (k == NULL || v == NULL || PyDict_SetItem(t->side_keys, v, k) < 0)
+        goto done;
+    PyObject *held = PyDict_SetDefault(t->side, k, v);  /* borrowed: `v` unless an equal key is there */
+    if (held == v) {
+        t->known[id] = ON_THE_SIDE;
+        rc = 0;
+    } else {
+        if (held != NULL)  /* the lookup that found it absent saw another hash or another answer of == */
+            PyErr_Format(PyExc_RuntimeError, "%s: a key's __hash__ or __eq__ answered two lookups of it differently",
+                         name_of(t));
+        del_keeping_error(t->side_keys, v);
+    }
+done:
     Py_XDECREF(k);
     Py_XDECREF(v);
-    if (rc == 0)
-        t->known[id] = ON_THE_SIDE;
     return rc;
 }
 
-/* Removes the side key at `id`; returns the key (new reference), NULL on error. */
+/* The (tag, key) stored on the side at `id` (borrowed), or NULL with an exception set. */
+static PyObject *side_entry(KeyTable *t, PyObject *id) {
+    PyObject *k = t->side_keys == NULL ? NULL : PyDict_GetItemWithError(t->side_keys, id);
+    if (k == NULL && !PyErr_Occurred())  /* its dicts were emptied by the garbage collector (tp_clear) */
+        PyErr_Format(PyExc_RuntimeError, "%s: the key at id %R is gone (the table was cleared)", name_of(t), id);
+    return k;
+}
+
+/* Removes the side key at `id`; returns the key (new reference), NULL on error (nothing changed). */
 static PyObject *side_pop(KeyTable *t, int32_t id) {
     PyObject *v = PyLong_FromLong(id);
     if (v == NULL)
         return NULL;
-    PyObject *k = PyDict_GetItemWithError(t->side_keys, v);  /* borrowed: (tag, key) */
+    PyObject *k = side_entry(t, v);  /* borrowed: (tag, key) */
     if (k == NULL) {
         Py_DECREF(v);
-        return PyErr_Occurred() ? NULL : (PyErr_SetString(PyExc_SystemError, "KeyTable: side key lost"), NULL);
-    }
-    Py_INCREF(k);
-    int rc = PyDict_DelItem(t->side, k) < 0 || PyDict_DelItem(t->side_keys, v) < 0 ? -1 : 0;
-    Py_DECREF(v);
-    if (rc < 0) {
-        Py_DECREF(k);
         return NULL;
     }
+    Py_INCREF(k);
+    if (PyDict_DelItem(t->side, k) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_RuntimeError, "%s: the key at id %d is not found by its own hash any more (its "
+                         "__hash__ or __eq__ changed)", name_of(t), (int)id);
+        }
+        Py_DECREF(k);
+        Py_DECREF(v);
+        return NULL;
+    }
+    int rc = PyDict_DelItem(t->side_keys, v);  /* an int key that is there: cannot fail */
+    Py_DECREF(v);
     t->known[id] = UNKNOWN;
     PyObject *key = PyTuple_GET_ITEM(k, 1);
     Py_INCREF(key);
     Py_DECREF(k);
+    if (rc < 0)
+        Py_CLEAR(key);
     return key;
 }
 
+/* The side key at `id` (new reference), or NULL. */
 static PyObject *side_key_of(KeyTable *t, int32_t id) {
     PyObject *v = PyLong_FromLong(id);
     if (v == NULL)
         return NULL;
-    PyObject *k = PyDict_GetItemWithError(t->side_keys, v);  /* borrowed */
+    PyObject *k = side_entry(t, v);  /* borrowed */
     Py_DECREF(v);
     if (k == NULL)
-        return PyErr_Occurred() ? NULL : (PyErr_SetString(PyExc_SystemError, "KeyTable: side key lost"), NULL);
+        return NULL;
     PyObject *key = PyTuple_GET_ITEM(k, 1);
     Py_INCREF(key);
     return key;
@@ -290,15 +377,46 @@ static PyObject *side_key_of(KeyTable *t, int32_t id) {
 
 /* ---- the operations --------------------------------------------------------------------- */
 
+/* Looks for `key`, which the table part does not take, among the stored keys its Python hash
+ * matches, comparing with `==` as a dict does (Python code may run: the table is held). 1 found
+ * (*id set; *slot, if asked, its slot), 0 not, -1 error: an unhashable key raises, as for a dict. */
+static int find_equal(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id, Py_ssize_t *slot) {
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1)
+        return -1;
+    if (t->slots == NULL || t->used == 0)
+        return 0;
+    Py_hash_t hash = table_hash(t, h, tag);
+    for (size_t i = (size_t)hash & t->mask; t->slots[i] != EMPTY; i = (i + 1) & t->mask) {
+        int32_t at = t->slots[i];
+        if (t->hashes[at] != hash || t->tags[at] != tag)
+            continue;
+        PyObject *stored = table_key(t, at);
+        if (stored == NULL)
+            return -1;
+        int equal = PyObject_RichCompareBool(stored, key, Py_EQ);
+        Py_DECREF(stored);
+        if (equal < 0)
+            return -1;
+        if (equal) {
+            *id = at;
+            if (slot != NULL)
+                *slot = (Py_ssize_t)i;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* 1 found (*id set; *slot, if asked, its slot in the table part or -1 for a side key), 0 not,
  * -1 error. */
 static int lookup_at(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id, Py_ssize_t *slot) {
+    if (slot != NULL)
+        *slot = -1;
     Key k;
     int fits = parse(t, key, tag, &k);
     if (fits < 0)
         return -1;
-    if (slot != NULL)
-        *slot = -1;
     if (fits) {
         Py_ssize_t i = find_slot(t, &k);
         if (i >= 0) {
@@ -307,17 +425,12 @@ static int lookup_at(KeyTable *t, PyObject *key, uint16_t tag, int32_t *id, Py_s
                 *slot = i;
             return 1;
         }
-        /* Not in the table part; on the side only if it came before the table part took its kind. */
-        return side_lookup(t, key, tag, id);
+    } else {
+        int found = find_equal(t, key, tag, id, slot);
+        if (found != 0)
+            return found;
     }
-    if (PyErr_Occurred())
-        return -1;
-    /* A side key: unhashable ones are an error, as for a dict. */
-    if (t->side == NULL || PyDict_GET_SIZE(t->side) == 0) {
-        if (PyObject_Hash(key) == -1)
-            return -1;
-        return 0;
-    }
+    /* On the side: a key of another type, or of the table's kind stored before the table part took it. */
     return side_lookup(t, key, tag, id);
 }
 
@@ -428,6 +541,36 @@ static PyObject *key_of(KeyTable *t, int32_t id) {
     return t->known[id] == ON_THE_SIDE ? side_key_of(t, id) : table_key(t, id);
 }
 
+/* ---- holding a table for one call (see "Re-entry" at the top) ---------------------------- */
+
+/* Marks `t` as running a call: 0, or -1 with RuntimeError when a call is running already (the
+ * caller is then Python code that call ran, or another thread while it waited) or `t` is NULL (a
+ * KeyList whose index the garbage collector cleared). */
+static int hold(KeyTable *t) {
+    if (t == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "KeyList: used after the garbage collector cleared it");
+        return -1;
+    }
+    if (t->busy) {
+        PyErr_Format(PyExc_RuntimeError, "%s mutated or read during one of its own lookups (by a key's __hash__ or "
+                     "__eq__, a finalizer, or another thread meanwhile): refused, nothing changed", name_of(t));
+        return -1;
+    }
+    t->busy = 1;
+    return 0;
+}
+
+/* Defines `name`, a method or slot, as `name##_held` run with `table` held. */
+#define HELD(ret, fail, name, table, params, args)               \
+    static ret name params {                                     \
+        KeyTable *held_ = (table);                               \
+        if (hold(held_) < 0)                                     \
+            return fail;                                         \
+        ret out_ = name##_held args;                             \
+        held_->busy = 0;                                         \
+        return out_;                                             \
+    }
+
 /* ---- the type ---------------------------------------------------------------------------- */
 
 static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -464,7 +607,7 @@ static Py_ssize_t KeyTable_len(KeyTable *t) {
     return t->used + (t->side ? PyDict_GET_SIZE(t->side) : 0);
 }
 
-static PyObject *KeyTable_subscript(KeyTable *t, PyObject *key) {
+static PyObject *KeyTable_subscript_held(KeyTable *t, PyObject *key) {
     int32_t id;
     int found = lookup(t, key, 0, &id);
     if (found < 0)
@@ -476,7 +619,7 @@ static PyObject *KeyTable_subscript(KeyTable *t, PyObject *key) {
     return PyLong_FromLong(id);
 }
 
-static int KeyTable_ass_subscript(KeyTable *t, PyObject *key, PyObject *value) {
+static int KeyTable_ass_subscript_held(KeyTable *t, PyObject *key, PyObject *value) {
     if (value != NULL) {
         long id = PyLong_AsLong(value);
         if (id == -1 && PyErr_Occurred())
@@ -494,12 +637,12 @@ static int KeyTable_ass_subscript(KeyTable *t, PyObject *key, PyObject *value) {
     return remove_at(t, id, slot);
 }
 
-static int KeyTable_contains(KeyTable *t, PyObject *key) {
+static int KeyTable_contains_held(KeyTable *t, PyObject *key) {
     int32_t id;
     return lookup(t, key, 0, &id);
 }
 
-static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *KeyTable_get_held(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
         return NULL;
@@ -527,7 +670,7 @@ static int parse_tag(PyObject *arg, uint16_t *tag) {
     return 0;
 }
 
-static PyObject *KeyTable_find(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *KeyTable_find_held(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     uint16_t tag;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "find(key, tag)");
@@ -542,7 +685,7 @@ static PyObject *KeyTable_find(KeyTable *t, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(found ? id : -1);
 }
 
-static PyObject *KeyTable_add(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *KeyTable_add_held(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "add(key, id, tag)");
         return NULL;
@@ -558,19 +701,19 @@ static PyObject *KeyTable_add(KeyTable *t, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-static PyObject *KeyTable_key_of(KeyTable *t, PyObject *arg) {
+static PyObject *KeyTable_key_of_held(KeyTable *t, PyObject *arg) {
     int32_t id;
     return check_id(t, arg, &id) < 0 ? NULL : key_of(t, id);
 }
 
-static PyObject *KeyTable_tag_of(KeyTable *t, PyObject *arg) {
+static PyObject *KeyTable_tag_of_held(KeyTable *t, PyObject *arg) {
     int32_t id;
     if (check_id(t, arg, &id) < 0)
         return NULL;
     if (t->known[id] == IN_TABLE)
         return PyLong_FromLong(t->tags[id]);
     PyObject *v = PyLong_FromLong(id);
-    PyObject *k = v ? PyDict_GetItemWithError(t->side_keys, v) : NULL;
+    PyObject *k = v ? side_entry(t, v) : NULL;  /* borrowed */
     Py_XDECREF(v);
     if (k == NULL)
         return NULL;
@@ -579,7 +722,7 @@ static PyObject *KeyTable_tag_of(KeyTable *t, PyObject *arg) {
     return tag;
 }
 
-static PyObject *KeyTable_pop_id(KeyTable *t, PyObject *arg) {
+static PyObject *KeyTable_pop_id_held(KeyTable *t, PyObject *arg) {
     int32_t id;
     return check_id(t, arg, &id) < 0 ? NULL : pop_id(t, id);
 }
@@ -608,11 +751,11 @@ static PyObject *collect(KeyTable *t, int what) {  /* 0 keys, 1 ids, 2 (key, id)
     return out;
 }
 
-static PyObject *KeyTable_keys(KeyTable *t, PyObject *unused) { return collect(t, 0); }
-static PyObject *KeyTable_values(KeyTable *t, PyObject *unused) { return collect(t, 1); }
-static PyObject *KeyTable_items(KeyTable *t, PyObject *unused) { return collect(t, 2); }
+static PyObject *KeyTable_keys_held(KeyTable *t, PyObject *unused) { return collect(t, 0); }
+static PyObject *KeyTable_values_held(KeyTable *t, PyObject *unused) { return collect(t, 1); }
+static PyObject *KeyTable_items_held(KeyTable *t, PyObject *unused) { return collect(t, 2); }
 
-static PyObject *KeyTable_iter(KeyTable *t) {
+static PyObject *KeyTable_iter_held(KeyTable *t) {
     PyObject *keys = collect(t, 0);
     if (keys == NULL)
         return NULL;
@@ -620,6 +763,21 @@ static PyObject *KeyTable_iter(KeyTable *t) {
     Py_DECREF(keys);
     return it;
 }
+
+/* Every call that may run Python code (a key's __hash__ or __eq__) or read what one changes. */
+HELD(PyObject *, NULL, KeyTable_subscript, t, (KeyTable *t, PyObject *key), (t, key))
+HELD(int, -1, KeyTable_ass_subscript, t, (KeyTable *t, PyObject *key, PyObject *value), (t, key, value))
+HELD(int, -1, KeyTable_contains, t, (KeyTable *t, PyObject *key), (t, key))
+HELD(PyObject *, NULL, KeyTable_get, t, (KeyTable *t, PyObject *const *args, Py_ssize_t nargs), (t, args, nargs))
+HELD(PyObject *, NULL, KeyTable_find, t, (KeyTable *t, PyObject *const *args, Py_ssize_t nargs), (t, args, nargs))
+HELD(PyObject *, NULL, KeyTable_add, t, (KeyTable *t, PyObject *const *args, Py_ssize_t nargs), (t, args, nargs))
+HELD(PyObject *, NULL, KeyTable_key_of, t, (KeyTable *t, PyObject *arg), (t, arg))
+HELD(PyObject *, NULL, KeyTable_tag_of, t, (KeyTable *t, PyObject *arg), (t, arg))
+HELD(PyObject *, NULL, KeyTable_pop_id, t, (KeyTable *t, PyObject *arg), (t, arg))
+HELD(PyObject *, NULL, KeyTable_keys, t, (KeyTable *t, PyObject *unused), (t, unused))
+HELD(PyObject *, NULL, KeyTable_values, t, (KeyTable *t, PyObject *unused), (t, unused))
+HELD(PyObject *, NULL, KeyTable_items, t, (KeyTable *t, PyObject *unused), (t, unused))
+HELD(PyObject *, NULL, KeyTable_iter, t, (KeyTable *t), (t))
 
 static PyObject *KeyTable_get_nbytes(KeyTable *t, void *unused) {
     size_t n = (t->slots ? (t->mask + 1) * sizeof(int32_t) : 0)
@@ -758,6 +916,7 @@ static PyObject *KeyList_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(l);
         return NULL;
     }
+    l->index->in_list = 1;
     l->links.head = l->links.tail = EMPTY;
     return (PyObject *)l;
 }
@@ -852,7 +1011,7 @@ static int append_absent(KeyList *l, PyObject *key, uint8_t value, int last) {
     return 0;
 }
 
-static int KeyList_contains(KeyList *l, PyObject *key) {
+static int KeyList_contains_held(KeyList *l, PyObject *key) {
     int32_t id;
     return lookup(l->index, key, 0, &id);
 }
@@ -874,7 +1033,7 @@ static int parse_value(PyObject *value, uint8_t *out) {
     return 0;
 }
 
-static int KeyList_ass_subscript(KeyList *l, PyObject *key, PyObject *value) {
+static int KeyList_ass_subscript_held(KeyList *l, PyObject *key, PyObject *value) {
     int32_t id;
     Py_ssize_t slot;
     int found = lookup_at(l->index, key, 0, &id, &slot);
@@ -897,7 +1056,7 @@ static int KeyList_ass_subscript(KeyList *l, PyObject *key, PyObject *value) {
     return drop_node_at(l, id, slot);
 }
 
-static PyObject *KeyList_subscript(KeyList *l, PyObject *key) {
+static PyObject *KeyList_subscript_held(KeyList *l, PyObject *key) {
     int32_t id;
     int found = lookup(l->index, key, 0, &id);
     if (found < 0)
@@ -909,7 +1068,7 @@ static PyObject *KeyList_subscript(KeyList *l, PyObject *key) {
     return PyLong_FromLong(l->values[id]);
 }
 
-static PyObject *KeyList_get(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *KeyList_get_held(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
         return NULL;
@@ -925,7 +1084,7 @@ static PyObject *KeyList_get(KeyList *l, PyObject *const *args, Py_ssize_t nargs
     return dflt;
 }
 
-static PyObject *KeyList_pop(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *KeyList_pop_held(KeyList *l, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
         PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
         return NULL;
@@ -980,7 +1139,7 @@ static int parse_last(const char *name, PyObject *const *args, Py_ssize_t nargs,
     return 0;
 }
 
-static PyObject *KeyList_move_to_end(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+static PyObject *KeyList_move_to_end_held(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     int last;
     if (parse_last("move_to_end", args, nargs, kwnames, 1, &last) < 0)
         return NULL;
@@ -1000,7 +1159,7 @@ static PyObject *KeyList_move_to_end(KeyList *l, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-static PyObject *KeyList_popitem(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+static PyObject *KeyList_popitem_held(KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     int last;
     if (parse_last("popitem", args, nargs, kwnames, 0, &last) < 0)
         return NULL;
@@ -1028,13 +1187,25 @@ static PyObject *KeyList_popitem(KeyList *l, PyObject *const *args, Py_ssize_t n
     return pair;
 }
 
-static PyObject *KeyList_first(KeyList *l, PyObject *unused) {
+static PyObject *KeyList_first_held(KeyList *l, PyObject *unused) {
     if (l->links.head == EMPTY) {
         PyErr_SetString(PyExc_KeyError, "first(): KeyList is empty");
         return NULL;
     }
     return key_of(l->index, l->links.head);
 }
+
+/* Every call that may run Python code (a key's __hash__ or __eq__) or read what one changes. */
+HELD(int, -1, KeyList_contains, l->index, (KeyList *l, PyObject *key), (l, key))
+HELD(int, -1, KeyList_ass_subscript, l->index, (KeyList *l, PyObject *key, PyObject *value), (l, key, value))
+HELD(PyObject *, NULL, KeyList_subscript, l->index, (KeyList *l, PyObject *key), (l, key))
+HELD(PyObject *, NULL, KeyList_get, l->index, (KeyList *l, PyObject *const *args, Py_ssize_t nargs), (l, args, nargs))
+HELD(PyObject *, NULL, KeyList_pop, l->index, (KeyList *l, PyObject *const *args, Py_ssize_t nargs), (l, args, nargs))
+HELD(PyObject *, NULL, KeyList_move_to_end, l->index,
+     (KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames), (l, args, nargs, kwnames))
+HELD(PyObject *, NULL, KeyList_popitem, l->index,
+     (KeyList *l, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames), (l, args, nargs, kwnames))
+HELD(PyObject *, NULL, KeyList_first, l->index, (KeyList *l, PyObject *unused), (l, unused))
 
 typedef struct {
     PyObject_HEAD
@@ -1055,7 +1226,7 @@ static PyObject *KeyList_iter(KeyList *l) {
     return (PyObject *)it;
 }
 
-static PyObject *KeyListIter_next(KeyListIter *it) {
+static PyObject *KeyListIter_next_held(KeyListIter *it) {
     KeyList *l = it->list;
     if (l->version != it->version) {
         PyErr_SetString(PyExc_RuntimeError, "KeyList mutated during iteration");
@@ -1067,6 +1238,8 @@ static PyObject *KeyListIter_next(KeyListIter *it) {
     it->at = l->links.next[id];
     return key_of(l->index, id);
 }
+
+HELD(PyObject *, NULL, KeyListIter_next, it->list->index, (KeyListIter *it), (it))
 
 static int KeyListIter_traverse(KeyListIter *it, visitproc visit, void *arg) {
     Py_VISIT(it->list);
@@ -1091,6 +1264,8 @@ static PyTypeObject KeyListIterType = {
 };
 
 static PyObject *KeyList_get_nbytes(KeyList *l, void *unused) {
+    if (l->index == NULL)
+        return PyLong_FromSize_t((size_t)l->cap * (3 * sizeof(int32_t) + 1));
     PyObject *n = KeyTable_get_nbytes(l->index, NULL);
     if (n == NULL)
         return NULL;

@@ -20,7 +20,7 @@ from kvtier._keytable import KeyTable
 
 DIGESTS = st.binary(min_size=16, max_size=16)
 INTS = st.one_of(st.integers(min_value=-(2**63), max_value=2**63 - 1), st.integers(min_value=0, max_value=300))
-# Keys the table part never takes, and none equal to one it takes (see the last test for 1 and True).
+# Keys the table part never takes, and none equal to one it takes (see the test of 1 and True).
 OTHERS = st.one_of(st.binary(max_size=15), st.integers(min_value=2**63, max_value=2**64), st.text(max_size=3),
                    st.tuples(st.integers(0, 3), st.integers(0, 3)))
 TAGS = st.sampled_from([0, 0, 0, 1, 7, 65535])
@@ -128,16 +128,17 @@ def test_the_first_usual_key_chooses_the_kind_and_the_rest_go_on_the_side():
         table[[1]] = 30
 
 
-def test_table_keys_are_matched_by_exact_type_and_value():
-    """Unlike a dict, 1, True and 1.0 are three keys when 1 is in the table part (the manager's
-    keys are digests or a simulation's ints, never a mix of equal keys of several types)."""
+def test_equal_keys_of_other_types_match_as_in_a_dict():
+    """1, True and 1.0 are one key, as in a dict, whether 1 is in the table part or on the side (more
+    in tests/attacks/test_attack_native_modules.py)."""
     table = KeyTable()
     table[1] = 0
-    assert table.get(True) is None and table.get(1.0) is None and table[1] == 0
-    table[True] = 1
-    assert (table[True], table.get(1.0), table[1]) == (1, 1, 0)  # on the side a dict's rules hold: 1.0 == True
-    with pytest.raises(ValueError, match="stored at id 1 already"):
-        table[1.0] = 2
+    assert table.get(True) == table.get(1.0) == table[1] == 0 and table.num_side == 0
+    with pytest.raises(ValueError, match="stored at id 0 already"):
+        table[True] = 1
+    del table[1.0]
+    table[True] = 1  # the table part is empty: True goes on the side, where 1 finds it
+    assert (table[1], table.get(1.0), table.key_of(1)) == (1, 1, True) and table.num_side == 1
 
 
 def test_ids_and_tags_are_checked_and_an_id_holds_one_key():

@@ -92,10 +92,10 @@ class NotNative(KVTierError, ValueError):
 def intern_requests(requests: Sequence, full_blocks_only: bool) -> TraceArrays:
     """The C engine's arrays for `requests` (each with `hash_ids`, `input_tokens`, `partial_tail`).
 
-    Hash ids must be Python ints, as a trace file's are: the manager's index tells keys apart as
-    a dict does for ints, but not for every other type (a bool is not the int key 1 there), so
-    the engine takes no other. Ids that fit in 64 bits are interned by sorting (`np.unique`), others
-    through a dict; either way equal ids get one block id, as they get one entry in the index.
+    Hash ids must be Python ints, as a trace file's are: the engine interns numbers, and the
+    manager, whose index matches keys of any type as a dict does, replays every other trace. Ids
+    that fit in 64 bits are interned by sorting (`np.unique`), others through a dict; either way
+    equal ids get one block id, as they get one entry in the index.
 
     Args:
         requests: the trace's requests, in order.
