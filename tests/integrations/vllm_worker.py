@@ -15,7 +15,10 @@ group) that a second engine in one process would trip over. SPEC is a JSON objec
     phases       a list of phases, run in order, each {"prompts": [[token ids], ...], "max_tokens": n} and:
                    a prompt may also be {"prompt": text or [token ids], "images": [image, ...]}, each
                    image {"seed": n, "width": w, "height": h}: random RGB pixels drawn from `seed`,
-                   built in memory (a vision-language model's placeholders go in the prompt)
+                   built in memory (a vision-language model's placeholders go in the prompt); and
+                   "cache_salt": str (vLLM's per-request salt), "lora": {"name", "id", "path"} (served
+                   with that LoRA adapter), "embeds": [seed, n] instead of "prompt" (`prompt_embeds`:
+                   n random rows of the model's hidden size drawn from seed)
                    "follow_up": [token ids]  also run, for each prompt of the previous phase, that
                                              prompt + its completion + these tokens (a next turn)
                    "corrupt_ssd": true       first overwrite kvtier's SSD files with random bytes
@@ -24,6 +27,8 @@ group) that a second engine in one process would trip over. SPEC is a JSON objec
                    "zero_loaded_kv": true    negative control: blocks loaded from kvtier reach the
                                              engine as zeros, unreported (a connector that lies)
                    "kill_pid": pid           first SIGKILL that process (a pool node going down)
+                   "copy_files": [src, dst]  first copy every file of folder src into folder dst (an
+                                             adapter rebuilt in place)
 
 It prints one line `RESULT {"phases": [...]}`: per phase its prompts and, for each, the generated
 token ids, their logprobs and `num_cached_tokens`; then, where the worker connector lives in this
@@ -124,19 +129,50 @@ def _image(spec: dict):
     return Image.fromarray(pixels, "RGB")
 
 
-def _engine_prompt(prompt):
-    """vLLM's prompt for a spec prompt: a list of token ids, or a text or token ids with images."""
-    from vllm.inputs import TextPrompt, TokensPrompt
+def _embeds(llm, seed: int, num_rows: int):
+    """`num_rows` random input embeddings of the model's hidden size and dtype, drawn from `seed`."""
+    import torch
+
+    config = llm.llm_engine.model_config
+    rows = torch.randn(num_rows, config.get_hidden_size(), generator=torch.Generator().manual_seed(seed))
+    return rows.to(config.dtype)
+
+
+def _lora(prompt):
+    """The prompt's `LoRARequest`, or None."""
+    from vllm.lora.request import LoRARequest
+
+    lora = prompt.get("lora") if isinstance(prompt, dict) else None
+    return LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+
+
+def _copy_files(src: str, dst: str) -> None:
+    import shutil
+
+    for name in sorted(os.listdir(src)):
+        shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _engine_prompt(prompt, llm=None):
+    """vLLM's prompt for a spec prompt: a list of token ids, or a text, token ids or embeddings with
+    images and a salt."""
+    from vllm.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
 
     if isinstance(prompt, list):
         return TokensPrompt(prompt_token_ids=prompt)
     extra = {"multi_modal_data": {"image": [_image(i) for i in prompt["images"]]}} if prompt.get("images") else {}
+    if prompt.get("cache_salt"):
+        extra["cache_salt"] = prompt["cache_salt"]
+    if "embeds" in prompt:
+        return EmbedsPrompt(prompt_embeds=_embeds(llm, *prompt["embeds"]), **extra)
     if isinstance(prompt["prompt"], str):
         return TextPrompt(prompt=prompt["prompt"], **extra)
     return TokensPrompt(prompt_token_ids=prompt["prompt"], **extra)
 
 
 def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
+    if phase.get("copy_files"):
+        _copy_files(*phase["copy_files"])
     if phase.get("kill_pid"):
         os.kill(phase["kill_pid"], signal.SIGKILL)
     corrupted = _corrupt_ssd() if phase.get("corrupt_ssd") else 0
@@ -149,8 +185,8 @@ def _run_phase(llm, phase: dict, previous: dict | None, spec: dict) -> dict:
         prompts += [p + o["tokens"] + phase["follow_up"] for p, o in zip(previous["prompts"], previous["outputs"])]
     outs = []
     for prompt in prompts:  # one at a time: the order of stores and evictions is then fixed
-        out = llm.generate([_engine_prompt(prompt)], _sampling(phase.get("max_tokens", 4)),
-                           use_tqdm=False)[0]
+        out = llm.generate([_engine_prompt(prompt, llm)], _sampling(phase.get("max_tokens", 4)),
+                           use_tqdm=False, lora_request=_lora(prompt))[0]
         completion = out.outputs[0]
         outs.append({"tokens": list(completion.token_ids),
                      "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)],
@@ -168,7 +204,9 @@ def _scheduler_counts(llm) -> dict | None:
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     connector = getattr(getattr(core, "scheduler", None), "connector", None)
     scheduler = getattr(connector, "_scheduler", None)
-    return dict(vars(scheduler.prompt_blocks)) if scheduler is not None else None
+    if scheduler is None:
+        return None
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(scheduler.prompt_blocks).items()}  # this phase's
 
 
 def _facts(llm=None) -> dict:

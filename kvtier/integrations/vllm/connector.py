@@ -11,11 +11,25 @@ Use it with vLLM's own loader, no plugin needed (`vllm serve MODEL --kv-transfer
 `model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`);
 anything else is an error at start-up. The block size and KV dtype are the engine's, whatever the
 kvtier YAML says; its `model` must be the served model's geometry (checked). vLLM's default
-`kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. Block
-keys name the weights by a fingerprint of the files vLLM loaded (`kvtier.weights`), so weights
-rebuilt under the same path never hit the old KV; `weights_id` names them instead. kvtier's log
-lines go through vLLM's handlers (`vllm_log`); `metrics_port` serves every rank's metrics from
+`kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. kvtier's
+log lines go through vLLM's handlers (`vllm_log`); `metrics_port` serves every rank's metrics from
 the scheduler's process (`vllm_metrics`).
+
+What is in a block key (a hit is the KV this engine would compute for the request, nothing else):
+  * the namespace (`vllm_settings.read_settings`): `model_id`; a fingerprint of the files vLLM
+    loaded, `config.json` included (`kvtier.weights`; `weights_id` names them instead), so
+    weights rebuilt under the same path never hit the old KV; dtype and quantization; the KV
+    cache dtype, page format and attention variant; the tenant; and the engine's config overrides
+    (`vllm_overrides`: `--hf-overrides`, `hf_config_path`, `quantization_config`,
+    `kv_cache_dtype_skip_layers`, LongRoPE's factors), absent for an engine without any, whose
+    keys are therefore unchanged;
+  * per block, chained (`kvtier.keys`): the token ids, and what vLLM's own hashes add
+    (`vllm_inputs`): the LoRA adapter by a fingerprint of its files, the multimodal items whose
+    placeholders overlap the block by their hashes, the block's prompt embeddings by a digest, and
+    `cache_salt` on the first block. A request with none of these keeps the keys of its tokens. A
+    request kvtier cannot key safely (an adapter it cannot read or whose files changed under its
+    id, an image vLLM did not hash) is served without kvtier, counted (`kvtier_vllm_unkeyable_*`)
+    and never stored.
 
 Platforms, KV cache layouts and attention backends (checked at start-up; anything else is refused
 there, naming what and why, never copied the wrong way):
@@ -60,8 +74,8 @@ and recomputed. Engines of different tensor_parallel_size never share blocks, ex
 replicated KV. Pipeline and context parallelism are refused at start-up.
 
 How the two halves divide the work (the scheduler and worker may live in different processes):
-  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks
-    (`kvtier.keys`), asks kvtier how many leading blocks it holds beyond vLLM's own prefix cache,
+  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks (`kvtier.keys`;
+    only the scheduler computes keys, the workers get them in the plan), asks kvtier how many leading blocks it holds beyond vLLM's own prefix cache,
     and plans per step which blocks to load (synchronously, layer by layer, in that step's
     forward) and which newly computed blocks to store;
   * worker (`vllm_transfers.WorkerSide`): owns the kvtier backend, starts the loads before the
