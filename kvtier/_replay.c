@@ -25,6 +25,11 @@
  * Errors: arguments are checked up front (TypeError / ValueError naming the argument); a broken
  * invariant (a copy completed twice: a bug, never a trace's fault) stops the replay with
  * RuntimeError; an exception from `on_progress` is passed on.
+ *
+ * Python code runs in the middle (`on_progress`, and other threads while it does), so the replay
+ * keeps no pointer into the caller's arrays: it reads private copies of the inputs, taken and
+ * checked when the call begins, and copies the TTFTs out at the end into the output arrays as
+ * they are then. What `on_progress` does to the arrays changes nothing of the replay.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -94,6 +99,18 @@ typedef struct {
     int32_t *placed_block;
     int8_t *placed_tier;
 } Engine;
+
+/* The token and access sums. Every other counter counts steps the replay takes (a few per block
+ * access at most), so none can reach 2**63 in a replay that ends; these add up `input_tokens`,
+ * which the caller picks (any int64 each), so they are kept in 128 bits and returned exactly. */
+#ifndef __SIZEOF_INT128__
+#error "kvtier._replay needs a compiler with 128-bit integers (GCC or Clang on a 64-bit target)"
+#endif
+typedef unsigned __int128 u128;
+
+typedef struct {
+    u128 num_accesses, cached_tokens, input_tokens;
+} Totals;
 
 /* ---- LRU order of one tier (`kvtier._keytable.SlotList`, by block instead of slot) ---------- */
 
@@ -610,40 +627,170 @@ static int parse_tier(PyObject *spec, int i, int last, Tier *t) {
     return 0;
 }
 
-/* Checks the trace arrays against each other; 0 or -1 (raised). Sets the longest request's length. */
-static int check_trace(const Py_buffer *ids, const Py_buffer *starts, const Py_buffer *lengths,
-                       const Py_buffer *inputs, const Py_buffer *ttft, const Py_buffer *ttft_no_cache,
-                       long long num_blocks, int64_t *max_len) {
-    Py_ssize_t num_ids = ids->len / 4, num_requests = starts->len / 8;
-    if (lengths->len / 8 != num_requests || inputs->len / 8 != num_requests || ttft->len / 8 != num_requests
-        || ttft_no_cache->len / 8 != num_requests) {
-        PyErr_Format(PyExc_ValueError, "replay_lru: starts, lengths, input_tokens, ttft_s and ttft_no_cache_s must "
-                     "have one item per request (%zd)", num_requests);
+/* ---- the trace: private copies of the caller's arrays ----------------------------------------- */
+
+/* The longest request, in blocks: a block's readers (int32) count at most one per listing in a request. */
+#define MAX_REQUEST_BLOCKS (INT32_MAX - 16)
+
+/* The replay reads its own copies of the trace and writes its own TTFT arrays, copied out at the
+ * end: `on_progress` is Python code, free to rewrite, resize or free the caller's arrays (and other
+ * threads run while it does), so no pointer into them is kept across a call of it. */
+typedef struct {
+    int32_t *ids;
+    int64_t *starts, *lengths, *inputs;
+    double *ttft, *ttft_no_cache;
+    Py_ssize_t num_ids, num_requests;
+} Trace;
+
+static void trace_free(Trace *t) {
+    PyMem_Free(t->ids);
+    PyMem_Free(t->starts);
+    PyMem_Free(t->lengths);
+    PyMem_Free(t->inputs);
+    PyMem_Free(t->ttft);
+    PyMem_Free(t->ttft_no_cache);
+}
+
+/* Where an array's bytes lay when it was read (compared, never read again). */
+typedef struct {
+    const char *start;
+    Py_ssize_t len;
+} Range;
+
+static inline int overlap(const Range *a, const Range *b) {
+    return a->len > 0 && b->len > 0 && a->start < b->start + b->len && b->start < a->start + a->len;
+}
+
+/* The six arrays, in the order `replay_lru` takes them: inputs, then outputs. */
+static const char *const ARRAY_NAMES[6] = {"ids", "starts", "lengths", "input_tokens", "ttft_s", "ttft_no_cache_s"};
+static const char *const ARRAY_FORMATS[6] = {"il", "lq", "lq", "lq", "d", "d"};
+enum { NUM_INPUTS = 4 };
+
+/* Reads array `i` of the six from `obj` (checked as `get_array` checks it): notes where it lies
+ * and, if `copy` is not NULL, sets it to a private copy of its bytes. Holds nothing of `obj`
+ * afterwards. 0 or -1 (raised). */
+static int take_array(PyObject *obj, int i, Range *where, void **copy) {
+    Py_buffer view;
+    if (get_array(obj, &view, ARRAY_NAMES[i], i == 0 ? 4 : 8, ARRAY_FORMATS[i], i >= NUM_INPUTS) < 0)
+        return -1;
+    where->start = view.buf;
+    where->len = view.len;
+    int rc = 0;
+    if (copy != NULL) {
+        *copy = PyMem_Malloc(view.len > 0 ? (size_t)view.len : 1);
+        if (*copy == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+        } else if (view.len > 0) {
+            memcpy(*copy, view.buf, (size_t)view.len);
+        }
+    }
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+/* Checks where the six arrays lay: one item per request in all but `ids`, and outputs that share
+ * no byte with any other array. 0 or -1 (raised). */
+static int check_ranges(const Range where[6]) {
+    Py_ssize_t num_requests = where[1].len / 8;
+    for (int i = 2; i < 6; i++) {
+        if (where[i].len / 8 != num_requests) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: starts, lengths, input_tokens, ttft_s and ttft_no_cache_s "
+                         "must have one item per request (%zd)", num_requests);
+            return -1;
+        }
+    }
+    for (int out = NUM_INPUTS; out < 6; out++) {
+        for (int i = 0; i < 6; i++) {
+            if (i != out && overlap(&where[out], &where[i])) {
+                PyErr_Format(PyExc_ValueError, "replay_lru: %s shares memory with %s: an output must be an array "
+                             "of its own", ARRAY_NAMES[out], ARRAY_NAMES[i]);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Takes the trace out of the six arrays `objs` into `t`: private copies of the inputs, room for
+ * the outputs, each array checked and none held afterwards (whatever Python code runs as the
+ * next is read, a copy made is what the replay reads). 0 or -1 (raised). */
+static int read_trace(PyObject *const objs[6], Trace *t) {
+    Range where[6];
+    void *copies[NUM_INPUTS] = {NULL, NULL, NULL, NULL};
+    int rc = 0;
+    for (int i = 0; i < 6 && rc == 0; i++)
+        rc = take_array(objs[i], i, &where[i], i < NUM_INPUTS ? &copies[i] : NULL);
+    t->ids = copies[0];  /* freed by trace_free, taken or not */
+    t->starts = copies[1];
+    t->lengths = copies[2];
+    t->inputs = copies[3];
+    if (rc < 0 || check_ranges(where) < 0)
+        return -1;
+    t->num_ids = where[0].len / 4;
+    t->num_requests = where[1].len / 8;
+    size_t n = (size_t)(t->num_requests > 0 ? t->num_requests : 1);
+    t->ttft = PyMem_Malloc(n * sizeof(double));
+    t->ttft_no_cache = PyMem_Malloc(n * sizeof(double));
+    if (t->ttft == NULL || t->ttft_no_cache == NULL) {
+        PyErr_NoMemory();
         return -1;
     }
-    const int32_t *id = ids->buf;
-    for (Py_ssize_t i = 0; i < num_ids; i++) {
-        if (id[i] < 0 || id[i] >= num_blocks) {
+    return 0;
+}
+
+/* Checks the trace's copies: every id a block, every request inside `ids` and no longer than
+ * MAX_REQUEST_BLOCKS, every input_tokens >= 0. 0 or -1 (raised). Sets the longest request's length. */
+static int check_trace(const Trace *t, long long num_blocks, int64_t *max_len) {
+    for (Py_ssize_t i = 0; i < t->num_ids; i++) {
+        if (t->ids[i] < 0 || t->ids[i] >= num_blocks) {
             PyErr_Format(PyExc_ValueError, "replay_lru: ids[%zd] = %d is not a block id in [0, num_blocks = %lld)", i,
-                         (int)id[i], num_blocks);
+                         (int)t->ids[i], num_blocks);
             return -1;
         }
     }
-    const int64_t *start = starts->buf, *length = lengths->buf, *input = inputs->buf;
     *max_len = 0;
-    for (Py_ssize_t r = 0; r < num_requests; r++) {
-        if (start[r] < 0 || length[r] < 0 || start[r] > num_ids || length[r] > num_ids - start[r]) {
+    for (Py_ssize_t r = 0; r < t->num_requests; r++) {
+        int64_t start = t->starts[r], length = t->lengths[r];
+        if (start < 0 || length < 0 || start > t->num_ids || length > t->num_ids - start) {
             PyErr_Format(PyExc_ValueError, "replay_lru: request %zd: ids[%lld : %lld + %lld] is not inside the %zd ids",
-                         r, (long long)start[r], (long long)start[r], (long long)length[r], num_ids);
+                         r, (long long)start, (long long)start, (long long)length, t->num_ids);
             return -1;
         }
-        if (input[r] < 0) {
+        if (length > MAX_REQUEST_BLOCKS) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: request %zd: lengths[%zd] = %lld is more than the %d blocks a "
+                         "request may have", r, r, (long long)length, MAX_REQUEST_BLOCKS);
+            return -1;
+        }
+        if (t->inputs[r] < 0) {
             PyErr_Format(PyExc_ValueError, "replay_lru: request %zd: input_tokens must be >= 0, got %lld", r,
-                         (long long)input[r]);
+                         (long long)t->inputs[r]);
             return -1;
         }
-        if (length[r] > *max_len)
-            *max_len = length[r];
+        if (length > *max_len)
+            *max_len = length;
+    }
+    return 0;
+}
+
+/* Copies the replay's TTFTs into the caller's arrays, taken again now that no more Python code
+ * runs before the copy: whatever `on_progress` did to them, they are checked as they are now.
+ * 0 or -1 (raised). */
+static int write_ttfts(PyObject *ttft_obj, PyObject *ttft_no_cache_obj, const Trace *t) {
+    PyObject *objs[2] = {ttft_obj, ttft_no_cache_obj};
+    const double *values[2] = {t->ttft, t->ttft_no_cache};
+    for (int i = 0; i < 2; i++) {
+        Py_buffer view;
+        if (get_array(objs[i], &view, ARRAY_NAMES[NUM_INPUTS + i], 8, "d", 1) < 0)
+            return -1;
+        if (view.len / 8 != t->num_requests) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: %s changed size during the replay (%zd items, %zd requests)",
+                         ARRAY_NAMES[NUM_INPUTS + i], view.len / 8, t->num_requests);
+            PyBuffer_Release(&view);
+            return -1;
+        }
+        memcpy(view.buf, values[i], (size_t)t->num_requests * sizeof(double));
+        PyBuffer_Release(&view);
     }
     return 0;
 }
@@ -760,8 +907,21 @@ static PyObject *lru_orders(const Engine *e) {
     return out;
 }
 
-static PyObject *results(const Engine *e, int64_t num_accesses, int64_t cached_tokens, int64_t input_tokens,
-                         int with_orders) {
+/* `v` as a Python int. */
+static PyObject *long_from_u128(u128 v) {
+    PyObject *high = PyLong_FromUnsignedLongLong((unsigned long long)(v >> 64));
+    PyObject *shift = PyLong_FromLong(64);
+    PyObject *shifted = high && shift ? PyNumber_Lshift(high, shift) : NULL;
+    PyObject *low = PyLong_FromUnsignedLongLong((unsigned long long)v);
+    PyObject *out = shifted && low ? PyNumber_Or(shifted, low) : NULL;
+    Py_XDECREF(high);
+    Py_XDECREF(shift);
+    Py_XDECREF(shifted);
+    Py_XDECREF(low);
+    return out;
+}
+
+static PyObject *results(const Engine *e, const Totals *totals, int with_orders) {
     PyObject *used = PyList_New(e->num_tiers);
     for (int i = 0; used != NULL && i < e->num_tiers; i++) {
         PyObject *v = PyLong_FromLongLong(e->tier[i].num_slots - e->tier[i].num_free);
@@ -771,15 +931,15 @@ static PyObject *results(const Engine *e, int64_t num_accesses, int64_t cached_t
             PyList_SET_ITEM(used, i, v);
     }
     PyObject *out = Py_BuildValue(
-        "{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:(LLLL),s:L,s:L,s:L}",
+        "{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:(LLLL),s:N,s:N,s:N}",
         "hits", tier_counts(e, offsetof(Tier, hits)), "stores", tier_counts(e, offsetof(Tier, stores)),
         "evictions", tier_counts(e, offsetof(Tier, evictions)),
         "engine_reads", tier_counts(e, offsetof(Tier, engine_reads)), "used_slots", used,
         "demotions", route_counts(e, e->demotions), "promotions", route_counts(e, e->promotions),
         "dropped", (long long)e->dropped[DROP_EVICTED], (long long)e->dropped[DROP_ADMISSION],
         (long long)e->dropped[DROP_LOWER_FULL], (long long)e->dropped[DROP_NO_SPACE],
-        "num_accesses", (long long)num_accesses, "cached_tokens", (long long)cached_tokens,
-        "input_tokens", (long long)input_tokens);
+        "num_accesses", long_from_u128(totals->num_accesses), "cached_tokens", long_from_u128(totals->cached_tokens),
+        "input_tokens", long_from_u128(totals->input_tokens));
     if (out != NULL && with_orders) {
         PyObject *orders = lru_orders(e);
         if (orders == NULL || PyDict_SetItemString(out, "lru_orders", orders) < 0)
@@ -791,38 +951,49 @@ static PyObject *results(const Engine *e, int64_t num_accesses, int64_t cached_t
 
 /* ---- the entry point ------------------------------------------------------------------------- */
 
-/* Serves every request; fills the TTFT arrays; returns 0, or -1 with an exception set. */
-static int run(Engine *e, const Py_buffer *ids, const Py_buffer *starts, const Py_buffer *lengths,
-               const Py_buffer *inputs, double *ttft, double *ttft_no_cache, long long block_tokens,
-               double seconds_per_token, PyObject *on_progress, long long progress_every, int64_t totals[3]) {
-    const int32_t *id = ids->buf;
-    const int64_t *start = starts->buf, *length = lengths->buf, *input = inputs->buf;
-    Py_ssize_t num_requests = starts->len / 8;
+/* min(n * block_tokens, input_tokens), without computing a product past int64. */
+static inline int64_t cached_tokens(int64_t n, int64_t block_tokens, int64_t input_tokens) {
+    return n > input_tokens / block_tokens ? input_tokens : n * block_tokens;
+}
+
+/* Serves request `r` of `t`; fills its TTFTs and adds it to `totals`. 0, or -1 (RuntimeError: an
+ * invariant broke). */
+static int serve(Engine *e, Trace *t, Py_ssize_t r, int64_t block_tokens, double seconds_per_token,
+                 Totals *totals) {
     int64_t before[MAX_TIERS];
-    for (Py_ssize_t r = 0; r < num_requests; r++) {
-        const int32_t *keys = id + start[r];
-        int64_t len = length[r], n = lookup(e, keys, len);
-        double load_s = 0.0;
-        if (n) {
-            for (int i = 0; i < e->num_tiers; i++)
-                before[i] = e->tier[i].hits;
-            load(e, keys, n);
-            for (int i = 0; i < e->num_tiers; i++)  /* left to right, as `_Replay.run` sums them */
-                load_s += (double)(e->tier[i].hits - before[i]) * e->tier[i].seconds_per_block;
-        }
-        if (n < len)
-            store(e, keys + n, len - n);
-        if (e->broken != NULL) {
-            PyErr_Format(PyExc_RuntimeError, "replay_lru: request %zd: %s (a bug in kvtier._replay)", r, e->broken);
+    const int32_t *keys = t->ids + t->starts[r];
+    int64_t len = t->lengths[r], n = lookup(e, keys, len), input = t->inputs[r];
+    double load_s = 0.0;
+    if (n) {
+        for (int i = 0; i < e->num_tiers; i++)
+            before[i] = e->tier[i].hits;
+        load(e, keys, n);
+        for (int i = 0; i < e->num_tiers; i++)  /* left to right, as `_Replay.run` sums them */
+            load_s += (double)(e->tier[i].hits - before[i]) * e->tier[i].seconds_per_block;
+    }
+    if (n < len)
+        store(e, keys + n, len - n);
+    if (e->broken != NULL) {
+        PyErr_Format(PyExc_RuntimeError, "replay_lru: request %zd: %s (a bug in kvtier._replay)", r, e->broken);
+        return -1;
+    }
+    int64_t cached = cached_tokens(n, block_tokens, input);
+    int64_t computed = input - cached > 1 ? input - cached : 1;
+    totals->num_accesses += (u128)len;
+    totals->cached_tokens += (u128)cached;
+    totals->input_tokens += (u128)input;
+    t->ttft[r] = (double)computed * seconds_per_token + load_s;
+    t->ttft_no_cache[r] = (double)input * seconds_per_token;
+    return 0;
+}
+
+/* Serves every request of `t`, calling `on_progress` (if not None) every `progress_every`
+ * requests; 0, or -1 with an exception set. */
+static int run(Engine *e, Trace *t, int64_t block_tokens, double seconds_per_token, PyObject *on_progress,
+               long long progress_every, Totals *totals) {
+    for (Py_ssize_t r = 0; r < t->num_requests; r++) {
+        if (serve(e, t, r, block_tokens, seconds_per_token, totals) < 0)
             return -1;
-        }
-        int64_t cached = n * block_tokens < input[r] ? n * block_tokens : input[r];
-        int64_t computed = input[r] - cached > 1 ? input[r] - cached : 1;
-        totals[0] += len;
-        totals[1] += cached;
-        totals[2] += input[r];
-        ttft[r] = (double)computed * seconds_per_token + load_s;
-        ttft_no_cache[r] = (double)input[r] * seconds_per_token;
         if (on_progress != Py_None && r % progress_every == progress_every - 1) {
             PyObject *done = PyObject_CallFunction(on_progress, "L", progress_every);
             if (done == NULL)
@@ -852,15 +1023,18 @@ PyDoc_STRVAR(replay_lru_doc,
 "    inclusive: stores write through to every lower tier (else exclusive).\n"
 "    promote_to: index of the tier hits below it are promoted into, or -1.\n"
 "    block_tokens: tokens per block; seconds_per_token: the TTFT model's prefill cost.\n"
-"    ttft_s, ttft_no_cache_s: writable float64 arrays, one item per request, filled.\n"
-"    on_progress: called with progress_every after every progress_every requests.\n"
+"    ttft_s, ttft_no_cache_s: writable float64 arrays, one item per request, sharing no memory\n"
+"        with another of the six arrays; filled when the replay ends.\n"
+"    on_progress: called with progress_every after every progress_every requests; the replay\n"
+"        reads copies of the arrays taken when it began, whatever on_progress does to them.\n"
 "    lru_orders: also return each tier's final LRU order (block ids, oldest first).\n"
 "Returns:\n"
 "    A dict of lists per tier (hits, stores, evictions, engine_reads, used_slots), per route\n"
 "    (demotions, promotions: [src][dst]), dropped (evicted, admission, lower_full, no_space), and\n"
-"    num_accesses, cached_tokens, input_tokens.\n"
+"    num_accesses, cached_tokens, input_tokens (exact, however far past 2**63).\n"
 "Raises:\n"
-"    TypeError, ValueError: an argument is malformed (the message names it).\n"
+"    TypeError, ValueError: an argument is malformed (the message names it), an output shares\n"
+"        memory with another array, or an output changed size during the replay.\n"
 "    RuntimeError: an invariant broke (a bug).\n");
 
 static PyObject *replay_lru(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -908,27 +1082,18 @@ static PyObject *replay_lru(PyObject *self, PyObject *args, PyObject *kwargs) {
         if (parse_tier(PyTuple_GET_ITEM(tiers, i), i, i == e.num_tiers - 1, &e.tier[i]) < 0)
             return NULL;
     }
-    Py_buffer views[6];
-    const char *names[6] = {"ids", "starts", "lengths", "input_tokens", "ttft_s", "ttft_no_cache_s"};
-    PyObject *objs[6] = {ids_obj, starts_obj, lengths_obj, inputs_obj, ttft_obj, ttft_nc_obj};
-    const char *formats[6] = {"il", "lq", "lq", "lq", "d", "d"};
-    int got = 0;
+    PyObject *const objs[6] = {ids_obj, starts_obj, lengths_obj, inputs_obj, ttft_obj, ttft_nc_obj};
+    Trace trace;
+    memset(&trace, 0, sizeof trace);
+    Totals totals = {0, 0, 0};
+    int64_t max_len;
     PyObject *out = NULL;
-    for (; got < 6; got++) {
-        if (get_array(objs[got], &views[got], names[got], got == 0 ? 4 : 8, formats[got], got >= 4) < 0)
-            goto done;
-    }
-    int64_t max_len, totals[3] = {0, 0, 0};
-    if (check_trace(&views[0], &views[1], &views[2], &views[3], &views[4], &views[5], num_blocks, &max_len) < 0
-        || engine_alloc(&e, num_blocks, max_len) < 0)
-        goto done;
-    if (run(&e, &views[0], &views[1], &views[2], &views[3], views[4].buf, views[5].buf, block_tokens,
-            seconds_per_token, on_progress, progress_every, totals) < 0)
-        goto done;
-    out = results(&e, totals[0], totals[1], totals[2], with_orders);
-done:
-    while (got-- > 0)
-        PyBuffer_Release(&views[got]);
+    if (read_trace(objs, &trace) == 0 && check_trace(&trace, num_blocks, &max_len) == 0
+        && engine_alloc(&e, num_blocks, max_len) == 0
+        && run(&e, &trace, block_tokens, seconds_per_token, on_progress, progress_every, &totals) == 0
+        && write_ttfts(ttft_obj, ttft_nc_obj, &trace) == 0)
+        out = results(&e, &totals, with_orders);
+    trace_free(&trace);
     engine_free(&e);
     return out;
 }

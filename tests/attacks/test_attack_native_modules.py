@@ -1,4 +1,4 @@
-"""Crashing the compiled modules from Python: `kvtier._keytable` (KeyTable, KeyList).
+"""Crashing the compiled modules from Python: `kvtier._keytable` (KeyTable, KeyList) and `kvtier._replay`.
 
 The attacks, each through the public Python API only:
   * keys whose `__hash__` or `__eq__` (or a finalizer, or a second thread while they wait) call the
@@ -7,9 +7,13 @@ The attacks, each through the public Python API only:
     raises RuntimeError and changes nothing, and the first goes on: the list is always the
     OrderedDict it stands for;
   * keys equal to a stored key but of another type: True, 1, 1.0, numpy ints, a bytes subclass.
-    Before: 1 in the table part and True were two keys. Now they match as in a dict.
+    Before: 1 in the table part and True were two keys. Now they match as in a dict;
+  * `replay_lru` given an output array that shares memory with an input, an `on_progress` that
+    rewrites `ids`, grows `lengths` or resizes an output, and token counts past 2**63. Before: a
+    SIGSEGV, or negative totals. Now: a ValueError naming both arrays, the replay of the trace as
+    it was when the call began, and exact totals (those of the manager's replay).
 What might crash runs in a fresh interpreter (this file, run as a script), so a crash fails the
-test instead of killing pytest. Cost: about 6 s (six interpreters, three hypothesis searches).
+test instead of killing pytest. Cost: about 9 s (nine interpreters, four hypothesis searches).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier._keytable import KeyList, KeyTable
+from kvtier._replay import replay_lru
 
 REFUSED = "mutated or read during one of its own lookups"
 WAIT_S = 30  # how long a thread waits for the other at most (they meet far sooner: no sleeps)
@@ -317,6 +322,103 @@ def test_true_one_and_one_point_zero_are_one_key_in_either_part():
     digests = KeyList()
     digests[b"k" * 16] = 3
     assert digests[Digest(b"k" * 16)] == 3 and memoryview(b"k" * 16) in digests and len(digests) == 1
+
+
+# ---- replay_lru: shared, rewritten and resized arrays; totals past int64 ---------------------------
+
+
+def trace_args(num_requests: int = 48, seed: int = 0) -> dict:
+    """A valid `replay_lru` call: requests of 8 blocks each over 40 blocks, one tier of 10 slots."""
+    rng = np.random.default_rng(seed)
+    return dict(ids=rng.integers(0, 40, num_requests * 8).astype(np.int32),
+                starts=np.arange(num_requests, dtype=np.int64) * 8, lengths=np.full(num_requests, 8, dtype=np.int64),
+                input_tokens=np.full(num_requests, 128, dtype=np.int64), num_blocks=40,
+                tiers=((10, 0, 1, False, 10, 10, 1e-3),), inclusive=False, promote_to=-1, block_tokens=16,
+                seconds_per_token=1e-4, ttft_s=np.empty(num_requests), ttft_no_cache_s=np.empty(num_requests))
+
+
+def replayed(args: dict) -> tuple:
+    """`replay_lru(**args)`'s counts and the TTFTs it wrote."""
+    return replay_lru(**args), args["ttft_s"].tolist(), args["ttft_no_cache_s"].tolist()
+
+
+def scenario_an_output_shares_memory_with_an_input() -> None:
+    args = trace_args()
+    memory = np.zeros(len(args["starts"]) + 1, dtype=np.int64)
+    memory[:-1] = args["starts"]
+    shared = {**args, "starts": memory[:-1], "ttft_s": memory.view(np.float64)[1:]}  # `ttft_s = starts[1:]`
+    with pytest.raises(ValueError, match="ttft_s shares memory with starts"):
+        replay_lru(**shared)
+    with pytest.raises(ValueError, match="ttft_s shares memory with ttft_no_cache_s"):
+        replay_lru(**{**args, "ttft_no_cache_s": args["ttft_s"]})
+    assert memory[:-1].tolist() == args["starts"].tolist()  # refused before writing anything
+
+
+def test_an_output_that_shares_memory_with_an_input_is_refused_by_name():
+    run_isolated("scenario_an_output_shares_memory_with_an_input")
+
+
+def scenario_on_progress_rewrites_ids_grows_lengths_and_resizes_an_output() -> None:
+    want = replayed(trace_args())
+    args = trace_args()
+
+    def meddle(done: int) -> None:
+        args["ids"][:] = 10**9
+        args["lengths"][:] = 10**6
+        args["starts"][::2] = -(2**62)
+
+    assert replayed({**args, "on_progress": meddle, "progress_every": 1}) == want  # the trace as it was at the call
+    args = trace_args()
+    ttft = args["ttft_s"]
+    with pytest.raises(ValueError, match="ttft_s changed size during the replay"):
+        replay_lru(**args, on_progress=lambda done: ttft.resize(10**6, refcheck=False), progress_every=1)
+
+
+def test_on_progress_that_rewrites_the_trace_or_resizes_an_output_changes_nothing():
+    run_isolated("scenario_on_progress_rewrites_ids_grows_lengths_and_resizes_an_output")
+
+
+ARRAYS = st.sampled_from(["ids", "starts", "lengths", "input_tokens"])
+EXTREMES = st.sampled_from([-1, 0, 39, 40, 2**31 - 1, -(2**31), 10**6, 2**62, -(2**63), 2**63 - 1])
+
+
+def scenario_random_rewrites_from_on_progress() -> None:
+    want = replayed(trace_args())
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(st.lists(st.tuples(ARRAYS, st.integers(0, 10**4), EXTREMES), min_size=1, max_size=6), st.integers(1, 9))
+    def check(rewrites, every) -> None:
+        args = trace_args()
+
+        def meddle(done: int) -> None:
+            for name, at, value in rewrites:
+                array = args[name]
+                array[at % len(array)] = np.array(value).astype(array.dtype)  # wraps to the item's width
+
+        assert replayed({**args, "on_progress": meddle, "progress_every": every}) == want
+
+    check()
+
+
+def test_random_rewrites_from_on_progress_leave_the_replay_as_it_began():
+    run_isolated("scenario_random_rewrites_from_on_progress")
+
+
+def test_token_totals_past_int64_are_exact_and_the_managers():
+    from kvtier.kinds import TierKind
+    from kvtier.simulate.replay import SimConfig, SimEngine, VirtualTier, replay_counts
+    from kvtier.simulate.trace import Trace, TraceRequest
+
+    requests = [([1, 2, 3], 2**63 - 1), ([1, 2, 3], 2**63 - 1), ([1, 2, 4], 2**63 - 2), ([1, 2], 5)]
+    trace = Trace("<huge>", 2**62, tuple(TraceRequest(float(i), tokens, 1, tuple(ids), False)
+                                         for i, (ids, tokens) in enumerate(requests)), (), 11, 4)
+    config = SimConfig((VirtualTier(TierKind.HBM, 8, 1000.0),), 4096)
+    manager, native = (replay_counts(trace, config, engine=e) for e in (SimEngine.MANAGER, SimEngine.NATIVE))
+    assert native.engine == "native" and native.input_tokens == manager.input_tokens == 3 * 2**63 + 1
+    # min(hit blocks * 2**62, input) per request: 0, 2**63 - 1, 2**63 - 2, 5
+    assert native.cached_tokens == manager.cached_tokens == 2**64 + 2
+    assert native.num_accesses == manager.num_accesses == 11
+    assert list(native.ttft_s) == list(manager.ttft_s)
 
 
 if __name__ == "__main__":  # run_isolated: one scenario in this interpreter, a crash reported with its stack
