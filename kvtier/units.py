@@ -9,7 +9,9 @@ Byte sizes (`parse_size`):
 Units are case-insensitive. A bare prefix (`4G`, `512m`) is refused rather than guessed: tools
 disagree on it (Docker and the JVM read `4g` as GiB, Redis and Kubernetes as 10^9), and a capacity
 off by 7 % is the kind of error nobody notices until a tier overflows. `Gi`, `Mi`... (Kubernetes'
-spelling) are binary and accepted. Fractions round down to a whole byte.
+spelling) are binary and accepted. Fractions round down to a whole byte. A size above
+`MAX_SIZE_BYTES` (8 EiB, what a file offset or a mapping can reach) is refused, as is an exponent
+past ±`MAX_EXPONENT` in any of these numbers (`1e99999999` would take minutes to expand).
 
 Durations (`0.5s`, `250ms`), token counts (`32k` = 32,768), parameter counts (`7B`), addresses
 (`HOST:PORT`) and the formatting of bytes, rates and counts for people. Every parser takes the field
@@ -38,6 +40,8 @@ _UNITS = {
 _AMBIGUOUS = frozenset("kmgtp")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
 EXAMPLES = "4GiB, 512MiB or 500GB"
+MAX_SIZE_BYTES = 2**63 - 1
+MAX_EXPONENT = 100
 
 
 def parse_size(value: Any, where: str, error: type[Exception] = ConfigError) -> int:
@@ -48,17 +52,17 @@ def parse_size(value: Any, where: str, error: type[Exception] = ConfigError) -> 
         where: the field to name in errors, e.g. `tiers.dram.capacity` or `--hbm`.
         error: the exception class to raise (the caller's vocabulary); ConfigError by default.
     Returns:
-        A non-negative number of bytes.
+        A non-negative number of bytes, at most MAX_SIZE_BYTES.
     Raises:
-        error: the value is not a non-negative size, or its unit is ambiguous; the message names
-            `where` and says how to write it.
+        error: the value is not a non-negative size, is above MAX_SIZE_BYTES, or its unit is
+            ambiguous; the message names `where` and says how to write it.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise error(f"{where}: expected a size such as {EXAMPLES}, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise error(f"{where}: size must be >= 0, got {value}")
-        return value
+        return _at_most_max(value, value, where, error)
     match = _SIZE.match(value)
     unit = match.group(3).lower() if match else ""
     if match and unit in _AMBIGUOUS:
@@ -67,8 +71,27 @@ def parse_size(value: Any, where: str, error: type[Exception] = ConfigError) -> 
                     f"(powers of 1024) or {number}{unit.upper()}B (powers of 1000)")
     if match is None or unit not in _UNITS:
         raise error(f"{where}: cannot read {value!r} as a size; write it like {EXAMPLES}")
-    mantissa = Fraction(match.group(1)) * Fraction(10) ** int(match.group(2) or 0)
-    return int(mantissa * _UNITS[unit])  # int() of a non-negative Fraction rounds down
+    mantissa = _number(match, value, where, error)
+    return _at_most_max(int(mantissa * _UNITS[unit]), value, where, error)  # int() of a Fraction >= 0 rounds down
+
+
+def _number(match: re.Match, value: Any, where: str, error: type[Exception]) -> Fraction:
+    """The number a `_SIZE` match spells (mantissa and exponent), exactly.
+
+    Raises:
+        error: the exponent is beyond ±MAX_EXPONENT.
+    """
+    exponent = int(match.group(2) or 0)
+    if abs(exponent) > MAX_EXPONENT:
+        raise error(f"{where}: the exponent of {value!r} is out of range (at most {MAX_EXPONENT} either way)")
+    return Fraction(match.group(1)) * Fraction(10) ** exponent
+
+
+def _at_most_max(num_bytes: int, value: Any, where: str, error: type[Exception]) -> int:
+    if num_bytes > MAX_SIZE_BYTES:
+        raise error(f"{where}: {value!r} is more than {MAX_SIZE_BYTES:,} bytes (8 EiB), the largest size "
+                    "a file or a mapping can have")
+    return num_bytes
 
 
 def check_number(value: Any, where: str, *, integral: bool = False, positive: bool = False,
@@ -106,8 +129,7 @@ def _parse(value: Any, where: str, units: dict[str, int | Fraction], example: st
     unit = match.group(3).lower() if match else None
     if match is None or unit not in units:
         raise error(f"{where}: cannot read {value!r}; write it like {example}")
-    mantissa = Fraction(match.group(1)) * Fraction(10) ** int(match.group(2) or 0)
-    return mantissa * units[unit]
+    return _number(match, value, where, error) * units[unit]
 
 
 def parse_seconds(value: Any, where: str, error: type[Exception] = ConfigError) -> Fraction:

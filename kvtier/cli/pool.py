@@ -9,6 +9,7 @@ logs to stderr, and on SIGTERM or SIGINT stops accepting, finishes the requests 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import signal
@@ -17,6 +18,7 @@ import threading
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.host_memory import allocation_failed, check_fits
 from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
 
 
@@ -71,7 +73,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def node_config(args: argparse.Namespace):
-    """The `NodeConfig` the arguments describe. Raises ConfigError naming the option at fault."""
+    """The `NodeConfig` the arguments describe.
+
+    Raises:
+        ConfigError: naming the option at fault.
+        CapacityError: --capacity is more than this machine's (or cgroup's) memory.
+    """
     from kvtier.pool.detect import TransportKind, choose_transport
     from kvtier.pool.node.server import NodeConfig
     from kvtier.pool.tenants import load_tenants, open_tenants
@@ -84,6 +91,7 @@ def node_config(args: argparse.Namespace):
         raise ConfigError(f"--region-size: must be a positive multiple of 4 KiB, got {region}")
     if capacity < region:
         raise ConfigError(f"--capacity: {capacity} bytes is below one region of {region} bytes (--region-size)")
+    check_fits(capacity, "--capacity")
     for name in ("lease_s", "max_lease_s"):
         if not 0 <= getattr(args, name) < 1e6:
             raise ConfigError(f"--{name.replace('_', '-')}: must be in [0, 1e6), got {getattr(args, name)}")
@@ -109,7 +117,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     config = node_config(args)
-    node = PoolNode(config)
+    try:
+        node = PoolNode(config)
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        # the memory is not there after all (overcommit off, a limit not seen in /proc or the cgroup)
+        raise allocation_failed(e, config.capacity_bytes, "--capacity") from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

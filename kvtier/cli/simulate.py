@@ -30,6 +30,8 @@ from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_tr
 from kvtier.kinds import TierKind
 from kvtier.units import check_number
 
+MAX_BLOCK_TOKENS = 2**31 - 1  # times at most 2**31 blocks, token counts stay within the replay's 64-bit counters
+
 EXAMPLES = """examples:
   kvtier simulate --trace conversation --capacity hbm=18279
   kvtier simulate --trace conversation --capacity hbm=1000 --capacity dram=5000 --capacity ssd=20000 \\
@@ -103,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     num_servers = _check_servers_options(args)
     if args.plot:
         create_folder(Path(args.plot), "--plot")  # now, not after a replay of minutes
-    trace = load_trace(resolve_trace_path(args.trace), block_tokens=_positive_int(args.block_tokens, "block-tokens"),
+    block_tokens = _positive_int(args.block_tokens, "block-tokens", maximum=MAX_BLOCK_TOKENS)
+    trace = load_trace(resolve_trace_path(args.trace), block_tokens=block_tokens,
                        on_error=OnError(args.on_error),
                        limit=None if args.limit is None else _positive_int(args.limit, "limit"))
     if trace.skipped_lines:
@@ -261,8 +264,8 @@ def _bandwidth(value: str, where: str) -> float:
         raise ConfigError(f"{where}: expected GB/s such as 25 or 12.5, got {value!r}") from None
 
 
-def _positive_int(value: int, option: str) -> int:
-    return check_number(value, option, integral=True, positive=True)
+def _positive_int(value: int, option: str, maximum: int | None = None) -> int:
+    return check_number(value, option, integral=True, positive=True, maximum=maximum)
 
 
 def _warn_skipped(trace: Trace) -> None:

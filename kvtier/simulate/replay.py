@@ -72,7 +72,7 @@ from kvtier.manager import TierManager, TierSlots
 from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
-from kvtier.simulate.native_replay import NativeTier, NotNative, intern_requests, run_native
+from kvtier.simulate.native_replay import MAX_BLOCKS, NativeTier, NotNative, intern_requests, run_native
 from kvtier.simulate.report import ReplayCounts, make_report
 from kvtier.simulate.trace import Trace
 from kvtier.stats import DropReason
@@ -195,10 +195,11 @@ def parse_capacity(text: str, *, block_bytes: int, num_unique_blocks: int, where
         num_unique_blocks: the trace's distinct blocks, for percentages.
         where: what to name in errors, e.g. `capacity dram`.
     Returns:
-        The number of slots (>= 1).
+        The number of slots (>= 1, <= `MAX_BLOCKS`).
     Raises:
         ConfigError: the value is not a number, a size or a percentage.
-        CapacityError: it comes to less than one block (zero, negative, or bytes under a block).
+        CapacityError: it comes to less than one block (zero, negative, or bytes under a block), or
+            to more than `MAX_BLOCKS` (what the replay engines can index; e.g. `1e30`).
     """
     value = text.strip()
     if value.startswith("-"):
@@ -213,10 +214,16 @@ def parse_capacity(text: str, *, block_bytes: int, num_unique_blocks: int, where
             blocks = int(value)
         else:
             blocks = parse_size(value, where) // block_bytes
+    except ConfigError as e:  # parse_size's reason (unreadable, too large), with what a capacity may be
+        raise ConfigError(f"{e}; a capacity is blocks (18279), bytes (64GiB) or a share (10%)") from None
     except ValueError:
         raise ConfigError(f"{where}: expected blocks (18279), bytes (64GiB) or a share (10%), got {text!r}") from None
     if blocks < 1:
         raise CapacityError(f"{where}: {text!r} is less than one block of {block_bytes:,} bytes; need at least one")
+    if blocks > MAX_BLOCKS:
+        raise CapacityError(f"{where}: {text!r} comes to {blocks:,} blocks; at most {MAX_BLOCKS:,} can be replayed "
+                            f"(this trace has {num_unique_blocks:,} distinct blocks: a tier that holds them all, "
+                            f"100%, never evicts)")
     return blocks
 
 

@@ -151,7 +151,7 @@ def load_trace(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     Raises:
         TraceError: the file cannot be read or decompressed, a line is malformed (with
             `OnError.STOP`; the message gives the file, the 1-based line number and what is wrong),
-            or no request was read.
+            no request was read, or no request lists a block (every hash_ids empty).
     """
     path = Path(path)
     requests: list[TraceRequest] = []
@@ -184,10 +184,13 @@ def load_trace(path: str | Path, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
         raise TraceError(f"cannot read trace {str(path)!r}{where}: {getattr(e, 'strerror', None) or e}") from None
     if not requests:
         raise TraceError(f"{path}: no valid request in the trace ({len(skipped)} malformed lines skipped)")
+    num_accesses = sum(len(r.hash_ids) for r in requests)
+    if not num_accesses:
+        raise TraceError(f"{path}: none of the {len(requests)} requests read lists a hash id (each input is "
+                         f"shorter than one block of {block_tokens} tokens): there is no block to replay")
     num_reordered = _num_out_of_order(requests)
     if num_reordered:
         requests.sort(key=lambda r: r.timestamp_ms)  # stable
-    num_accesses = sum(len(r.hash_ids) for r in requests)
     return Trace(str(path), block_tokens, tuple(requests), tuple(skipped), num_accesses, len(ids),
                  tuple(tails.items()), num_reordered)
 
@@ -294,6 +297,8 @@ def parse_line(text: str, block_tokens: int, ids: dict[int, int] | None = None) 
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # the decoder recurses per nesting level; a trace line nests two deep
+        raise ValueError("JSON nested too deeply (a trace line is an object holding one list)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     for field in ("timestamp", "input_length", "output_length", "hash_ids"):

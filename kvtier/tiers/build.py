@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.config import TierConfig
-from kvtier.errors import ConfigError, TierIOError
+from kvtier.errors import CapacityError, ConfigError, TierIOError
 from kvtier.tiers.base import Medium, Tier, TierKind
 
 
@@ -15,14 +16,15 @@ def build_tier(cfg: TierConfig, slot_bytes: int) -> Tier:
 
     Raises:
         ConfigError: the tier kind has no local implementation.
-        CapacityError, TierIOError: as the tier's constructor.
+        CapacityError, TierIOError: as the tier's constructor (an HBM or DRAM capacity error
+            names `tiers.<tier>.capacity`).
     """
     if cfg.kind is TierKind.HBM:
         from kvtier.tiers.hbm import HBMTier
-        return HBMTier(cfg.capacity_bytes, slot_bytes, device=cfg.device)
+        return _naming_capacity(cfg, lambda: HBMTier(cfg.capacity_bytes, slot_bytes, device=cfg.device))
     if cfg.kind is TierKind.DRAM:
         from kvtier.tiers.dram import DRAMTier
-        return DRAMTier(cfg.capacity_bytes, slot_bytes)
+        return _naming_capacity(cfg, lambda: DRAMTier(cfg.capacity_bytes, slot_bytes))
     if cfg.kind is TierKind.SSD:
         from kvtier.tiers.ssd import SSDTier
         _make_ssd_directory(cfg.path)
@@ -66,6 +68,15 @@ def planned_facts(cfg: TierConfig, slot_bytes: int) -> dict[str, object]:
         facts.update(nodes=list(cfg.nodes), transport=cfg.transport.value, tenant=cfg.tenant,
                      transport_reason="configured; decided per node when it connects", backend=cfg.backend.value)
     return facts
+
+
+def _naming_capacity(cfg: TierConfig, build: Callable[[], Tier]) -> Tier:
+    """`build()`, with a CapacityError (below one block, more than the machine's memory, ENOMEM)
+    naming the config field: `tiers.dram.capacity: ...`."""
+    try:
+        return build()
+    except CapacityError as e:
+        raise CapacityError(f"tiers.{cfg.kind.name.lower()}.capacity: {e}") from None
 
 
 def _make_ssd_directory(path: Path) -> None:

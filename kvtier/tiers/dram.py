@@ -12,6 +12,7 @@ import mmap
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.host_memory import allocation_failed, check_fits
 from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
 from kvtier.tiers.slab import SlabTier
 
@@ -32,7 +33,8 @@ class DRAMTier(SlabTier):
             slot_bytes: bytes per slot (one block).
             pin: None pins exactly when CUDA is available; True requires CUDA; False never pins.
         Raises:
-            CapacityError: capacity is below one slot.
+            CapacityError: capacity is below one slot, more than the machine's (or the cgroup's)
+                memory, or the memory cannot be reserved (ENOMEM).
             ConfigError: slot_bytes is not positive, or pin=True without CUDA.
         """
         if pin and not torch.cuda.is_available():
@@ -40,7 +42,11 @@ class DRAMTier(SlabTier):
         super().__init__(capacity_bytes, slot_bytes)
         self._pinned = torch.cuda.is_available() if pin is None else pin
         total_bytes = self.num_slots * slot_bytes
-        flat = aligned_host_memory(total_bytes, self._pinned)
+        check_fits(total_bytes, "DRAM tier")
+        try:
+            flat = aligned_host_memory(total_bytes, self._pinned)
+        except (OSError, RuntimeError) as e:  # ENOMEM from mmap; torch's pinned allocator raises RuntimeError
+            raise allocation_failed(e, total_bytes, "DRAM tier") from None
         self._slab = flat.view(self.num_slots, slot_bytes)
         self._rows = self._slab.numpy()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.errors import CapacityError, ConfigError
+from kvtier.host_memory import allocation_failed, check_fits
 from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
 from kvtier.tiers.slab import SlabTier
 
@@ -123,9 +124,15 @@ def _allocate(num_slots: int, slot_bytes: int, device: torch.device) -> torch.Te
     Raises:
         CapacityError: the device cannot hold it.
     """
+    if device.type == "cpu":  # the stand-in takes host memory: refused, like the DRAM tier, past the machine's
+        check_fits(num_slots * slot_bytes, "HBM tier (a CPU stand-in)")
     try:
         return torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=device)
-    except torch.cuda.OutOfMemoryError as e:
+    except RuntimeError as e:
+        if device.type == "cpu":  # torch's CPU allocator says ENOMEM as a RuntimeError
+            raise allocation_failed(e, num_slots * slot_bytes, "HBM tier (a CPU stand-in)") from None
+        if not isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
         raise CapacityError(
             f"HBM tier: cannot allocate {num_slots} x {slot_bytes} bytes on {device}: {e}"
         ) from e
