@@ -8,7 +8,7 @@ JSON (RecursionError, which `--on-error skip` could not skip), `--capacity dram=
 Each now gets an error naming the line or the field: exit code 2 and one message from the CLI, a
 CapacityError naming `tiers.dram.capacity` from the runtime. Allocations that could succeed under
 overcommit run in a subprocess with RLIMIT_AS set, so a regression fails with ENOMEM instead of
-waking the OOM killer. Cost: about 5 s (a few subprocesses that import torch).
+waking the OOM killer. Cost: about 1 s, and 7 s more for the two `slow` children that import torch.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def _under_rlimit_as(code: str, headroom_bytes: int) -> subprocess.CompletedProc
                           timeout=TIMEOUT_S)
 
 
+@pytest.mark.slow  # a child that imports torch: ~3 s
 def test_a_dram_tier_larger_than_the_machine_is_a_capacity_error_naming_the_field():
     from kvtier.host_memory import memory_limit
 
@@ -137,6 +138,7 @@ def test_a_dram_tier_larger_than_the_machine_is_a_capacity_error_naming_the_fiel
     assert done.stdout.startswith("CapacityError tiers.dram.capacity:") and "more than" in done.stdout
 
 
+@pytest.mark.slow  # a child that imports torch: ~3 s
 def test_a_dram_tier_the_kernel_refuses_is_a_capacity_error_naming_the_field_not_a_bare_enomem():
     from kvtier.host_memory import memory_limit
 
