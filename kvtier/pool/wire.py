@@ -174,12 +174,14 @@ class FrameSocket:
 
     # ---- sending ------------------------------------------------------------------------------
 
-    def send(self, msg: int, request_id: int, header: dict[str, Any],
+    def send(self, msg: int, request_id: int, header: dict[str, Any] | bytes,
              payloads: Sequence[memoryview] = (), deadline: float | None = None) -> None:
-        """Sends one frame whose payload is `payloads`, one after another."""
+        """Sends one frame whose payload is `payloads`, one after another (`header`: its fields,
+        or their msgpack already made, as `protocol.encode` takes it)."""
         self.send_buffers(self.frame(msg, request_id, header, payloads), deadline)
 
-    def frame(self, msg: int, request_id: int, header: dict[str, Any], payloads: Sequence[memoryview] = ()) -> list:
+    def frame(self, msg: int, request_id: int, header: dict[str, Any] | bytes,
+              payloads: Sequence[memoryview] = ()) -> list:
         """The buffers of one frame, to send with `send_buffers` (several frames' in one call)."""
         if not payloads:
             return [encode(msg, request_id, header, 0, pack=self._pack)]

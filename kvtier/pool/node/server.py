@@ -28,6 +28,8 @@ from kvtier.pool.node.blocks import Access, Region
 from kvtier.pool.buffers import block_checksum
 from kvtier.pool.node.control import CONTROL, Session, commit
 from kvtier.pool.node.config import NodeConfig
+from kvtier.pool.node.fair_lock import FairLock
+from kvtier.pool.node.memory import LeaseReaper, pin_malloc_thresholds
 from kvtier.pool.protocol import (
     MAX_INLINE_BYTES,
     REPLY,
@@ -37,6 +39,7 @@ from kvtier.pool.protocol import (
     Prefix,
     ProtocolError,
     encode_error,
+    encode_hits,
 )
 from kvtier.pool.node.store import AccessError, BlockStore
 from kvtier.pool.tenants import Tenant
@@ -60,14 +63,14 @@ class PoolNode:
         if config.transport == "rdma":
             from kvtier.pool.node.rdma import RdmaNode  # pyverbs only where RDMA is used
             self.rdma = RdmaNode(self.arena, self.store, config.verbs)
-        self._lock = threading.Lock()
+        self._lock = FairLock()  # the store's: first come, first served (see fair_lock)
         self._conns: dict[socket.socket, threading.Lock] = {}
         self._threads: set[threading.Thread] = set()
         self._stopping = threading.Event()
         self._door: Admission | None = None
         self._next_owner = 0
         self._started = time.monotonic()
-        self.counters = {"protocol_errors": 0}
+        self.counters = {"protocol_errors": 0, "malloc_trims": 0}
         self._data = {MsgType.WRITE: self._write, MsgType.WRITE_COMMIT: self._write, MsgType.PUT: self._put,
                       MsgType.READ: self._read, MsgType.GET: self._get}  # requests that move block bytes
         self._control = {**{msg: functools.partial(handler, self.store) for msg, handler in CONTROL.items()},
@@ -103,6 +106,8 @@ class PoolNode:
         self._door = Admission(self._listener, Limits(c.max_connections, c.max_handshakes, c.handshake_timeout_s),
                                c.tenants, welcome, throttle, self._accepted)
         self._spawn(self._door.run, "kvtier-pool-accept")
+        pin_malloc_thresholds()  # the node's process is the memory node's: see `memory`
+        self._spawn(LeaseReaper(self.store, self._lock, self._stopping, self.counters).run, "kvtier-pool-expire")
         return self.address
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -191,9 +196,7 @@ class PoolNode:
             frames.set_timeout(self.config.idle_timeout_s)  # a stalled peer costs one thread that long
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             while not self._stopping.is_set():
-                prefix, msg, header = frames.read_head(self.store.region_bytes, reply=False)
-                with busy:
-                    self._dispatch(frames, session, prefix, msg, header)
+                self._serve_one(frames, session, busy)
             self._reply_error(sock, 0, ErrorCode.SHUTTING_DOWN, "node is shutting down")
         except ProtocolError as e:
             with self._lock:
@@ -213,6 +216,14 @@ class PoolNode:
             if self.rdma is not None:
                 self.rdma.disconnect(sock)
             wire.linger_close(sock)
+
+    def _serve_one(self, frames: wire.FrameSocket, session: Session, busy: threading.Lock) -> None:
+        """Reads one request and serves it. (A function of its own so that the request's header
+        is gone when it returns, not kept while the connection waits for the next one: 4,096
+        keys of a GET are 200 KB.)"""
+        prefix, msg, header = frames.read_head(self.store.region_bytes, reply=False)
+        with busy:
+            self._dispatch(frames, session, prefix, msg, header)
 
     def _session(self, tenant: Tenant) -> Session:
         with self._lock:
@@ -321,7 +332,8 @@ class PoolNode:
             return _send_error(frames, rid, e.code, str(e))
         self._send_blocks(frames, REPLY | MsgType.READ, rid, {}, [access])
 
-    def _send_blocks(self, frames: wire.FrameSocket, msg: int, rid: int, header: dict, accesses: list[Access]) -> None:
+    def _send_blocks(self, frames: wire.FrameSocket, msg: int, rid: int, header: dict | bytes,
+                     accesses: list[Access]) -> None:
         """A reply whose payload is the bytes of `accesses`, sent from the arena; then the accesses end."""
         views = [self.arena.view[a.arena_offset: a.arena_offset + a.length] for a in accesses]
         ok = False
@@ -339,34 +351,21 @@ class PoolNode:
         """Looks keys up; each hit is leased for a one-sided READ or, inline, sent in the reply. A
         GET whose leases would pass the connection's or the tenant's bound leases nothing and is
         answered LIMIT (its releases still count)."""
-        budget = MAX_INLINE_BYTES if h["inline"] else 0
+        store = self.store
         try:
             with self._lock:
-                self.store.release(s.tenant, h["release"])
-                found = self.store.lookup(s.tenant, h["keys"])
-                inline = []
-                for b in found:
-                    fits = b is not None and b.length <= budget
-                    budget -= b.length if fits else 0
-                    inline.append(fits)
-                self.store.check_lease_room(s.tenant, s.owner, len(found) - found.count(None) - sum(inline))
-                hits, pinned = self._hits(s, found, inline, h["lease_s"])
+                store.release(s.tenant, h["release"])
+                if not h["inline"]:
+                    store.check_hits_room(s.tenant, s.owner, h["keys"])
+                ids = store.find(s.tenant, h["keys"])
+                inline = store.plan_inline(ids, MAX_INLINE_BYTES if h["inline"] else 0)
+                store.check_lease_room(s.tenant, s.owner, len(ids) - ids.count(-1) - sum(inline))
+                rows, pinned = store.answer_get(s.tenant, ids, inline, h["lease_s"], s.owner)
+                reply = encode_hits(rows, len(ids))
         except AccessError as e:
             return _send_error(frames, rid, e.code, str(e))
-        self._send_blocks(frames, REPLY | MsgType.GET, rid, {"hits": hits}, pinned)
+        self._send_blocks(frames, REPLY | MsgType.GET, rid, reply, pinned)
 
-    def _hits(self, s: Session, found: list, inline: list[bool], lease_s: float) -> tuple[list, list[Access]]:
-        """A GET's answer per key, and the accesses of the hits sent inline. Lock held."""
-        hits, pinned = [], []
-        for b, inl in zip(found, inline):
-            if b is None:
-                hits.append([False, 0, 0, 0, 0, 0, 0, False])
-                continue
-            if inl:
-                pinned.append(self.store.pin(b))
-            lease = 0 if inl else self.store.lease(b, lease_s, s.owner)
-            hits.append([True, b.region.id, b.offset, b.length, b.gen, b.checksum, lease, inl])
-        return hits, pinned
 
 def _send_error(frames: wire.FrameSocket, rid: int, code: ErrorCode, message: str) -> None:
     """A non-fatal error reply to one request: the connection goes on."""

@@ -8,8 +8,9 @@ a reused slot never answers to an old location.
 States: a block is WRITING (after `put_begin`, invisible to lookups, held by a write lease) until
 `commit`, then READY; a mutable block (`alloc`, the Tier adapter's slots) is READY at once and
 writable. A block is **busy** while it has a live lease or a data-plane access in flight; a busy
-block is never evicted, deleted or reused. Leases expire (checked lazily on every call), so a client
-that dies cannot pin memory forever; a WRITING block whose lease expires is dropped. A commit needs
+block is never evicted, deleted or reused. Leases expire (checked on every call, and by the node's
+reaper between calls: `expire`, at most `EXPIRE_BATCH` per call), so a client that dies cannot pin
+memory forever; a WRITING block whose lease expires is dropped. A commit needs
 writes that covered the whole block (`blocks.cover`), so no byte of a slot's past is ever readable.
 
 Leases (`leases.LeaseTable`) are bounded per tenant and per connection (`owner`); past a bound a
@@ -20,15 +21,20 @@ see of the node, `stats` the node-wide view. Nothing here does I/O or reads a cl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+import collections
+import itertools
+from array import array
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 from kvtier.pool.node.blocks import READY_CODE, WRITING_CODE, Access, AccessError, Block, BlockState, Grant, TenantState, cover
 from kvtier.pool.node.leases import Lease, LeaseTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
 from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
 
+_MISS = (False, 0, 0, 0, 0, 0, 0, False)  # a GET's row for a key not found (see `answer_get`)
 MAX_LEASES_PER_OWNER = 16384  # 4 full GET frames: a client's pipelined gets release theirs with the next
-MAX_LEASES_PER_TENANT = 131072  # ~32 MiB of bookkeeping at most per tenant
+MAX_LEASES_PER_TENANT = 131072  # ~5 MiB of bookkeeping at most per tenant (`leases.LeaseTable`)
+EXPIRE_BATCH = 1024  # leases one call ends at most: a flood's expiry is spread over many short holds of the lock
 
 
 class BlockStore:
@@ -81,7 +87,7 @@ class BlockStore:
         """Reserves a slot for `key` under a write lease taken on `owner` (None: the lease ends with
         the caller's own request, so it counts against the tenant only); the block is invisible
         until `commit`. LIMIT when the tenant or the owner holds as many leases as it may."""
-        self._expire()
+        self.expire()
         t = self._tenants[tenant]
         old = self._table.find(t.code, key)
         if old >= 0:
@@ -89,7 +95,7 @@ class BlockStore:
                 t.counters["rejected_busy"] += 1
                 return Grant(GrantStatus.BUSY)
             return Grant(GrantStatus.EXISTS)
-        if not self._leases.room(tenant, owner):
+        if not self._leases.room(t.code, owner):
             t.counters["rejected_limit"] += 1
             return Grant(GrantStatus.LIMIT)
         grant = self._slabs.allocate(tenant, key, length, BlockState.WRITING)
@@ -101,7 +107,7 @@ class BlockStore:
 
     def alloc(self, tenant: str, key: bytes, length: int) -> Grant:
         """A mutable, READY block for `key` (its existing one if of the same length); never leased."""
-        self._expire()
+        self.expire()
         old = self._find(self._tenants[tenant], key)
         if old is not None:
             if old.mutable and old.length == length:
@@ -121,7 +127,7 @@ class BlockStore:
                 bytes match `checksum` (the node hashes them); a match stands for full coverage,
                 since the client's checksum is of the whole block it meant to write.
         """
-        self._expire()
+        self.expire()
         t, table = self._tenants[tenant], self._table
         i = table.find(t.code, key)  # on the columns: a handle only where the block goes
         if i < 0 or table.gen[i] != gen or table.state[i] != WRITING_CODE:
@@ -139,7 +145,7 @@ class BlockStore:
         return True
 
     def abort(self, tenant: str, key: bytes, gen: int) -> None:
-        self._expire()
+        self.expire()
         block = self._find(self._tenants[tenant], key)
         if block is not None and block.gen == gen and block.state is BlockState.WRITING:
             self._drop_lease(block.write_lease)
@@ -153,67 +159,108 @@ class BlockStore:
 
         Raises:
             AccessError(LIMIT): the hits would take the tenant or `owner` past its lease bound;
-                then nothing is leased.
+                then nothing is leased (and nothing counted but the refusal).
         """
-        blocks = self.lookup(tenant, keys)
-        self.check_lease_room(tenant, owner, sum(b is not None for b in blocks))
-        return [Grant(GrantStatus.GRANTED, b, self._lease(b, lease_s, write=False, owner=owner)) if b else None
-                for b in blocks]
+        ids = self.find(tenant, keys)
+        self.check_lease_room(tenant, owner, len(ids) - ids.count(-1))
+        rows, _ = self.answer_get(tenant, ids, [False] * len(ids), lease_s, owner)
+        return [Grant(GrantStatus.GRANTED, self._slabs.block(i), row[6]) if i >= 0 else None
+                for i, row in zip(ids, rows)]
 
-    def lookup(self, tenant: str, keys: Sequence[bytes]) -> list[Block | None]:
-        """The READY, immutable block under each key (None: a miss); counts hits and misses."""
-        self._expire()
-        t = self._tenants[tenant]
-        counters, table, code = t.counters, self._slabs.table, t.code
-        find, state, mutable = table.keys.find, table.state, table.mutable
-        touch, block_of = self._slabs.touch_id, self._slabs.block
-        out: list[Block | None] = []
-        for key in keys:
-            found = find(key, code)
-            if found < 0 or state[found] != READY_CODE or mutable[found]:
-                counters["misses"] += 1
-                out.append(None)
-                continue
-            counters["hits"] += 1
-            touch(found)
-            out.append(block_of(found))
+    def find(self, tenant: str, keys: Sequence[bytes]) -> list[int]:
+        """The id of the READY, immutable block under each key (-1: a miss). Counts and touches
+        nothing (`answer_get` does, for what is served)."""
+        self.expire()
+        return list(self._ready_ids(tenant, keys))
+
+    def check_hits_room(self, tenant: str, owner: Hashable | None, keys: Sequence[bytes]) -> None:
+        """`check_lease_room` for a GET whose every hit is leased, before its keys are looked up:
+        hits are counted only until they pass the room left, so a GET refused because its sender
+        is at its bound (a flood's) costs a lookup or two, not 4,096, while other tenants wait on
+        the node's lock. Raises as `check_lease_room`."""
+        room = self._leases.room(self._tenants[tenant].code, owner)
+        if room < len(keys):
+            hits = itertools.islice((i for i in self._ready_ids(tenant, keys) if i >= 0), room + 1)
+            self.check_lease_room(tenant, owner, sum(1 for _ in hits))
+
+    def plan_inline(self, ids: Sequence[int], budget_bytes: int) -> list[bool]:
+        """Which of `find`'s hits a reply of at most `budget_bytes` of block bytes carries, in order."""
+        length, out = self._table.length, []
+        for i in ids:
+            fits = i >= 0 and length[i] <= budget_bytes
+            budget_bytes -= length[i] if fits else 0
+            out.append(fits)
         return out
+
+    def answer_get(self, tenant: str, ids: Sequence[int], inline: Sequence[bool], lease_s: float,
+                   owner: Hashable | None) -> tuple[Iterator[tuple], list[Access]]:
+        """A GET's answer for `find`'s `ids`: its rows (`protocol.encode_hits`: found, region,
+        offset, length, gen, checksum, lease, inline), made one at a time as they are read (read
+        them before the lock is let go), and the accesses of the hits sent `inline` (pinned: end
+        each with `end_access`). The other hits are leased, in one batch (the caller checked
+        `check_lease_room`). Counts hits and misses; each hit becomes the most recently used,
+        the last asked for last (a block asked for many times moves once, at its last place)."""
+        counters, num_misses = self._tenants[tenant].counters, ids.count(-1)
+        counters["hits"] += len(ids) - num_misses
+        counters["misses"] += num_misses
+        for i in reversed(dict.fromkeys(reversed(ids))):
+            if i >= 0:
+                self._slabs.touch_id(i)
+        leased = [i for i, inl in zip(ids, inline) if i >= 0 and not inl]
+        leases = self._lease_ids(leased, self._tenants[tenant].code, lease_s, False, owner)
+        pinned = [self.pin(self._slabs.block(i)) for i, inl in zip(ids, inline) if inl]
+        return self._hit_rows(ids, inline, iter(leases)), pinned
+
+    def _ready_ids(self, tenant: str, keys: Sequence[bytes]) -> Iterator[int]:
+        table = self._table
+        state, mutable = table.state, table.mutable
+        found = map(table.keys.find, keys, itertools.repeat(self._tenants[tenant].code))
+        return (i if i >= 0 and state[i] == READY_CODE and not mutable[i] else -1 for i in found)
+
+    def _hit_rows(self, ids: Sequence[int], inline: Sequence[bool], leases: Iterator[int]) -> Iterator[tuple]:
+        table, regions = self._table, self.regions
+        for i, inl in zip(ids, inline):
+            if i < 0:
+                yield _MISS
+                continue
+            region = regions[table.region[i]]
+            yield (True, region.id, table.slot[i] * region.slot_bytes, table.length[i], table.gen[i],
+                   table.checksum[i], 0 if inl else next(leases), inl)
 
     def check_lease_room(self, tenant: str, owner: Hashable | None, n: int) -> None:
         """Raises AccessError(LIMIT) unless `tenant` may take `n` more leases on `owner`."""
-        if n and self._leases.room(tenant, owner) < n:
-            self._tenants[tenant].counters["rejected_limit"] += 1
-            held = self._leases.count(tenant)
+        t = self._tenants[tenant]
+        if n and self._leases.room(t.code, owner) < n:
+            t.counters["rejected_limit"] += 1
+            held = self._leases.count(t.code)
             raise AccessError(ErrorCode.LIMIT, f"{n} more leases would pass a bound: tenant {tenant!r} holds "
                                                f"{held} (max {self._leases.max_per_tenant}), at most "
                                                f"{self._leases.max_per_owner} per connection; release some")
 
-    def lease(self, block: Block, lease_s: float, owner: Hashable | None = None) -> int:
-        """A read lease on a block `lookup` just returned (the caller checked `check_lease_room`)."""
-        return self._lease(block, lease_s, write=False, owner=owner)
-
     def pin(self, block: Block, write: bool = False) -> Access:
-        """An access to the whole of a block this store just handed out: a read of one `lookup`
+        """An access to the whole of a block this store just handed out: a read of one `find`
         returned (the node sends it inline), or the write of one `put_begin` granted (the node
         receives it from the same frame). Its location is the store's own, so nothing is checked."""
-        self._set_busy(block, inflight=+1)
+        self._add_busy(block.id, +1)
         self._num_inflight += 1
         return Access(block, block.region.base + block.offset, block.length, write)
 
     def release(self, tenant: str, lease_ids: Iterable[int]) -> None:
         """Ends the tenant's read leases among `lease_ids` (others' and unknown ids are ignored)."""
+        code = self._tenants[tenant].code
         for lid in lease_ids:
             lease = self._leases.get(lid)
-            if lease is not None and lease.block.tenant == tenant and not lease.write:
+            if lease is not None and lease.tenant == code and not lease.write:
                 self._drop_lease(lid)
-        self._expire()
+        self.expire()
 
     def disconnect(self, owner: Hashable) -> None:
         """Drops every lease taken on `owner` (a connection that closed): its reads are over, and
         its puts not committed are abandoned."""
-        for lid in self._leases.owned_by(owner):
+        for lease in self._leases.drop_owner(owner):
             self._dropped_on_close += 1
-            self._end_lease(self._drop_lease(lid))
+            self._add_busy(lease.block, -1)
+            self._end_lease(lease)
 
     def contains(self, tenant: str, keys: Sequence[bytes], touch: bool = False) -> list[bool]:
         """Whether the tenant holds a READY shared block under each key; `touch`: each one found
@@ -231,7 +278,7 @@ class BlockStore:
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Drops the tenant's blocks under `keys`; busy blocks are skipped (recency evicts them later)."""
-        self._expire()
+        self.expire()
         t, n = self._tenants[tenant], 0
         for key in keys:
             block = self._find(t, key)
@@ -240,6 +287,27 @@ class BlockStore:
                 n += 1
         self._tenants[tenant].counters["deleted"] += n
         return n
+
+    def expire(self, limit: int = EXPIRE_BATCH) -> int:
+        """Ends up to `limit` leases whose time has come (the node's reaper calls this between
+        requests, so that expired leases go without traffic); returns how many ended."""
+        expired = self._leases.pop_expired(limit)
+        names, tenants = self._table.tenant_names, self._tenants
+        for lease in expired:
+            self._add_busy(lease.block, -1)
+            tenants[names[lease.tenant]].counters["leases_expired"] += 1
+            if lease.write:
+                self._end_lease(lease)
+        return len(expired)
+
+    @property
+    def lease_slots(self) -> int:
+        """Slots of the lease table, live or free: what its memory is proportional to."""
+        return self._leases.num_slots
+
+    def next_expiry_s(self) -> float | None:
+        """The clock reading at which the next lease may expire; None while none is held."""
+        return self._leases.next_expiry_s()
 
     # ---- data plane -----------------------------------------------------------------------
 
@@ -251,7 +319,7 @@ class BlockStore:
                 tenant's), BOUNDS (no such region; outside the region or the block), FORBIDDEN
                 (a write to a committed block, a read of an uncommitted one).
         """
-        self._expire()
+        self.expire()
         if not 0 <= region_id < len(self.regions):
             raise self._refused(tenant, "bounds", ErrorCode.BOUNDS, f"region {region_id} does not exist")
         region = self.regions[region_id]
@@ -276,7 +344,7 @@ class BlockStore:
             raise self._refused(tenant, "forbidden", ErrorCode.FORBIDDEN, f"block at {where} is committed")
         if not write and block.state is BlockState.WRITING:
             raise self._refused(tenant, "forbidden", ErrorCode.FORBIDDEN, f"block at {where} is not committed")
-        self._set_busy(block, inflight=+1)
+        self._add_busy(block.id, +1)
         self._num_inflight += 1
         if block.mutable:
             self._slabs.touch(block)
@@ -289,7 +357,7 @@ class BlockStore:
         if ok and access.write and writing:
             start = access.arena_offset - block.region.base - block.offset
             cover(block, start, start + access.length)
-        self._set_busy(block, inflight=-1)
+        self._add_busy(block.id, -1)
         self._num_inflight -= 1
         if writing and not block.busy and self._leases.get(block.write_lease) is None:
             self._slabs.remove(block)  # its writer's lease expired while this access was in flight
@@ -299,13 +367,14 @@ class BlockStore:
     def stats(self, tenant: str | None = None) -> dict[str, object]:
         """The node-wide view (the operator's): use, leases and every counter; with `tenant`, also
         that tenant's own figures under "tenant"."""
-        self._expire()
+        self.expire()
         tenants = self._tenants.values()
         out: dict[str, object] = {
             **self.facts(), "used_bytes": sum(t.used_bytes for t in tenants),
             "free_regions": len(self._slabs.free_regions), "num_blocks": sum(t.num_blocks for t in tenants),
             "active_leases": len(self._leases),
-            "lease_heap_entries": self._leases.heap_entries, "accesses_in_flight": self._num_inflight, **self.counters}
+            "lease_heap_entries": self._leases.heap_entries, "lease_slots": self.lease_slots,
+            "accesses_in_flight": self._num_inflight, **self.counters}
         if tenant is not None:
             out["tenant"] = self._tenant_facts(tenant)
         return out
@@ -313,7 +382,7 @@ class BlockStore:
     def tenant_stats(self, tenant: str) -> dict[str, object]:
         """What `tenant` may see: the static facts, its own use, quota, leases and counters, and
         nothing of other tenants' activity (not even the node's free space, which they change)."""
-        self._expire()
+        self.expire()
         own = self._tenant_facts(tenant)
         return {**self.facts(), **{k: own[k] for k in ("used_bytes", "quota_bytes", "num_blocks", "active_leases")},
                 **self._tenants[tenant].counters, "tenant": own}
@@ -326,7 +395,7 @@ class BlockStore:
     def _tenant_facts(self, tenant: str) -> dict[str, object]:
         t = self._tenants[tenant]
         return {"name": tenant, "used_bytes": t.used_bytes, "quota_bytes": t.quota_bytes,
-                "num_blocks": t.num_blocks, "active_leases": self._leases.count(tenant)}
+                "num_blocks": t.num_blocks, "active_leases": self._leases.count(t.code)}
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -335,38 +404,38 @@ class BlockStore:
         block = self._table.find(t.code, key)
         return None if block < 0 else self._slabs.block(block)
 
-    def _set_busy(self, block: Block, leases: int = 0, inflight: int = 0) -> None:
-        # On the table's column, not the handle's property: three calls per request. One count of
-        # both: what matters is whether any holds the block.
-        busy, i = self._table.busy, block.id
-        was = busy[i]
-        now = was + leases + inflight
-        busy[i] = now
+    def _add_busy(self, block: int, delta: int) -> None:
+        """Adds `delta` to block id `block`'s busy count (live leases plus accesses in flight; one
+        count of both: what matters is whether any holds the block), and keeps its region's count
+        of busy blocks. On the table's column, not a handle: three calls per request."""
+        busy = self._table.busy
+        was = busy[block]
+        now = was + delta
+        busy[block] = now
         if (now > 0) is not (was > 0):
-            block.region.num_busy += 1 if now > 0 else -1
+            self.regions[self._table.region[block]].num_busy += 1 if now > 0 else -1
 
     def _lease(self, block: Block, lease_s: float, write: bool, owner: Hashable | None) -> int:
-        self._set_busy(block, leases=+1)
-        return self._leases.add(block, lease_s, write, owner)
+        return self._lease_ids([block.id], self._tenants[block.tenant].code, lease_s, write, owner)[0]
+
+    def _lease_ids(self, ids: list[int], tenant: int, lease_s: float, write: bool, owner: Hashable | None) -> array:
+        """Leases on block ids `ids` (tenant code `tenant`'s), in one batch; returns their ids."""
+        for i, n in (collections.Counter(ids).items() if len(ids) > 8 else zip(ids, itertools.repeat(1))):
+            self._add_busy(i, n)  # a key asked for many times (a flood's): one update
+        return self._leases.add(ids, tenant, lease_s, write, owner)
 
     def _drop_lease(self, lease_id: int) -> Lease | None:
         lease = self._leases.drop(lease_id)
         if lease is not None:
-            self._set_busy(lease.block, leases=-1)
+            self._add_busy(lease.block, -1)
         return lease
 
     def _end_lease(self, lease: Lease) -> None:
         """After a lease was dropped unreleased (expired, or its connection closed): an abandoned
-        put's block goes."""
-        block = lease.block
-        if lease.write and block.state is BlockState.WRITING and not block.busy:
-            self._slabs.remove(block)
-
-    def _expire(self) -> None:
-        for lease in self._leases.pop_expired():
-            self._set_busy(lease.block, leases=-1)
-            self._tenants[lease.block.tenant].counters["leases_expired"] += 1
-            self._end_lease(lease)
+        put's block goes. (A leased block is busy, so the id still names the block leased.)"""
+        table = self._table
+        if lease.write and table.state[lease.block] == WRITING_CODE and not table.busy[lease.block]:
+            self._slabs.remove(lease.block)
 
     def _refused(self, tenant: str, counter: str, code: ErrorCode, message: str) -> AccessError:
         """Counts a refused access under `tenant` and returns the error to raise."""
