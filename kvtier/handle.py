@@ -48,6 +48,9 @@ class TransferHandle:
         self.keys = tuple(keys)
         self.num_layers = num_layers
         self.failed: dict[Hashable, Failure] = {}
+        # Blocks whose source failed (how: the value) and whose copy's fallback source delivered
+        # them instead (`CopyOp.fallback`); a block whose fallback failed too is in `failed` as well.
+        self.fell_back: dict[Hashable, Failure] = {}
         self.checksums: dict[Hashable, list[int]] = {}
         self._layers_done = 0
         self._finished = False

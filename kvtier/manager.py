@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
-from kvtier.plans import LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
+from kvtier.plans import Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
 from kvtier.policy.admission import AdmissionKind
 from kvtier.policy.base import EvictionPolicy
 from kvtier.stats import DropReason, Stats
@@ -542,16 +542,19 @@ class TierManager:
         return LoadPlan(sources, tuple(missing), self._drain())
 
     def complete_load(self, plan: LoadPlan, failed: dict[Hashable, str] | None = None) -> tuple[Move, ...]:
-        """Releases a load's leases. `failed` maps keys whose read failed to a `DropReason`.
+        """Releases a load's leases. `failed` maps keys whose read from their source failed to a
+        `DropReason` (whether or not their fallback then delivered them).
 
         A copy that failed its checksum or could not be read is discarded (a counted drop if it
-        was the last copy); the caller treats those blocks as misses.
+        was the last copy); the caller treats the blocks that no copy delivered as misses.
         """
         failed = failed or {}
         get, slots, readers = self._ids.get, self._slot, self._readers
         for src in plan.sources:
             block = get(src.key)
             tier = src.tier
+            if src.fallback is not None and block is not None:
+                self._end_fallback(block, src.fallback)
             if block is None or slots[tier][block] != src.slot:
                 continue  # the copy was already discarded by a failed move it had joined
             readers[tier][src.slot] -= 1
@@ -611,12 +614,15 @@ class TierManager:
         promotion's source in exclusive mode. On failure the destination is freed, and `failure`
         says why: a bad source (`DropReason.CHECKSUM`, `READ_FAILED`) is discarded; a demotion
         that could not be written drops its block (it was already evicted from above); None
-        (cancelled) leaves the source as it was.
+        (cancelled) leaves the source as it was. A move that succeeded from its fallback copy
+        after its source failed passes `ok` and the source's `failure` (a bad source goes).
         """
         move = self._moves.pop(move_id)
         block = self._land(move)
         if ok:
             self._finish_move(block, move, checksums)
+            if failure is not None:
+                self._drop_bad_copy(block, move.src, failure)
         else:
             self._fail_move(block, move, failure)
         if self._joined:
@@ -721,7 +727,39 @@ class TierManager:
         else:
             self._inbound.pop(move.key, None)
         self._readers[move.src][move.src_slot] -= 1
+        if move.fallback is not None:
+            self._end_fallback(block, move.fallback)
         return block
+
+    def _fallback(self, block: int, tier: TierKind) -> Fallback | None:
+        """Leases the fastest other READY copy of `block` in a tier in service, for a read from
+        `tier` to fall back on (see `Fallback`). None where the read cannot fail (memory), where
+        no other copy is READY, or where nothing is read (a synchronous replay)."""
+        if tier <= TierKind.DRAM or self._num_copies[block] < 2 or self._queue is not None:
+            return None
+        for t in self.order:
+            slot = self._slot[t][block]
+            if t is not tier and slot >= 0 and t not in self._down and self._state[t][slot] == READY:
+                self._readers[t][slot] += 1
+                return Fallback(t, slot, self._checksums.get(block))
+        return None
+
+    def _end_fallback(self, block: int, fallback: Fallback) -> None:
+        """Gives back the lease `_fallback` took (the copy stays, whether or not it was read:
+        a fallback that failed too is only found bad when it is a source itself)."""
+        if self._slot[fallback.tier][block] == fallback.slot:
+            self._readers[fallback.tier][fallback.slot] -= 1
+            self._settle(block, fallback.tier)
+
+    def _drop_bad_copy(self, block: int, tier: TierKind, failure: str) -> None:
+        """A copy that could not be read (`failure`) although its block was delivered: discarded
+        and counted where its bytes are bad or unreadable; kept where its tier is down (TIER_DOWN)."""
+        if failure not in (DropReason.CHECKSUM, DropReason.READ_FAILED):
+            return
+        self._count_bad_read(failure)
+        slot = self._slot[tier][block]
+        if slot >= 0 and self._state[tier][slot] != FREEING:
+            self._retire(block, tier, failure)
 
     def _finish_move(self, block: int, move: Move, checksums: tuple[int, ...] | None) -> None:
         if checksums is not None and block not in self._checksums:
@@ -1009,7 +1047,7 @@ class TierManager:
                 move = self._start_move(block, tier, up, dst, MoveReason.PROMOTE)
                 self._readers[tier][slot] -= 1  # the move holds its own lease
                 return self._lease_inbound(move)
-        return LoadSource(key, tier, slot, None, self._checksums.get(block))
+        return LoadSource(key, tier, slot, None, self._checksums.get(block), self._fallback(block, tier))
 
     def _lease_inbound(self, move: Move) -> LoadSource:
         self._readers[move.dst][move.dst_slot] += 1
@@ -1023,8 +1061,9 @@ class TierManager:
         """
         self._claim(block, dst, slot)  # raises, changing nothing, where `dst` holds a copy already
         key, source = self._key_of(block), self._slot[src][block]
-        move = Move(next(self._ids_made), key, src, source, dst, slot, reason, self._checksums.get(block))
         self._readers[src][source] += 1
+        fallback = self._fallback(block, src) if reason is not _DEMOTE else None
+        move = Move(next(self._ids_made), key, src, source, dst, slot, reason, self._checksums.get(block), fallback)
         self._moves[move.id] = move
         if reason is _DEMOTE:
             self._outgoing[src] += 1

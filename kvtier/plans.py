@@ -58,12 +58,26 @@ class Placement:
     slot: int
 
 
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """Another READY copy of a block that a read or a move of it leases beside its source: where
+    the source fails (its tier died, its bytes are bad), the same transfer reads the block from
+    here instead, so the block is delivered, not missed (issue 29: the first load after a pool
+    node died lost every block it read from the node, though each had a copy on SSD).
+    `checksums`: as the source's (what a read from below DRAM is checked against)."""
+
+    tier: TierKind
+    slot: int
+    checksums: tuple[int, ...] | None = None
+
+
 @dataclass(slots=True)
 class Move:
     """Copy block `key` from one tier's slot to another's; `id` names it while in flight.
 
     `checksums`: the block's per-layer checksums when the move started, what a source below DRAM
     is checked against; None where none are known yet, so a destination below DRAM computes them.
+    `fallback`: a promotion's or prefetch's other copy to read from where the source fails.
     """
 
     id: int
@@ -74,6 +88,7 @@ class Move:
     dst_slot: int
     reason: MoveReason
     checksums: tuple[int, ...] | None = None
+    fallback: Fallback | None = None
 
 
 @dataclass(slots=True)
@@ -81,7 +96,8 @@ class LoadSource:
     """Read block `key` from `slot` of `tier`; if `after_move` is set, only once that move lands.
 
     `checksums`: the block's per-layer checksums (None: none known, as for a block adopted from a
-    shared tier), what a read from below DRAM is checked against before delivery.
+    shared tier), what a read from below DRAM is checked against before delivery. `fallback`:
+    another copy to read from where this one fails (leased with it until `complete_load`).
     """
 
     key: Hashable
@@ -89,6 +105,7 @@ class LoadSource:
     slot: int
     after_move: int | None = None
     checksums: tuple[int, ...] | None = None
+    fallback: Fallback | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
 from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
+from kvtier.plans import Fallback
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -209,7 +210,9 @@ class KVTier:
             self._submit_moves(plan.moves, background=False)
             ops = [CopyOp(s.key, self._end(s.tier, s.slot), Endpoint(buffer=buffers[s.key]),
                           verify=self._expected(s.key, s.tier, s.checksums),
-                          after=self._move_handles.get(s.after_move)) for s in plan.sources]
+                          after=self._move_handles.get(s.after_move),
+                          fallback=self._fallback_op(s.key, s.fallback, Endpoint(buffer=buffers[s.key])))
+                   for s in plan.sources]
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
                 handle.fail(key, Stage.READ, 0, "not stored")
@@ -417,6 +420,14 @@ class KVTier:
             raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
         return checksums
 
+    def _fallback_op(self, key: Hashable, fallback: Fallback | None, dst: Endpoint,
+                     checksum: bool = False) -> CopyOp | None:
+        """The copy of `key` from its plan's fallback copy into `dst` (see `plans.Fallback`), or None."""
+        if fallback is None:
+            return None
+        return CopyOp(key, self._end(fallback.tier, fallback.slot), dst,
+                      verify=self._expected(key, fallback.tier, fallback.checksums), checksum=checksum)
+
     def _submit_moves(self, moves: Sequence[Move], background: bool = True) -> TransferHandle:
         """Starts `moves` as one batch, on the background workers unless a caller waits on them
         (`background=False`: the promotions a load reads from); caller holds the lock.
@@ -437,8 +448,9 @@ class KVTier:
         ops = []
         for m in moves:  # a destination below DRAM computes the checksums the plan does not carry
             needs_sum = m.checksums is None and self.tiers[m.dst].medium in _BELOW_DRAM
-            ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), self._end(m.dst, m.dst_slot),
-                              verify=self._expected(m.key, m.src, m.checksums), checksum=needs_sum))
+            dst = self._end(m.dst, m.dst_slot)
+            ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), dst, verify=self._expected(m.key, m.src, m.checksums),
+                              checksum=needs_sum, fallback=self._fallback_op(m.key, m.fallback, dst, needs_sum)))
         if not ops:
             return self._done
         handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
@@ -547,11 +559,26 @@ class KVTier:
         self._note_load_time(plan, h, time.perf_counter() - started)
         with self._lock:
             for s in plan.sources:
-                if s.key in h.failed:
-                    self._service.note(s.tier, h.failed[s.key])
-            failed = {k: _failure_reason(f, f.stage) for k, f in h.failed.items()}
+                self._note_reads(s.key, s.tier, s.fallback, h)
+            # The manager learns what each source copy's own read did (a fallback's is not held against it).
+            failed = {k: _failure_reason(f, f.stage) for k, f in {**h.failed, **h.fell_back}.items()}
             self._submit_moves(self.manager.complete_load(plan, failed))
             self.manager.order_chain(h.keys)
+
+    def _note_reads(self, key: Hashable, tier: TierKind, fallback: Fallback | None, h: TransferHandle) -> None:
+        """Tells the tier service how `key`'s read from `tier`, and from its fallback copy where
+        the first failed, went (a tier that failed as a whole leaves the cascade), and counts a
+        block its fallback delivered. Caller holds the lock."""
+        first, last = h.fell_back.get(key), h.failed.get(key)
+        if first is None:
+            if last is not None:
+                self._service.note(tier, last)
+            return
+        self._service.note(tier, first)
+        if last is None:
+            self.stats.fallback_reads[fallback.tier] += 1
+        else:
+            self._service.note(fallback.tier, last)
 
     def _note_load_time(self, plan: LoadPlan, h: TransferHandle, seconds: float) -> None:
         """Feeds a load that came whole from one tier to the load-time estimate of that tier (a
@@ -571,10 +598,15 @@ class KVTier:
             for m in moves:
                 self._move_handles.pop(m.id, None)
                 f = h.failed.get(m.key)
-                if f is not None and f.stage in (Stage.READ, Stage.WRITE):
-                    self._service.note(m.src if f.stage == Stage.READ else m.dst, f)
-                failure = None if f is None or f.stage == Stage.CANCELLED else _failure_reason(
-                    f, DropReason.DEMOTION_FAILED)
+                if f is not None and f.stage == Stage.WRITE:
+                    self._service.note(m.dst, f)
+                    if m.key in h.fell_back:  # its source had failed before, its fallback was read
+                        self._service.note(m.src, h.fell_back[m.key])
+                else:
+                    self._note_reads(m.key, m.src, m.fallback, h)
+                f_source = h.fell_back.get(m.key) or f  # what the source's own read did, if it failed
+                failure = None if f_source is None or f_source.stage == Stage.CANCELLED else _failure_reason(
+                    f_source, DropReason.DEMOTION_FAILED)
                 if f is not None and f.stage == Stage.CANCELLED:
                     self.stats.prefetch_cancelled += 1
                 sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None

@@ -74,6 +74,9 @@ class Stats:
     tier_failures: dict = field(default_factory=_per_tier)  # TierKind -> times taken out of the cascade
     tier_recoveries: dict = field(default_factory=_per_tier)  # TierKind -> times put back after a probe
     store_retries: int = 0  # blocks whose store failed in one tier and was tried again further down
+    # TierKind -> blocks delivered from a copy in that tier after their read from another failed
+    # (a load or promotion reading its plan's `Fallback`): served, where they would have missed
+    fallback_reads: dict = field(default_factory=_per_tier)
     # A shared tier (the pool): "adopted" (blocks another process stored, found by a lookup here),
     # "asked" / "found" (keys sent to the tier's nodes by lookups, and found there), "negative_cached"
     # (misses answered from the short negative cache, no node asked), "deduplicated" (writes of a
@@ -125,7 +128,7 @@ class Stats:
                 "promotions": pairs(self.promotions), "dropped": {k: v for k, v in self.dropped.items() if v},
                 "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
                 "tier_failures": tiers(self.tier_failures), "tier_recoveries": tiers(self.tier_recoveries),
-                "store_retries": self.store_retries, "shared": dict(sorted(self.shared.items())),
+                "store_retries": self.store_retries, "fallback_reads": tiers(self.fallback_reads), "shared": dict(sorted(self.shared.items())),
                 "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
                              "cancelled": self.prefetch_cancelled, "wasted": self.prefetch_wasted},
                 "bytes_moved": pairs(self.bytes_moved),

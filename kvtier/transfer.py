@@ -47,7 +47,7 @@ import torch
 import xxhash
 
 from kvtier.cpus import pin_thread
-from kvtier.errors import IntegrityError, TransferError
+from kvtier.errors import IntegrityError, TierUnavailable, TransferError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.layout import BlockLayout
 from kvtier.stats import Stats
@@ -104,6 +104,10 @@ class CopyOp:
         checksum: compute per-layer checksums of the bytes (into `handle.checksums`).
         after: a transfer that writes `src` (a move this copy joined); layer `l` is read only after
             `after` has finished layer `l`, and the copy fails if `after` failed this key.
+        fallback: the same block's copy from another source (same `key` and `dst`, its own
+            `verify`): where a span cannot be read from `src` or fails its check, that span and the
+            rest are read from here before the layers are reported, and the block is in
+            `handle.fell_back` instead of `handle.failed` (unless the fallback fails too).
     """
 
     key: Hashable
@@ -112,6 +116,7 @@ class CopyOp:
     verify: tuple[int, ...] | None = None
     checksum: bool = False
     after: TransferHandle | None = None
+    fallback: CopyOp | None = None
 
 
 def block_seed(key: Hashable) -> int:
@@ -450,6 +455,8 @@ class TransferEngine:
             self._copy_guarded(ops[slow[-1]], routes[slow[-1]], handle, first, last)
         if futures:
             wait(futures)
+        if handle.fell_back:
+            self._take_fallbacks(ops, routes, handle)
         if self._cuda is not None:
             self._cuda.sync()
 
@@ -469,12 +476,23 @@ class TransferEngine:
                 return False
         return True
 
+    def _take_fallbacks(self, ops: list[CopyOp], routes: list[Route], handle: TransferHandle) -> None:
+        """Each copy whose source failed (`handle.fell_back`) reads its later spans from its fallback."""
+        for i, op in enumerate(ops):
+            if op.fallback is not None and op.key in handle.fell_back:
+                ops[i], routes[i] = op.fallback, self.route(op.fallback.src, op.fallback.dst)
+
     def _copy_guarded(self, op: CopyOp, route: Route, handle: TransferHandle, first: int, last: int) -> None:
         try:
             checksums = route.copy(op, first, last, handle.cuda_ready)
         except StageError as e:
             # The failure is the whole span's: a route reads a span, checks it, then writes it, so
-            # no layer of it is in place (the error's text names the layer that failed).
+            # no layer of it is in place (the error's text names the layer that failed). Where the
+            # source failed and the copy has a fallback, the span is copied from there instead.
+            if op.fallback is not None and e.stage in (Stage.READ, Stage.VERIFY):
+                handle.fell_back[op.key] = Failure(e.stage, first, str(e.cause), isinstance(e.cause, TierUnavailable))
+                fallback = op.fallback
+                return self._copy_guarded(fallback, self.route(fallback.src, fallback.dst), handle, first, last)
             handle.fail(op.key, e.stage, first, e.cause)
             return
         if checksums:

@@ -551,3 +551,25 @@ def test_a_victim_leaving_to_two_tiers_is_not_taken_back_when_one_of_them_is_dow
     m.complete_move(to_ssd.id, True, (0,))
     assert m.where(0) is S and m.num_used(H) == 0
     assert m.prepare_store([3]).placements[0].tier is H  # HBM's freed slot is reused, its policy agrees
+
+
+@pytest.mark.parametrize("failure", [DropReason.TIER_DOWN, DropReason.READ_FAILED])
+def test_a_read_from_the_pool_leases_the_ssd_copy_to_fall_back_on(failure):
+    """Issue 29, finding 7: a load (or a promotion) reading the pool's copy of a block that is on
+    SSD too leases the SSD copy as its `fallback`, so the transfer can read it there when the pool
+    fails. The pool copy is kept when its tier is down (it may come back), dropped when unreadable;
+    either way the block stays, and the fallback's lease ends with the load."""
+    m = make_manager((1, 1, 4), pool=(4, False), promote_to=P)
+    plan = m.prepare_store([1], P)
+    assert sorted(p.tier for p in plan.placements) == [P, S]
+    m.complete_store(plan)
+    load = m.prepare_load([1])
+    (source,) = load.sources
+    ssd = m.index.get(1).copies[S]
+    assert (source.tier, source.fallback.tier, source.fallback.slot) == (P, S, ssd.slot)
+    assert ssd.readers == 1, "leased beside the source: not evicted or freed while the load runs"
+    m.complete_load(load, {1: failure})
+    copies = m.index.get(1).copies
+    assert copies[S].readers == 0 and (P in copies) == (failure == DropReason.TIER_DOWN)
+    assert m.where(1) is (P if failure == DropReason.TIER_DOWN else S) and m.stats.num_dropped == 0
+    assert m.stats.io_errors == (failure == DropReason.READ_FAILED)

@@ -159,3 +159,41 @@ def test_a_copy_after_a_failed_move_gets_only_the_layers_that_move_put_in_place(
         assert torch.equal(out[:good], data[0, :good]) and not out[good:].any()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "unreadable"])
+def test_a_source_that_fails_mid_block_is_read_from_its_fallback_before_the_layer_is_reported(engine, fault):
+    """Issue 29, finding 7: a copy may carry a fallback (the block's copy in another tier). Where
+    its source fails a layer's check or read, that layer and the rest come from the fallback, still
+    checked, and the block is delivered (`handle.fell_back`, not `handle.failed`)."""
+    engine.add_route(Tape.TAPE, Medium.HOST, engine.routes[Medium.DISK, Medium.HOST])
+    source, other = TapeTier(1), TapeTier(1)
+    good = blocks([5])[0]
+    source.data[0], other.data[0] = good, good
+    at = LAYOUT.offsets[2]
+    if fault == "corrupt":
+        source.data[0, at] ^= 0xFF
+    else:
+        def read(slot, dst, offset=0, inner=source.read):
+            if offset >= at:
+                raise OSError(5, "injected: the node is gone")
+            inner(slot, dst, offset)
+        source.read = read
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    sums = tuple(_sums(5, good))
+    fallback = CopyOp(5, Endpoint(other, 0), Endpoint(buffer=out), verify=sums)
+    handle = engine.submit([CopyOp(5, Endpoint(source, 0), Endpoint(buffer=out), verify=sums, fallback=fallback)])
+    assert handle.wait(WAIT_S) and handle.failed == {} and torch.equal(out, good), "never wrong, never partial"
+    assert handle.fell_back[5].stage == (Stage.VERIFY if fault == "corrupt" else Stage.READ)
+    assert handle.fell_back[5].layer == 2
+    assert [c[2] for c in other.calls if c[0] == "read"] == list(LAYOUT.offsets[2:-1]), "the rest from the fallback"
+
+
+def test_a_block_whose_fallback_fails_too_is_failed(engine):
+    engine.add_route(Tape.TAPE, Medium.HOST, engine.routes[Medium.DISK, Medium.HOST])
+    source, other = TapeTier(1), TapeTier(1)  # both hold zeros, not the block
+    out = torch.zeros(BLOCK, dtype=torch.uint8)
+    sums = tuple(_sums(5, blocks([5])[0]))
+    fallback = CopyOp(5, Endpoint(other, 0), Endpoint(buffer=out), verify=sums)
+    handle = engine.submit([CopyOp(5, Endpoint(source, 0), Endpoint(buffer=out), verify=sums, fallback=fallback)])
+    assert not handle.wait(WAIT_S) and handle.failed[5].stage == Stage.VERIFY and 5 in handle.fell_back
