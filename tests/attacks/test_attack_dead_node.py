@@ -7,6 +7,8 @@ Before, the failed demotion dropped that victim: 186 of 200 blocks were gone, ab
 been on SSD, and new stores failed while SSD had room. Now a failed demotion goes on down the
 cascade, the node's tier leaves the cascade until it answers a probe, a store that failed in it is
 stored further down, and only the blocks the node alone held are lost, each counted with its reason.
+The load that first meets the dead node (issue 29, finding 7) reads the blocks that have a copy on
+SSD from there, within the same load: only the blocks the node alone held miss, even then.
 Cost: about 10 s (node processes, a frozen node's timeouts of 0.5 s).
 """
 
