@@ -361,9 +361,9 @@ class PoolNode:
                 inline = store.plan_inline(ids, MAX_INLINE_BYTES if h["inline"] else 0)
                 store.check_lease_room(s.tenant, s.owner, len(ids) - ids.count(-1) - sum(inline))
                 rows, pinned = store.answer_get(s.tenant, ids, inline, h["lease_s"], s.owner)
-                reply = encode_hits(rows, len(ids))
         except AccessError as e:
             return _send_error(frames, rid, e.code, str(e))
+        reply = encode_hits(rows, len(ids))  # outside the lock (see `answer_get`)
         self._send_blocks(frames, REPLY | MsgType.GET, rid, reply, pinned)
 
 

@@ -195,9 +195,10 @@ class BlockStore:
     def answer_get(self, tenant: str, ids: Sequence[int], inline: Sequence[bool], lease_s: float,
                    owner: Hashable | None) -> tuple[Iterator[tuple], list[Access]]:
         """A GET's answer for `find`'s `ids`: its rows (`protocol.encode_hits`: found, region,
-        offset, length, gen, checksum, lease, inline), made one at a time as they are read (read
-        them before the lock is let go), and the accesses of the hits sent `inline` (pinned: end
-        each with `end_access`). The other hits are leased, in one batch (the caller checked
+        offset, length, gen, checksum, lease, inline), made one at a time as they are read, and
+        the accesses of the hits sent `inline` (pinned: end each with `end_access`). The rows may
+        be read after the caller's lock is let go: every hit is leased or pinned by then, so
+        nothing they read of it changes (a busy block is never evicted, moved or rewritten). The other hits are leased, in one batch (the caller checked
         `check_lease_room`). Counts hits and misses; each hit becomes the most recently used,
         the last asked for last (a block asked for many times moves once, at its last place)."""
         counters, num_misses = self._tenants[tenant].counters, ids.count(-1)
