@@ -100,8 +100,13 @@ class MetricsServer:
     def shutdown(self) -> None:
         """Stops serving and closes every socket; idempotent. Returns once the thread has ended."""
         if not self._stopping:
+            # Wake first, flag second: with the flag set first, the thread could see it on its own
+            # wake-up, close every socket (this one too) and make the send fail with EBADF.
+            try:
+                self._wake_w.send(b"x")
+            except OSError:  # the thread has ended and closed it already
+                pass
             self._stopping = True
-            self._wake_w.send(b"x")
         self._thread.join()
 
     def server_close(self) -> None:

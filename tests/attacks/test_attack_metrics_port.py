@@ -217,3 +217,31 @@ def test_node_process_names_the_metrics_port_only_when_there_is_one():
         assert node.metrics_port is None and "ready" in node.events
     finally:
         node.close()
+
+
+class _SendAfterThreadEnds:
+    """Stands in for the server's wake socket: `send` first gives the serving thread a chance to
+    end on its own (as it may, woken by a connection's deadline), then sends on the real socket."""
+
+    def __init__(self, server: MetricsServer) -> None:
+        self._server, self._sock = server, server._wake_w
+
+    def send(self, data: bytes) -> int:
+        self._server._thread.join(timeout=1.0)  # the deadline below is 0.05 s
+        return self._sock.send(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_shutdown_while_the_thread_wakes_on_its_own_does_not_fail():
+    """Found flaky in test_metrics (3 of 12 runs): shutdown set the stop flag before it sent the
+    wake byte; a thread woken meanwhile by a deadline saw the flag, closed every socket, the wake
+    socket too, and the send raised EBADF, so KVTier.close failed. Before the fix this fails every
+    time (the stand-in lets the thread end before the send); after, the flag follows the send."""
+    server = MetricsServer(CollectorRegistry(), timeout_s=0.05)
+    server._wake_w = _SendAfterThreadEnds(server)
+    with socket.create_connection(("127.0.0.1", server.server_port), timeout=WAIT_S):
+        wait_until(lambda: server.num_connections == 1, "the connection accepted")
+        server.shutdown()  # raised OSError: [Errno 9] Bad file descriptor
+    assert not server._thread.is_alive()
