@@ -126,8 +126,7 @@ def test_a_dram_tier_larger_than_the_machine_is_a_capacity_error_naming_the_fiel
     from kvtier.host_memory import memory_limit
 
     limit = memory_limit()
-    if limit is None:
-        pytest.skip("this machine's memory is unknown here (no /proc/meminfo)")
+    assert limit is not None, "kvtier reads the machine's memory from /proc/meminfo (Linux)"
     done = _under_rlimit_as(f"""
         try:
             build_tier(TierConfig(TierKind.DRAM, {2 * limit[0]}), 1 << 20)
@@ -143,8 +142,7 @@ def test_a_dram_tier_the_kernel_refuses_is_a_capacity_error_naming_the_field_not
     from kvtier.host_memory import memory_limit
 
     limit = memory_limit()
-    if limit is None or limit[0] < (1 << 30):
-        pytest.skip("needs a machine of at least 1 GiB whose memory is known")
+    assert limit is not None and limit[0] >= (1 << 30), f"a machine of at least 1 GiB whose memory is known: {limit}"
     done = _under_rlimit_as("""
         try:
             build_tier(TierConfig(TierKind.DRAM, 512 << 20), 1 << 20)  # within the machine, past the rlimit
@@ -167,8 +165,7 @@ def test_a_pool_node_larger_than_the_machine_exits_2_naming_capacity():
     from kvtier.host_memory import memory_limit
 
     limit = memory_limit()
-    if limit is None:
-        pytest.skip("this machine's memory is unknown here (no /proc/meminfo)")
+    assert limit is not None, "kvtier reads the machine's memory from /proc/meminfo (Linux)"
     cmd = [sys.executable, "-m", "kvtier", "pool", "serve", "--listen", "127.0.0.1:0",
            "--capacity", str(2 * limit[0] // 4096 * 4096)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limit_to_2_gib)
