@@ -118,7 +118,7 @@ def weights_fingerprint(source: WeightsSource, config_names: frozenset[str] = CO
     Raises:
         ConfigError: a weight file exists but cannot be read (the message names it).
     """
-    path, why = _local_weights(source)
+    path, why = local_weights(source)
     if path is not None:
         try:
             fingerprint = fingerprint_files(path, config_names)
@@ -134,7 +134,7 @@ def weights_fingerprint(source: WeightsSource, config_names: frozenset[str] = CO
     return f"name:{source.model}@{source.revision or ''}"
 
 
-def _local_weights(source: WeightsSource) -> tuple[Path | None, str]:
+def local_weights(source: WeightsSource) -> tuple[Path | None, str]:
     """The local path of `source`'s files, or None and why not. A path that exists wins, as in engines."""
     path = Path(source.model).expanduser()
     if path.exists():

@@ -32,13 +32,12 @@ import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from kvtier.keys import block_extra
-from kvtier.weights import fingerprint_files
+from kvtier.weights import ADAPTER_CONFIG_NAMES, WeightsSource, fingerprint_files, local_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 _MAX_IDS = 4096  # adapter ids remembered for the reuse check; the oldest is forgotten first
@@ -168,36 +167,19 @@ class AdapterFingerprints:
 
     @staticmethod
     def _read(path: str) -> bytes | Refusal:
-        local = _local_adapter(path)
-        if local is None:
+        local = local_weights(WeightsSource(path))[0] if path else None  # a hub id: its cached snapshot, offline
+        if local is None or not local.is_dir():
             return Refusal(RefusalReason.LORA_UNREADABLE, f"LoRA adapter {path!r} is not a local folder kvtier "
                                                           "can read (nor in the local Hugging Face cache)")
+        if not (local / ADAPTER_CONFIG).is_file():
+            return Refusal(RefusalReason.LORA_UNREADABLE, f"LoRA adapter {local} has no {ADAPTER_CONFIG}")
         try:
-            files = fingerprint_files(local) if local.is_dir() else None
-            config = (local / ADAPTER_CONFIG).read_bytes()
+            files = fingerprint_files(local, ADAPTER_CONFIG_NAMES)  # adapter_config.json read in full
         except OSError as e:
             return Refusal(RefusalReason.LORA_UNREADABLE, f"cannot read LoRA adapter {local}: {e}")
         if files is None:
             return Refusal(RefusalReason.LORA_UNREADABLE, f"LoRA adapter {local} holds no weight files")
-        return xxhash.xxh3_128_digest(_framed(files.encode()) + _framed(config))
-
-
-def _local_adapter(path: str) -> Path | None:
-    """The local folder of adapter `path`: the path itself, or a hub id's snapshot in the local
-    Hugging Face cache (offline; nothing is downloaded); None when neither exists."""
-    if not path:
-        return None
-    local = Path(path).expanduser()
-    if local.exists():
-        return local
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        return Path(snapshot_download(path, local_files_only=True))
-    except (OSError, ValueError):  # not in the cache, not a hub id
-        return None
+        return xxhash.xxh3_128_digest(files.encode())
 
 
 def read_inputs(request: Any, adapters: AdapterFingerprints) -> RequestInputs | Refusal:
