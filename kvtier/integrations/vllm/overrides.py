@@ -23,6 +23,9 @@ from typing import Any
 
 import xxhash
 
+from kvtier.errors import ConfigError
+from kvtier.weights import fingerprint_config
+
 _LONG_ROPE = "longrope"
 
 
@@ -82,10 +85,17 @@ def _rope_parameters(config: Any) -> Iterator[Mapping[str, Any]]:
 
 
 def _config_digest(model_config: Any) -> str:
-    """A digest of the config the engine runs (after every override)."""
+    """A digest of the config the engine runs (after every override): `kvtier.weights.fingerprint_config`,
+    as the Hugging Face binding names a loaded config.
+
+    Raises:
+        ConfigError: a config value has no canonical form (its `repr` could hide a difference).
+    """
     config = model_config.hf_config
-    data = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    return xxhash.xxh3_128_hexdigest(_canonical(data).encode())
+    try:
+        return fingerprint_config(config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    except ValueError as e:
+        raise ConfigError(f"kv_connector: the engine's model config cannot be named in block keys: {e}") from None
 
 
 def _canonical(value: Any) -> str:
