@@ -111,6 +111,14 @@ class KVTierConfig:
     def tier(self, kind: TierKind) -> TierConfig | None:
         return next((t for t in self.tiers if t.kind is kind), None)
 
+    def lasting_tier(self) -> str | None:
+        """Where blocks outlive the process, named for a log line ("pool", "persistent SSD tier"), or
+        None: a change of block keys leaves old blocks there as misses, said once at start-up."""
+        ssd = self.tier(TierKind.SSD)
+        if self.tier(TierKind.POOL) is not None:
+            return "pool"
+        return "persistent SSD tier" if ssd is not None and ssd.persist else None
+
 
 def _enum(cls: type[enum.Enum], value: Any, where: str) -> Any:
     try:

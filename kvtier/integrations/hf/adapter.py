@@ -38,7 +38,6 @@ from kvtier.integrations.hf.prefix import KVTierPrefixCache, leading_ok, token_i
 from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
 from kvtier.keys import BlockKey, Namespace
 from kvtier.runtime import KVTier
-from kvtier.tiers.base import TierKind
 from kvtier.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -181,11 +180,11 @@ def config_of(model: Any) -> str:
 
 def _log_key_change(kv: KVTier) -> None:
     """One line where blocks outlive the process (a persistent SSD tier, a pool): keys changed."""
-    ssd, pool = kv.config.tier(TierKind.SSD), kv.config.tier(TierKind.POOL)
-    if pool is not None or (ssd is not None and ssd.persist):
+    lasting = kv.config.lasting_tier()
+    if lasting is not None:
         log.info("kvtier: Hugging Face block keys now name the model's config and its buffers besides its "
                  "weights; blocks an older kvtier stored on the %s are misses under the new keys, never served",
-                 "pool" if pool is not None else "persistent SSD tier")
+                 lasting)
 
 
 def weights_of(model: Any) -> str:

@@ -195,11 +195,11 @@ def _adapter_identity(name: str, path: str, lora_id: str | None) -> list[Any]:
 
 def log_key_change(config: KVTierConfig) -> None:
     """One line where pages outlive the process (a persistent SSD tier, a pool): keys changed."""
-    ssd, pool = config.tier(TierKind.SSD), config.tier(TierKind.POOL)
-    if pool is not None or (ssd is not None and ssd.persist):
+    lasting = config.lasting_tier()
+    if lasting is not None:
         log.info("kvtier HiCache storage: page keys now name SGLang's settings (overrides, dtypes, quantization, "
                  "LoRA adapters, weight version) besides the weights; pages an older kvtier stored on the %s "
-                 "are misses under the new keys, never served", "pool" if pool is not None else "persistent SSD tier")
+                 "are misses under the new keys, never served", lasting)
 
 
 def _file_digest(path: Any, field: str) -> str | None:
