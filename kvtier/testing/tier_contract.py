@@ -24,6 +24,7 @@ here; the implementation's own tests say which it offers.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError, TierIOError
 from kvtier.layout import BlockLayout
-from kvtier.tiers.base import SlotIO, Tier
+from kvtier.tiers.base import SpanIO, Tier
 
 SLOT_BYTES = 3 * 4096 + 1000  # deliberately not a multiple of 4 KiB
 NUM_SLOTS = 6
@@ -59,6 +60,11 @@ def fill_all(tier: Tier) -> list[torch.Tensor]:
         tier.write(slot, block)
     return blocks
 
+
+def fresh_keys(n: int) -> list[bytes]:
+    """`n` block keys never used before (16 bytes, as a shared tier takes): a shared tier's node
+    outlives one test, and keeps the first bytes stored under a key."""
+    return [secrets.token_bytes(16) for _ in range(n)]
 
 
 ranges = st.lists(
@@ -167,18 +173,33 @@ class TierContract:
         with pytest.raises(TypeError):
             tier.read(0, bad)
 
-    def test_write_many_and_read_many(self, tier: Tier) -> None:
-        blocks = fill_all(tier)
-        patches = [(slot, 100 * slot + 1, random_bytes(500 + slot, seed=slot)) for slot in range(NUM_SLOTS)]
-        tier.write_many([SlotIO(slot, buf, offset) for slot, offset, buf in patches])
-        outs = [torch.empty(len(buf), dtype=torch.uint8) for _, _, buf in patches]
-        tier.read_many([SlotIO(slot, out, offset) for (slot, offset, _), out in zip(patches, outs)])
-        for (slot, offset, buf), out in zip(patches, outs):
-            assert torch.equal(out, buf)
-            blocks[slot][offset : offset + len(buf)] = buf
-        outs = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(NUM_SLOTS)]
-        tier.read_many([SlotIO(slot, out) for slot, out in enumerate(outs)])
+    def test_write_spans_and_read_spans(self, tier: Tier) -> None:
+        """Whole slots written in one batch (each under its key, as the engine writes a shared
+        tier's blocks) read back whole and in part."""
+        slots = list(range(NUM_SLOTS))
+        keys = fresh_keys(len(slots))
+        blocks = [random_bytes(SLOT_BYTES, seed=slot) for slot in slots]
+        assert tier.write_spans(SpanIO(slots, 0, SLOT_BYTES, [b.data_ptr() for b in blocks], keys)) == {}
+        outs = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in slots]
+        assert tier.read_spans(SpanIO(slots, 0, SLOT_BYTES, [o.data_ptr() for o in outs], keys)) == {}
         assert all(torch.equal(out, block) for out, block in zip(outs, blocks))
+        offset, length = 100, 500
+        parts = [torch.empty(length, dtype=torch.uint8) for _ in slots]
+        assert tier.read_spans(SpanIO(slots[::-1], offset, length, [p.data_ptr() for p in parts], keys[::-1])) == {}
+        for part, block in zip(parts, blocks[::-1]):
+            assert torch.equal(part, block[offset: offset + length])
+        assert tier.read_spans(SpanIO([], 0, SLOT_BYTES, [], [])) == {}
+
+    def test_spans_fail_per_slot(self, tier: Tier) -> None:
+        """A slot out of range fails alone, by its index in the batch; the others are moved."""
+        data = random_bytes(SLOT_BYTES, seed=99)
+        slots, keys = [0, NUM_SLOTS, 1], fresh_keys(3)
+        failed = tier.write_spans(SpanIO(slots, 0, SLOT_BYTES, [data.data_ptr()] * 3, keys))
+        assert set(failed) == {1} and isinstance(failed[1], IndexError)
+        outs = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(3)]
+        failed = tier.read_spans(SpanIO(slots, 0, SLOT_BYTES, [o.data_ptr() for o in outs], keys))
+        assert set(failed) == {1} and isinstance(failed[1], IndexError)
+        assert torch.equal(outs[0], data) and torch.equal(outs[2], data)
 
     def test_concurrent_threads_on_distinct_slots(self, tier: Tier) -> None:
         start = threading.Barrier(NUM_SLOTS)

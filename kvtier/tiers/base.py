@@ -10,23 +10,41 @@ zero-copy tensor over a slot range, which the transfer engine uses to copy witho
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvtier.errors import IntegrityError
 from kvtier.kinds import Medium, TierKind
 
 
 @dataclass(frozen=True, slots=True)
-class SlotIO:
-    """One range of one slot and the buffer it is read into or written from."""
+class SpanIO:
+    """One batch of a tier's I/O: the same byte range of many slots, each read into or written
+    from its own host memory.
 
-    slot: int
-    buffer: torch.Tensor
-    offset: int = 0
+    Attributes:
+        slots: the slots, in `[0, num_slots)`.
+        offset, length: the range `[offset, offset + length)` of every slot.
+        addresses: for slot `slots[i]`, the start of `length` bytes of host memory (a DRAM slot,
+            a staging buffer, a caller's CPU tensor) that the caller keeps valid until the call
+            returns.
+        keys: the block each slot holds or is about to hold: a shared tier files it under its key
+            (as `bind`); the others ignore it.
+    """
+
+    slots: Sequence[int]
+    offset: int
+    length: int
+    addresses: Sequence[int]
+    keys: Sequence[Hashable]
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 class Tier(ABC):
@@ -120,15 +138,37 @@ class Tier(ABC):
         for a node that is down (its keys are absent). The default holds nothing it does not index."""
         return [False] * len(keys)
 
-    def write_many(self, ios: Iterable[SlotIO]) -> None:
-        """Batched `write`; the default writes one by one. Raises as `write` on the first failure."""
-        for io in ios:
-            self.write(io.slot, io.buffer, io.offset)
+    def write_spans(self, io: SpanIO) -> dict[int, Exception]:
+        """Batched `write`: for each `i`, `io.length` bytes at `io.addresses[i]` into `io.slots[i]`
+        at `io.offset`. A tier with a batched path (one native call, one request per node) says so
+        by overriding this; the default writes one by one.
 
-    def read_many(self, ios: Iterable[SlotIO]) -> None:
-        """Batched `read`; the default reads one by one. Raises as `read` on the first failure."""
-        for io in ios:
-            self.read(io.slot, io.buffer, io.offset)
+        Returns:
+            The failures, by index into the batch: the error `write` would raise for that slot
+            (`OSError`, including `TierIOError`/`TierUnavailable`; `IndexError`; `IntegrityError`).
+            The others are written. Empty when every slot was written.
+        Raises:
+            What is a bug rather than one block's failure (e.g. `TypeError`), for the whole batch.
+        """
+        return self._one_by_one(io, self.write)
+
+    def read_spans(self, io: SpanIO) -> dict[int, Exception]:
+        """Batched `read`: for each `i`, `io.slots[i]`'s bytes at `io.offset` into the `io.length`
+        bytes at `io.addresses[i]`. Returns and raises as `write_spans`; a failed slot's
+        destination bytes are undefined."""
+        return self._one_by_one(io, self.read)
+
+    def _one_by_one(self, io: SpanIO, method) -> dict[int, Exception]:
+        """`write_spans`/`read_spans` by the single-slot `method`, binding each key first."""
+        failed: dict[int, Exception] = {}
+        for i, (slot, address) in enumerate(zip(io.slots, io.addresses)):
+            try:
+                if self.shared:
+                    self.bind(slot, io.keys[i])
+                method(slot, host_tensor(address, io.length), io.offset)
+            except (OSError, IndexError, IntegrityError) as e:
+                failed[i] = e
+        return failed
 
     def client_counters(self) -> dict[str, int] | None:
         """A remote tier's client counters (hits, misses, stale, node errors...), for
@@ -182,6 +222,14 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def host_tensor(address: int, length: int) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor over `length` bytes of host memory at `address`, which the caller
+    keeps valid while the tensor is used (no copy; nothing is freed with it)."""
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+
+
 def as_byte_buffer(t: torch.Tensor, what: str) -> torch.Tensor:
     """Checks that `t` is a 1-D contiguous uint8 tensor; returns it.
 
@@ -209,4 +257,5 @@ def slots_needed(capacity_bytes: int, slot_bytes: int, tier: str) -> int:
     return n
 
 
-__all__: Sequence[str] = ("Medium", "SlotIO", "Tier", "TierKind", "as_byte_buffer", "copy_bytes", "slots_needed")
+__all__: Sequence[str] = ("Medium", "SpanIO", "Tier", "TierKind", "as_byte_buffer", "copy_bytes", "host_tensor",
+                          "slots_needed")
