@@ -1,22 +1,26 @@
 """The DRAM tier: one host-memory slab, pinned when CUDA is present, 4 KiB-aligned.
 
-Pinned memory lets the HBM tier's host<->device copies run as true async DMA. The 4 KiB alignment
-lets the SSD tier do O_DIRECT I/O straight to and from DRAM slots, without a bounce buffer, when
-`slot_bytes` is a multiple of 4096.
+Pinned memory lets the HBM tier's host<->device copies run as true async DMA. The slab is one
+anonymous mmap, registered with CUDA once (`cudaHostRegister`) when pinned and unregistered at
+close: torch's pinned allocator would round it up to a power of two (a 40 GiB tier would lock
+64 GiB). The 4 KiB alignment lets the SSD tier do O_DIRECT I/O straight to and from DRAM slots,
+without a bounce buffer, when `slot_bytes` is a multiple of 4096.
 """
 
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import CapacityError, ConfigError
 from kvtier.host_memory import allocation_failed, check_fits
 from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
 from kvtier.tiers.slab import SlabTier
 
 PAGE_BYTES = 4096
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class DRAMTier(SlabTier):
@@ -44,9 +48,11 @@ class DRAMTier(SlabTier):
         total_bytes = self.num_slots * slot_bytes
         check_fits(total_bytes, "DRAM tier")
         try:
-            flat = aligned_host_memory(total_bytes, self._pinned)
-        except (OSError, RuntimeError) as e:  # ENOMEM from mmap; torch's pinned allocator raises RuntimeError
+            flat = _mmap_aligned(total_bytes)
+        except OSError as e:  # ENOMEM from mmap
             raise allocation_failed(e, total_bytes, "DRAM tier") from None
+        # unregistered at close, or when the tier is collected (before its slab is unmapped)
+        self._unregister = weakref.finalize(self, *_register(flat, total_bytes)) if self._pinned else None
         self._slab = flat.view(self.num_slots, slot_bytes)
         self._rows = self._slab.numpy()
 
@@ -86,10 +92,17 @@ class DRAMTier(SlabTier):
         """The whole slab (None once closed): every `view` lies in it."""
         return None if self._slab is None else self._slab.view(-1)
 
+    def close(self) -> None:
+        """Unregisters the slab from CUDA (if pinned), then drops it; see `SlabTier.close`. Idempotent."""
+        if self._unregister is not None:
+            self._unregister()
+        super().close()
+
     def describe(self) -> dict[str, object]:
-        """Base facts plus whether the slab is pinned and 4 KiB-aligned (slab and slot starts)."""
+        """Base facts plus whether the slab is pinned (how) and 4 KiB-aligned (slab and slot starts)."""
         facts = super().describe()
         facts["pinned"] = self._pinned
+        facts["pinned_by"] = "cudaHostRegister" if self._pinned else None
         facts["aligned"] = self._slab is not None and self._slab.data_ptr() % PAGE_BYTES == 0
         facts["slots_aligned"] = bool(facts["aligned"]) and self.slot_bytes % PAGE_BYTES == 0
         return facts
@@ -110,9 +123,31 @@ def _mmap_aligned(num_bytes: int) -> torch.Tensor:
     return flat
 
 
+def _register(flat: torch.Tensor, num_bytes: int) -> tuple:
+    """Registers `flat`'s pages with CUDA (portable: pinned for every context) and returns the call
+    that unregisters them, as (function, *args) for `weakref.finalize`.
+
+    Raises:
+        CapacityError: CUDA refused (e.g. not enough memory can be locked), naming tiers.dram.capacity.
+    """
+    cudart = torch.cuda.cudart()
+    ptr, length = flat.data_ptr(), _round_up(num_bytes, PAGE_BYTES)
+    code = int(cudart.cudaHostRegister(ptr, length, _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise CapacityError(f"tiers.dram.capacity: cudaHostRegister of {length:,} bytes failed with cudaError {code}; "
+                            "lower the capacity or set pin=False")
+    return _unregister, cudart, ptr
+
+
+def _unregister(cudart, ptr: int) -> None:
+    code = int(cudart.cudaHostUnregister(ptr))
+    if code != 0:
+        raise RuntimeError(f"DRAM tier: cudaHostUnregister({ptr:#x}) failed with cudaError {code}")
+
+
 def aligned_host_memory(num_bytes: int, pinned: bool) -> torch.Tensor:
-    """A zeroed, 4 KiB-aligned 1-D uint8 host tensor whose pages are backed now; pinned when asked
-    (the DRAM slab, and the benches' host buffers, which must be the same kind of memory)."""
+    """A zeroed, 4 KiB-aligned 1-D uint8 host tensor whose pages are backed now; pinned when asked,
+    by torch's pinned allocator (the benches' host buffers; the DRAM tier registers its own mmap)."""
     return _pinned_aligned(num_bytes) if pinned else _mmap_aligned(num_bytes)
 
 
