@@ -2,7 +2,8 @@
 
 Sections, each recorded as pass/fail with its details:
   env        what was found: torch, CUDA device and arch, cupy, nvcc.
-  nvcc       native/kv_blocks.cu compiled with nvcc for the device's arch (sm_90 without a device).
+  nvcc       native/kv_blocks.cu compiled with nvcc for the device's arch (sm_90 without a device), and
+             native/kv_copy.c (the GPU <-> host copier) built as a shared library.
   kernels    gather/scatter against `gather_reference`/`scatter_reference`, bit-exact, for the layouts
              [2, N, page] (kv_dim 0), [N, 2, page] (kv_dim 1) and MLA [N, page], fp16 and bf16, one- and
              many-layer launches, pages from 6 B to 32 KiB, by every backend present: the NVRTC module
@@ -16,6 +17,8 @@ Sections, each recorded as pass/fail with its details:
              layer-wise load byte-identical; after `wait_layer(l)` returns, layer l is already in place.
   bandwidth  HBM tier <-> DRAM tier through `TransferEngine`, 1-4 MiB blocks in batches, against plain
              `copy_` between pinned host and device tensors of the same bytes in the same run (GB/s, ratio).
+  copier     kvtier.cuda_copy.CudaCopier (cuMemcpyBatchAsync, and the C loop forced) against plain pinned
+             `copy_`, 64 KiB / 1 MiB / 4 MiB blocks in batches of 64, both ways (bench/gpu_copier.py).
 
 Exit codes: 0 every section passed; 1 a section failed; 2 bad arguments; 3 no CUDA device (after the
 nvcc check, which runs wherever nvcc is; its failure gives 1 instead). JSON: `<out>/gpu_check.json`,
@@ -48,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from gpu_copier import copier_section
+from gpu_copier import table as copier_table
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.integrations.vllm.pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
 from kvtier.integrations.vllm.transfers import engine_block_view
@@ -64,6 +69,7 @@ from kvtier.native import (
     scatter_blocks,
     scatter_reference,
 )
+from kvtier.cuda_copy import build_library
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from kvtier.transfer import CopyOp, Endpoint, TransferEngine
@@ -133,7 +139,10 @@ def nvcc_section(arch: str, build_dir: Path) -> dict:
     cubin = nvcc_compile(build_dir, arch=arch, output=NvccOutput.CUBIN)
     data = cubin.read_bytes()
     missing = [name for name in KERNEL_NAMES if name.encode() not in data]
+    copy_library = build_library(build_dir)
+    missing += [name for name in ("kvc_submit", "kvc_ticket_wait") if name.encode() not in copy_library.read_bytes()]
     return {"status": "fail" if missing else "pass", "arch": arch, "cubin": str(cubin), "bytes": len(data),
+            "copy_library": str(copy_library),
             "seconds": round(time.perf_counter() - start, 2), "missing_kernels": missing,
             "nvcc_version": version.splitlines()[-1] if version else ""}
 
@@ -584,6 +593,8 @@ class Report:
                 lines.append(f"{r['block_mib']:>5g}Mi {r['num_blocks']:>6} {r['kvtier_h2d_gbps']:>11} "
                              f"{r['plain_h2d_gbps']:>7} {r['ratio_h2d']:>6} {r['kvtier_d2h_gbps']:>11} "
                              f"{r['plain_d2h_gbps']:>7} {r['ratio_d2h']:>6}")
+        if self.sections.get("copier", {}).get("rows"):
+            lines += copier_table(self.sections["copier"])
         return "\n".join(lines)
 
 
@@ -623,6 +634,7 @@ def main(argv=None) -> int:
         report.run("layouts", layouts_section, device, cubin, args.quick)
         report.run("runtime", runtime_section, device, Path(tmp))
         report.run("bandwidth", bandwidth_section, device, args.quick, args.min_ratio)
+        report.run("copier", copier_section, device, args.quick, args.min_ratio)
     print(report.table(), flush=True)
     required = [s for name, s in report.sections.items() if name != "nvcc" or has_cuda]
     ok = all(s["status"] == "pass" for s in required)

@@ -62,6 +62,11 @@ def test_simulated_on_cpu_every_section_runs_and_passes(tmp_path):
     rows = sections["bandwidth"]["rows"]
     assert [r["block_mib"] for r in rows] == [1.0, 4.0] and all(r["bytes_ok"] for r in rows)
     assert all(r["kvtier_h2d_gbps"] > 0 and r["ratio_d2h"] > 0 for r in rows)
+    copier = sections["copier"]  # through the stand-in driver: the batch path and the forced loop
+    assert copier["status"] == "pass" and copier["copiers"]["batch"]["path"] == "BATCH_V2"
+    assert copier["copiers"]["loop"]["path"] == "LOOP"
+    assert [r["block_kib"] for r in copier["rows"]] == [64, 1024, 4096] and all(r["bytes_ok"] for r in copier["rows"])
+    assert all(r["batch_descriptors"] == r["num_blocks"] and r["ratio_loop_h2d"] > 0 for r in copier["rows"])
     assert "PASS" in done.stdout
 
 
