@@ -365,6 +365,13 @@ class CudaCopier:
         handle, self._handle = self._handle, None
         self._lib.kvc_mover_destroy(handle)
 
+    def __del__(self) -> None:
+        # Unclosed and unreferenced: no ticket is alive (each holds its copier), so nothing waits on the thread.
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            self._handle = None
+            self._lib.kvc_mover_destroy(handle)
+
     def __enter__(self) -> CudaCopier:
         return self
 

@@ -260,6 +260,20 @@ def test_close_gives_back_the_context_and_every_event(driver_paths):
 
 
 @needs_nvcc
+def test_a_copier_dropped_unclosed_stops_its_thread(driver_paths):
+    import gc
+
+    fake = FakeDriver(driver_paths[DriverVariant.CUDA12_8])
+    before = fake.counts()["context_refs"]
+    copier = stand_in(driver_paths, DriverVariant.CUDA12_8)
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    copier.submit([buf.data_ptr()], [buf.data_ptr() + 4096], 4096, STREAM).wait(5)
+    del copier
+    gc.collect()
+    assert fake.counts()["context_refs"] == before
+
+
+@needs_nvcc
 def test_describe_says_which_path_and_why(driver_paths, caplog):
     with caplog.at_level("INFO", logger="kvtier.cuda_copy"):
         with stand_in(driver_paths, DriverVariant.OLD) as copier:
@@ -321,3 +335,28 @@ def test_gpu_copies_wait_for_the_event_after_the_writer():
             written.record(writer)
         copier.submit([dst.data_ptr()], [src.data_ptr()], src.numel(), copies, after_event=written).wait(60)
     assert bool((dst == 7).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [CopyMode.AUTO, CopyMode.LOOP], ids=["auto", "loop-forced"])
+def test_gpu_copies_to_and_from_the_registered_dram_slab(mode):
+    """The DRAM tier's slab is cudaHostRegister'ed memory, where batched copies once faulted elsewhere
+    (SGLang #40232): 64 blocks of 1 MiB each way, byte for byte, with the batch API and the loop."""
+    from kvtier.tiers.dram import DRAMTier
+
+    block, n = 1 << 20, 64
+    dram = DRAMTier(capacity_bytes=n * block, slot_bytes=block)
+    device = torch.randint(0, 256, (n * block,), dtype=torch.uint8, device="cuda")
+    back = torch.empty_like(device)
+    slots = (np.arange(n) * 5) % n
+    try:
+        with CudaCopier(torch.cuda.current_device(), mode) as copier:
+            slab = dram.host_memory().data_ptr()
+            stream = torch.cuda.Stream()
+            torch.cuda.synchronize()
+            copier.submit(slab + slots * block, device.data_ptr() + np.arange(n) * block, block, stream).wait(60)
+            copier.submit(back.data_ptr() + np.arange(n) * block, slab + slots * block, block, stream).wait(60)
+        assert torch.equal(back, device)
+        assert torch.equal(dram.view(int(slots[1]), 0, block), device[block:2 * block].cpu())
+    finally:
+        dram.close()
