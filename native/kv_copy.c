@@ -56,6 +56,9 @@
 
 enum { JOB_QUEUED, JOB_SUBMITTED };
 
+// Counters are bumped by the worker and read by any thread: relaxed atomics, no lock.
+#define STAT_ADD(m, k, n) __atomic_fetch_add(&(m)->stats[k], (uint64_t)(n), __ATOMIC_RELAXED)
+
 // Counters, in the order kvc_stats writes them.
 enum { ST_JOBS, ST_DESCRIPTORS, ST_BYTES, ST_BATCH_CALLS, ST_LOOP_CALLS, ST_LOOP_JOBS, ST_FAILED_JOBS,
        ST_EVENTS_CREATED, ST_COUNT };
@@ -195,9 +198,9 @@ static void ensure_context(mover_t* m) {
 // ---- the worker ----------------------------------------------------------------------------------
 
 static CUresult copy_loop(mover_t* m, job_t* j) {
-    m->stats[ST_LOOP_JOBS]++;
+    STAT_ADD(m, ST_LOOP_JOBS, 1);
     for (size_t i = 0; i < j->count; i++) {
-        m->stats[ST_LOOP_CALLS]++;
+        STAT_ADD(m, ST_LOOP_CALLS, 1);
         CUresult r = m->drv.memcpy_async(j->dsts[i], j->srcs[i], j->sizes[i], j->stream);
         if (r != CUDA_SUCCESS) {
             j->fail_index = i;
@@ -212,7 +215,7 @@ static CUresult copy_batch(mover_t* m, job_t* j) {
     memset(&attr, 0, sizeof(attr));  // no location hints: they matter only for managed/pageable memory
     attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
     size_t first = 0;
-    m->stats[ST_BATCH_CALLS]++;
+    STAT_ADD(m, ST_BATCH_CALLS, 1);
     if (m->path == KVC_PATH_BATCH_V2)
         return m->drv.batch_v2(j->dsts, j->srcs, j->sizes, j->count, &attr, &first, 1, j->stream);
     size_t fail = (size_t)-1;
@@ -233,7 +236,7 @@ static CUevent take_event(mover_t* m) {
         return event;
     }
     if (m->drv.event_create(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return NULL;
-    m->stats[ST_EVENTS_CREATED]++;
+    STAT_ADD(m, ST_EVENTS_CREATED, 1);
     return event;
 }
 
@@ -254,10 +257,12 @@ static void run_job(mover_t* m, job_t* j) {
     j->done = done;
     j->result = (int)r;
     j->state = JOB_SUBMITTED;
-    m->stats[ST_JOBS]++;
-    m->stats[ST_DESCRIPTORS] += j->count;
-    for (size_t i = 0; i < j->count; i++) m->stats[ST_BYTES] += j->sizes[i];
-    if (r != CUDA_SUCCESS) m->stats[ST_FAILED_JOBS]++;
+    STAT_ADD(m, ST_JOBS, 1);
+    STAT_ADD(m, ST_DESCRIPTORS, j->count);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < j->count; i++) bytes += j->sizes[i];
+    STAT_ADD(m, ST_BYTES, bytes);
+    if (r != CUDA_SUCCESS) STAT_ADD(m, ST_FAILED_JOBS, 1);
     pthread_mutex_unlock(&m->lock);
 }
 
@@ -502,9 +507,7 @@ int kvc_ticket_release(void* handle, uint64_t ticket) {
 int kvc_stats(void* handle, uint64_t* out, int capacity) {
     mover_t* m = handle;
     int n = capacity < ST_COUNT ? capacity : ST_COUNT;
-    pthread_mutex_lock(&m->lock);
-    memcpy(out, m->stats, (size_t)n * sizeof(uint64_t));
-    pthread_mutex_unlock(&m->lock);
+    for (int i = 0; i < n; i++) out[i] = __atomic_load_n(&m->stats[i], __ATOMIC_RELAXED);
     return n;
 }
 
