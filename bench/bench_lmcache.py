@@ -247,11 +247,13 @@ def write_plots(rows: list[dict], folder: Path) -> list[Path]:
             mids = [(lo + hi) / 2 for lo, hi in spans]
             errs = [[m - lo for m, (lo, _) in zip(mids, spans)], [hi - m for m, (_, hi) in zip(mids, spans)]]
             ax.bar([x + (i - 1) * 0.27 for x in xs], mids, 0.27, yerr=errs, capsize=3, label=label)
-        for x, r in zip(xs, chosen):
-            ax.annotate(f"{r['ratio'][0]:.2f}-{r['ratio'][1]:.2f}x", (x, 0), xytext=(0, 3),
+        for x, r in zip(xs, chosen):  # the ratio kvtier/LMCache above each group
+            top = max(r[f"{name}_gbps"][1] for name in ("kvtier", "lmcache", "memcpy"))
+            ax.annotate(f"{r['ratio'][0]:.2f}-{r['ratio'][1]:.2f}x", (x, top), xytext=(0, 6),
                         textcoords="offset points", ha="center", fontsize=8)
+        ax.margins(y=0.15)
         ax.set_xticks(xs, [format_size(r["block_bytes"]) for r in chosen])
-        ax.set_ylabel("GB/s (min-max over rounds)")
+        ax.set_ylabel("GB/s (min-max over rounds; labels: kvtier/LMCache)")
         ax.set_title(f"{'kvtier store vs LMCache put' if op == 'store' else 'kvtier load vs LMCache get'}, "
                      f"{batch} block{'s' if batch > 1 else ''} per call")
         ax.legend()
