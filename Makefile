@@ -9,9 +9,11 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 # Debian packages the tests use: pyverbs (rdma-core) for the RDMA transport, Redis for the pool bench.
 SYSTEM_PKGS := python3-pyverbs redis-server
+# What building kvtier needs: xxHash's header for kvtier/_movers.c (compiled in; nothing at run time).
+BUILD_PKGS := libxxhash-dev
 PYVERBS := /usr/lib/python3/dist-packages/pyverbs
 
-.PHONY: run test test-fast test-rdma bench venv system clean
+.PHONY: run test test-fast test-rdma bench venv system build-deps clean
 
 define VLLM_ALIAS
 import importlib.metadata as m, pathlib, shutil
@@ -37,7 +39,15 @@ system:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "make: missing Debian packages: $$missing (sudo apt-get install $$missing); their tests will skip"; fi
 
-$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c
+# The build's own Debian packages: without them the build cannot succeed, so a non-root user is told and make stops.
+build-deps:
+	@missing=$$(for p in $(BUILD_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "make: kvtier's build needs Debian packages: $$missing (sudo apt-get install $$missing)"; exit 1; fi
+
+$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/_movers.c | build-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"

@@ -111,6 +111,10 @@ class TransferHandle:
 
     # ---- engine side ---------------------------------------------------------------------
 
+    def is_cancelling(self) -> bool:
+        """Whether any block of the transfer was asked to stop (`cancel`)."""
+        return self._cancelled is not None
+
     def is_cancelled(self, key: Hashable) -> bool:
         c = self._cancelled
         return c is not None and (not c or key in c)

@@ -103,6 +103,8 @@ class KVTier:
                                      inline_bytes=config.transfer.inline_bytes, stats=self.stats,
                                      background_nice=config.transfer.background_nice,
                                      cpus=config.transfer.cpus)
+        # Whether each tier is below DRAM (its writes compute checksums, its reads check them).
+        self._below_dram = {kind: tier.medium in _BELOW_DRAM for kind, tier in self.tiers.items()}
         self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
         self.cost = LoadCost(self.layout.block_tokens)
@@ -171,7 +173,7 @@ class KVTier:
         """
         if background and sync:
             raise ValueError("store: background and sync exclude each other (nobody waits, or the caller does)")
-        buffers = self._check_blocks(keys, blocks, "blocks")
+        buffers = self._caller_ends(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
             plan, through = _split_through(self.manager.prepare_store(taken, target))
@@ -204,14 +206,14 @@ class KVTier:
         handle at once: the copies run in its thread (no hand-off to a worker and back), the
         handle is done on return, and a hung disk or node holds the caller (no wait timeout).
         """
-        buffers = self._check_blocks(keys, into, "into")
+        buffers = self._caller_ends(keys, into, "into")
         with self._lock:
             plan = self.manager.prepare_load(keys)
             self._submit_moves(plan.moves, background=False)
-            ops = [CopyOp(s.key, self._end(s.tier, s.slot), Endpoint(buffer=buffers[s.key]),
+            ops = [CopyOp(s.key, self._end(s.tier, s.slot), buffers[s.key],
                           verify=self._expected(s.key, s.tier, s.checksums),
-                          after=self._move_handles.get(s.after_move),
-                          fallback=self._fallback_op(s.key, s.fallback, Endpoint(buffer=buffers[s.key])))
+                          after=self._move_handles.get(s.after_move) if s.after_move is not None else None,
+                          fallback=self._fallback_op(s.key, s.fallback, buffers[s.key]))
                    for s in plan.sources]
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
@@ -412,7 +414,7 @@ class KVTier:
     def _expected(self, key: Hashable, tier: TierKind, checksums: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """What a read of `key` from `tier` is checked against: the `checksums` its plan carries
         where the tier is below DRAM; None where the read is not checked."""
-        if self.tiers[tier].medium not in _BELOW_DRAM:
+        if not self._below_dram[tier]:
             return None
         if checksums is None and self.tiers[tier].checks_reads:
             return None  # adopted from a shared tier, which checks each block it reads
@@ -473,7 +475,7 @@ class KVTier:
         return keys[:fits], keys[fits:]
 
     def _store_done(self, plan: StorePlan, through: Sequence[StorePlan], h: TransferHandle,
-                    buffers: Mapping[Hashable, torch.Tensor], backlog: int) -> None:
+                    buffers: Mapping[Hashable, Endpoint], backlog: int) -> None:
         """Applies a store once its first copies landed; first writes its write-through copies
         (`_split_through`), in this thread, while the caller's buffers are still its to read."""
         try:
@@ -494,12 +496,13 @@ class KVTier:
             with self._lock:
                 self._backlog_bytes -= backlog
 
-    def _store_ops(self, plan: StorePlan, buffers: Mapping[Hashable, torch.Tensor]) -> list[CopyOp]:
-        return [CopyOp(p.key, Endpoint(buffer=buffers[p.key]), self._end(p.tier, p.slot),
-                       checksum=self.tiers[p.tier].medium in _BELOW_DRAM) for p in plan.placements]
+    def _store_ops(self, plan: StorePlan, buffers: Mapping[Hashable, Endpoint]) -> list[CopyOp]:
+        tiers, below = self.tiers, self._below_dram
+        return [CopyOp(p.key, buffers[p.key], Endpoint(tiers[p.tier], p.slot), checksum=below[p.tier])
+                for p in plan.placements]
 
     def _on_stored(self, plan: StorePlan, h: TransferHandle, caller: TransferHandle,
-                   buffers: Mapping[Hashable, torch.Tensor]) -> None:
+                   buffers: Mapping[Hashable, Endpoint]) -> None:
         """Applies a finished store (`h`, reporting to the `caller`'s handle).
 
         A block whose write failed, with no other copy, is stored again in the next tier in
@@ -540,7 +543,7 @@ class KVTier:
                 plans.append(plan)
         return plans
 
-    def _store_again(self, plan: StorePlan, caller: TransferHandle, buffers: Mapping[Hashable, torch.Tensor]) -> None:
+    def _store_again(self, plan: StorePlan, caller: TransferHandle, buffers: Mapping[Hashable, Endpoint]) -> None:
         """Runs a retry plan in this thread; the caller's handle learns each block's outcome."""
         with self._lock:
             ops = self._store_ops(plan, buffers)
@@ -651,22 +654,32 @@ class KVTier:
         with self._lock:  # asked now, not when the prefetch started: a load may have joined since
             prefetch.handle.cancel(self.manager.cancellable(prefetch.moves))
 
-    def _check_blocks(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, torch.Tensor]:
+    def _caller_ends(self, keys: Sequence[Hashable], blocks, what: str) -> dict[Hashable, Endpoint]:
+        """The caller's block of each key as a copy's end: row `i` of a `[len(keys), block_bytes]`
+        uint8 tensor with dense rows (one piece of memory for the whole batch), or the `i`-th of
+        a sequence (or first dimension) of 1-D contiguous uint8 tensors of a block each.
+
+        Raises:
+            ValueError: a block of the wrong dtype, shape or layout (naming `what[i]`), a count
+                that differs from the keys', or a key twice.
+        """
         n = self.layout.block_bytes
         rows = isinstance(blocks, torch.Tensor) and blocks.dim() == 2
         if rows and blocks.shape[1] == n and blocks.dtype == torch.uint8 and (n == 1 or blocks.stride(1) == 1):
-            bufs = blocks.unbind(0)  # each row of a [k, n] uint8 tensor whose rows are dense is a valid block
+            count, ends = blocks.shape[0], [Endpoint(buffer=blocks, slot=i) for i in range(blocks.shape[0])]
         else:
             bufs = blocks.unbind(0) if isinstance(blocks, torch.Tensor) and blocks.dim() else list(blocks)
             for i, b in enumerate(bufs):
                 if b.dtype != torch.uint8 or b.dim() != 1 or b.numel() != n or not b.is_contiguous():
                     raise ValueError(f"{what}[{i}]: expected a contiguous uint8 tensor of {n} bytes, "
                                      f"got {b.dtype} {tuple(b.shape)}")
-        if len(bufs) != len(keys):
-            raise ValueError(f"{what}: {len(bufs)} blocks for {len(keys)} keys")
-        if len(set(keys)) != len(keys):
+            count, ends = len(bufs), [Endpoint(buffer=b) for b in bufs]
+        if count != len(keys):
+            raise ValueError(f"{what}: {count} blocks for {len(keys)} keys")
+        found = dict(zip(keys, ends))
+        if len(found) != len(keys):
             raise ValueError(f"{what}: duplicate keys in one call")
-        return dict(zip(keys, bufs))
+        return found
 
     def _tier_closers(self) -> list[tuple[str, Callable[[], None]]]:
         return [(f"{kind.name} tier", tier.close) for kind, tier in self.tiers.items()]

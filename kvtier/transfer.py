@@ -1,32 +1,35 @@
 """The transfer engine moves bytes; it decides nothing.
 
 It executes batches of `CopyOp`s between endpoints — a slot of a tier, or a caller's buffer —
-layer by layer, and reports per-layer progress and per-block failures on a `TransferHandle`.
-Each copy takes the `Route` its engine's route table holds for (source medium, destination
-medium): a tier's `Medium`, and for a caller's buffer `Medium.HOST` (CPU memory) or
-`Medium.DEVICE` (CUDA memory). Adding a way to move bytes is adding an entry (`add_route`); a
-copy between two media with no entry is refused when it is submitted. The built-in entries:
+layer span by layer span, and reports per-layer progress and per-block failures on a
+`TransferHandle`. Each span of a batch goes to the `Route`s its engine's route table holds for
+(source medium, destination medium) — a tier's `Medium`, and for a caller's buffer `Medium.HOST`
+(CPU memory) or `Medium.DEVICE` (CUDA memory) — one call per route with every block of the batch
+(`SpanBatch`), so a route moves the whole batch in native code, outside the GIL, with no Python
+per block. Adding a way to move bytes is adding an entry (`add_route`; `Route.per_block` turns a
+single-block copy into one); a copy between two media with no entry is refused when it is
+submitted. The built-in entries (`kvtier.routes`):
 
-- host ↔ host (DRAM, CPU buffers): one NumPy copy;
-- memory ↔ memory with a device end (HBM, CUDA buffers): `Tensor.copy_` on the engine's own CUDA
-  stream, the layer completing on a CUDA event (a CPU tensor standing in for HBM: a NumPy copy);
-- disk/remote → host: the tier's `read` into the destination itself; → device: into a host
-  staging buffer, then up to the device;
-- host → disk/remote: the tier's `write` from the source itself; device →: down into a staging
-  buffer first; disk/remote → disk/remote: read into a staging buffer, written from it.
+- host ↔ host (DRAM, CPU buffers, a CPU tensor standing in for HBM): one native copy per batch;
+- memory ↔ memory with a CUDA end: `Tensor.copy_` on the engine's own CUDA stream, the span
+  completing on a CUDA event;
+- disk/remote → memory: the tier's `read_spans` straight into the destinations (into a host
+  staging buffer, then up, for device memory); memory → disk/remote: the tier's `write_spans`
+  from the sources (down into a staging buffer first from device memory); disk/remote →
+  disk/remote: block by block through a staging buffer.
 
-Disk and remote routes run on the I/O worker pool so the blocks of one layer are in flight
-together (queue depth = workers); a shared tier (the pool) is told each slot's key (`bind`)
-before it is read or written.
+Spans: layers are copied in runs of at least `chunk_bytes`, each reported as it lands, so that
+`wait_layer(l)` returns before later layers land; a batch nobody can watch (run in the caller's
+thread) is one span of every layer.
 
 Every route checks the bytes it reads against the per-layer checksums (xxh3-64) a copy carries
 (`CopyOp.verify`: the runtime gives them for every read from below DRAM) before the layer is
 reported done, and computes them on the way where the copy asks (`CopyOp.checksum`: every write
-below DRAM whose block has none yet). A checksum
-is seeded with the block's key and the layer's index (`block_seed`), so it binds the bytes to the
-block and the place they belong: a record whose key was moved (a misdirected write, an offset bug,
-a swapped journal entry) or a layer read from another layer's offset fails the check and is a
-miss, never another block's KV served as good.
+below DRAM whose block has none yet). A checksum is seeded with the block's key and the layer's
+index (`block_seed`), so it binds the bytes to the block and the place they belong: a record
+whose key was moved (a misdirected write, an offset bug, a swapped journal entry) or a layer
+read from another layer's offset fails the check and is a miss, never another block's KV
+served as good.
 """
 
 from __future__ import annotations
@@ -37,141 +40,35 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from types import MappingProxyType
 
-import numpy as np
 import torch
-import xxhash
 
+from kvtier.copies import BlockCopy, CopyOp, Endpoint, Route, SpanBatch, StageError, block_seed, layer_checksum
 from kvtier.cpus import pin_thread
-from kvtier.errors import IntegrityError, TierUnavailable, TransferError
+from kvtier.errors import TierUnavailable, TransferError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.layout import BlockLayout
+from kvtier.routes import BuiltinRoutes
 from kvtier.stats import Stats
-from kvtier.tiers.base import Medium, Tier, TierKind, copy_bytes
+from kvtier.tiers.base import Medium
 
 log = logging.getLogger(__name__)
-_U64 = (1 << 64) - 1
-_TIER_NAMES = {kind: kind.name.lower() for kind in TierKind}  # route labels, built once: every copy names two
-_BUFFER_NAMES = {"cpu": "buffer:cpu", "cuda": "buffer:cuda"}
 _HOST, _DEVICE = Medium.HOST, Medium.DEVICE
 _SLOW = (Medium.REMOTE, Medium.DISK)
-_NO_SUMS: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """One end of a copy: `slot` of `tier`, or a caller's `buffer` holding one whole block."""
-
-    tier: Tier | None = None
-    slot: int = -1
-    buffer: torch.Tensor | None = None
-
-    @property
-    def name(self) -> str:
-        if self.tier is not None:
-            return _TIER_NAMES[self.tier.kind]
-        kind = self.buffer.device.type
-        return _BUFFER_NAMES.get(kind) or f"buffer:{kind}"
-
-    def view(self, offset: int, length: int) -> torch.Tensor | None:
-        if self.buffer is not None:
-            return self.buffer[offset: offset + length]
-        return self.tier.view(self.slot, offset, length)
-
-    @property
-    def medium(self) -> enum.Enum:
-        """What the route table knows this end by: its tier's medium; for a buffer, `DEVICE`
-        (CUDA memory) or `HOST` (CPU memory)."""
-        if self.tier is not None:
-            return self.tier.medium
-        return _DEVICE if self.buffer.is_cuda else _HOST
-
-    @property
-    def below_dram(self) -> bool:
-        return self.tier is not None and self.tier.medium in _SLOW
-
-
-@dataclass(frozen=True, slots=True)
-class CopyOp:
-    """Copy block `key` from `src` to `dst`.
-
-    Attributes:
-        verify: expected per-layer checksums of the source bytes, checked after each layer's read.
-        checksum: compute per-layer checksums of the bytes (into `handle.checksums`).
-        after: a transfer that writes `src` (a move this copy joined); layer `l` is read only after
-            `after` has finished layer `l`, and the copy fails if `after` failed this key.
-        fallback: the same block's copy from another source (same `key` and `dst`, its own
-            `verify`): where a span cannot be read from `src` or fails its check, that span and the
-            rest are read from here before the layers are reported, and the block is in
-            `handle.fell_back` instead of `handle.failed` (unless the fallback fails too).
-    """
-
-    key: Hashable
-    src: Endpoint
-    dst: Endpoint
-    verify: tuple[int, ...] | None = None
-    checksum: bool = False
-    after: TransferHandle | None = None
-    fallback: CopyOp | None = None
-
-
-def block_seed(key: Hashable) -> int:
-    """The 64-bit seed of `key`'s checksums: a digest of the key's bytes (its `repr` for keys that
-    are not bytes, e.g. the integers tests use), so equal keys agree across processes and restarts."""
-    return xxhash.xxh3_64_intdigest(key if isinstance(key, bytes) else repr(key).encode())
-
-
-def layer_checksum(host_bytes: torch.Tensor, seed: int = 0, layer: int = 0) -> int:
-    """xxh3-64 of a CPU uint8 tensor's bytes, seeded with `seed` (a `block_seed`) and the layer index."""
-    return xxhash.xxh3_64_intdigest(host_bytes.numpy(), seed=(seed + layer) & _U64)
-
-
-# `copy(op, first, last, ready)`: see `Route`.
-RouteCopy = Callable[[CopyOp, int, int, "torch.cuda.Event | None"], Sequence[int]]
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """How one copy goes from a medium to another: an entry of a `TransferEngine`'s route table.
-
-    Attributes:
-        copy: `copy(op, first, last, ready)` copies layers `first..last` of `op`'s block, checks
-            the source bytes against `op.verify` where given, and returns their per-layer
-            checksums where `op.checksum` asks for them (else an empty sequence). `ready` is the
-            CUDA event after the caller's queued GPU work (None without CUDA), which a copy that
-            reads a caller's device buffer must wait on. A block that fails raises `StageError`
-            (the stage, the cause, the layer); any other exception fails the whole batch as a bug.
-            A copy may run on any worker thread, several at once, never two on the same slot.
-        io: the copy waits on a disk or the network: it runs on the I/O workers, the blocks of one
-            layer in flight together, and never inline in the submitting thread.
-        host_rows: both ends are memory, so a whole block between two host-memory rows
-            (`Tier.host_rows`, a CPU buffer) may be copied by one NumPy copy instead of `copy`.
-    """
-
-    copy: RouteCopy
-    io: bool = False
-    host_rows: bool = False
-
-
-class StageError(Exception):
-    """One block's copy failed at `stage` (`Stage.READ`, `WRITE`, `VERIFY`) because of `cause`, at
-    `layer` (None: the first of the span); the block is reported failed, the batch goes on."""
-
-    def __init__(self, stage: str, cause: BaseException, layer: int | None = None) -> None:
-        super().__init__(f"{stage}: {cause}")
-        self.stage, self.cause, self.layer = stage, cause, layer
+_FALLBACK_STAGES = (Stage.READ, Stage.VERIFY)
 
 
 class TransferEngine:
-    """Runs batches of copies on worker threads, each by the route of its two ends' media.
+    """Runs batches of copies, each span of a batch by one call per route (see `Route`).
 
     Args:
         layout: the block layout every copy follows.
-        io_workers: threads for disk/remote I/O (the queue depth of one layer's batch).
+        io_workers: threads for disk/remote I/O that a block-by-block route spreads one batch's
+            copies over (the queue depth), and that run a route's batch beside the memory
+            copies of the same transfer.
         job_workers: batches that may run at once.
         chunk_bytes: consecutive layers are copied together until a copy reaches this size
             (0: one copy per layer).
@@ -204,8 +101,10 @@ class TransferEngine:
         self._lanes = (_Lane("kvtier", job_workers, io_workers, 0, cpus),
                        _Lane("kvtier-bg", job_workers, io_workers, background_nice, cpus))
         self._all_spans = self._layer_spans(range(layout.num_layers))  # the usual case, computed once
+        self._whole = [(0, layout.num_layers - 1)]
         self._local = threading.local()
         self._cuda = _CudaCopier() if torch.cuda.is_available() else None
+        self._builtin = BuiltinRoutes(layout, self._cuda, self._staging)
         self._routes: dict[tuple[enum.Enum, enum.Enum], Route] = {}
         # The same entries keyed by the media's ids, which each copy looks up: an Enum member's
         # hash is a Python call (~250 ns a medium on this host), its id a C one, and members are
@@ -254,18 +153,17 @@ class TransferEngine:
         return route
 
     def _builtin_routes(self) -> dict[tuple[enum.Enum, enum.Enum], Route]:
-        host, device = Medium.HOST, Medium.DEVICE
-        memory = Route(self._copy_device, host_rows=True)
-        routes = {(host, host): Route(self._copy_host, host_rows=True),
-                  (host, device): memory, (device, host): memory, (device, device): memory}
+        host, device, routes = Medium.HOST, Medium.DEVICE, self._builtin
+        memory = Route(routes.move_memory)
+        table = {(host, host): Route(routes.move_host),
+                 (host, device): memory, (device, host): memory, (device, device): memory}
+        relay = Route.per_block(routes.relay, io=True)
         for slow in _SLOW:
-            routes[slow, host] = Route(self._read_into_host, io=True)
-            routes[slow, device] = Route(self._read_into_device, io=True)
-            routes[host, slow] = Route(self._write_from_host, io=True)
-            routes[device, slow] = Route(self._write_from_device, io=True)
+            table[slow, host] = table[slow, device] = Route(routes.read, io=True)
+            table[host, slow] = table[device, slow] = Route(routes.write, io=True)
             for other in _SLOW:
-                routes[slow, other] = Route(self._relay, io=True)
-        return routes
+                table[slow, other] = relay
+        return table
 
     # ---- submission ----------------------------------------------------------------------
 
@@ -294,44 +192,52 @@ class TransferEngine:
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        routes = [self.route(op.src, op.dst) for op in ops]
+        routes, names = self._routes_of(ops)
         handle = handle or TransferHandle([op.key for op in ops], self.layout.num_layers)
         if self._cuda is not None:  # the caller's pending GPU work on its buffers comes first
             handle.cuda_ready = self._cuda.mark_caller()
         lane = self._lanes[background]
         if inline and self._runs_inline(ops, routes):  # done when this returns; `on_done` has run in this thread
-            self._run_whole(ops, routes, handle, on_done, layers, time.perf_counter())
+            self._run(lane, list(ops), routes, names, handle, on_done, layers, time.perf_counter(), whole=True)
         else:
-            lane.jobs.submit(self._run, lane, list(ops), routes, handle, on_done, layers, time.perf_counter())
+            lane.jobs.submit(self._run, lane, list(ops), routes, names, handle, on_done, layers, time.perf_counter())
         return handle
 
     def run_now(self, ops: Sequence[CopyOp], handle: TransferHandle,
                 on_done: Callable[[TransferHandle], None] | None = None) -> TransferHandle:
-        """Copies `ops` in the calling thread (all but one of a batch's disk and remote copies
-        still on the I/O workers, so that they are in flight together) and returns when they are
-        done, `on_done` run and `handle` finished. For a caller that would only wait for a
-        worker (a thread hand-off and the wake-up back cost 60-120 µs on a virtualized host), and
-        for a completion callback that must copy more before its own handle finishes (the
-        runtime's store retries). Raises as `submit`."""
+        """Copies `ops` in the calling thread and returns when they are done, `on_done` run and
+        `handle` finished; nobody watches the layers land, so each block's layers are one span
+        (one call per route for the whole batch). For a caller that would only wait for a worker
+        (a thread hand-off and the wake-up back cost 60-120 µs on a virtualized host), and for a
+        completion callback that must copy more before its own handle finishes (the runtime's
+        store retries). Raises as `submit`."""
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        routes = [self.route(op.src, op.dst) for op in ops]
+        routes, names = self._routes_of(ops)
         if self._cuda is not None:
             handle.cuda_ready = self._cuda.mark_caller()
-        started = time.perf_counter()
-        if self._host_only(ops, routes):  # each block one copy, as an inline batch
-            self._run_whole(ops, routes, handle, on_done, None, started)
-        else:
-            self._run(self._lanes[0], list(ops), routes, handle, on_done, None, started)
+        self._run(self._lanes[0], list(ops), routes, names, handle, on_done, None, time.perf_counter(), whole=True)
         return handle
 
-    def _runs_inline(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
-        """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`)."""
-        return len(ops) * self.layout.block_bytes <= self.inline_bytes and self._host_only(ops, routes)
+    def _routes_of(self, ops: Sequence[CopyOp]) -> tuple[list[Route], list[tuple[tuple[str, str], int]]]:
+        """Each op's route, and the batch's stats labels (`_route_names`); one lookup for the usual
+        batch, whose copies all join the same two tiers or buffers.
 
-    def _host_only(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
-        """Copies between memories alone, without CUDA: no I/O route, none waiting on another transfer."""
-        if self._cuda is not None:
+        Raises:
+            TransferError: as `route`.
+        """
+        if not ops:
+            return [], []
+        first = ops[0]
+        st, sb, dt, db = first.src.tier, first.src.buffer, first.dst.tier, first.dst.buffer
+        if all(op.src.tier is st and op.dst.tier is dt and op.src.buffer is sb and op.dst.buffer is db for op in ops):
+            return [self.route(first.src, first.dst)] * len(ops), [((first.src.name, first.dst.name), len(ops))]
+        return [self.route(op.src, op.dst) for op in ops], _route_names(ops)
+
+    def _runs_inline(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
+        """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`): few enough
+        bytes, copies between memories alone, without CUDA, none waiting on another transfer."""
+        if self._cuda is not None or len(ops) * self.layout.block_bytes > self.inline_bytes:
             return False
         for op, route in zip(ops, routes):
             if route.io or op.after is not None:
@@ -347,14 +253,18 @@ class TransferEngine:
 
     # ---- execution -----------------------------------------------------------------------
 
-    def _run(self, lane: _Lane, ops: list[CopyOp], routes: list[Route], handle: TransferHandle, on_done,
-             layers, submitted: float) -> None:
+    def _run(self, lane: _Lane, ops: list[CopyOp], routes: list[Route], names, handle: TransferHandle, on_done,
+             layers, submitted: float, whole: bool = False) -> None:
+        """Copies `ops` span by span (`whole`: nobody watches the layers, so all of them are one
+        span where every layer is copied), reports each span's last layer, then applies `on_done`.
+        `names`: the batch's stats labels (`_route_names`)."""
         error: BaseException | None = None
         try:
-            for first, last in self._spans(layers):
-                self._run_span(lane, ops, routes, handle, first, last)
+            spans = self._whole if whole and layers is None else self._spans(layers)
+            for first, last in spans:
+                self._run_span(lane, ops, routes, handle, first, last, names)
                 handle.layer_done(last)
-            self._observe(ops, handle, time.perf_counter() - submitted)
+            self._observe(ops, handle, time.perf_counter() - submitted, names)
             if on_done is not None:
                 on_done(handle)
         except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
@@ -362,63 +272,13 @@ class TransferEngine:
             error = e
         handle.finish(error)
 
-    def _run_whole(self, ops: Sequence[CopyOp], routes: list[Route], handle: TransferHandle, on_done, layers,
-                   submitted: float) -> None:
-        """An inline batch (`_runs_inline`): the caller sees it only once it is done, so layer
-        progress cannot be watched and each block is one copy of its layers, without spans."""
-        if layers is not None:
-            return self._run(self._lanes[0], list(ops), routes, handle, on_done, layers, submitted)
-        error: BaseException | None = None
-        last = self.layout.num_layers - 1
-        try:
-            rows: list[CopyOp] = []  # copied row to row: their bytes are counted once, below
-            for op, route in zip(ops, routes):
-                if handle.is_cancelled(op.key):
-                    handle.fail(op.key, Stage.CANCELLED, 0, "cancelled")
-                elif op.key not in handle.failed:
-                    if route.host_rows and self._copy_rows(op):
-                        rows.append(op)
-                    else:
-                        self._copy_guarded(op, route, handle, 0, last)
-            if rows:
-                self._count_rows(rows)
-            handle.layer_done(last)
-            self._observe(ops, handle, time.perf_counter() - submitted)
-            if on_done is not None:
-                on_done(handle)
-        except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
-            log.exception("transfer of %d blocks failed", len(ops))
-            error = e
-        handle.finish(error)
-
-    def _copy_rows(self, op: CopyOp) -> bool:
-        """Copies a whole block between host-memory rows (`Tier.host_rows`, a CPU buffer) with one
-        NumPy copy and no tensor views; False where an end is not such memory (then its route
-        copies it)."""
-        if op.verify is not None or op.checksum:
-            return False
-        src, dst = _row(op.src), _row(op.dst)
-        if src is None or dst is None:
-            return False
-        np.copyto(dst, src, casting="no")
-        return True
-
-    def _count_rows(self, ops: list[CopyOp]) -> None:
-        """Bytes moved by `_copy_rows` copies, one count per route (the others count themselves)."""
-        if len(ops) == 1:
-            self.stats.add_bytes(ops[0].src.name, ops[0].dst.name, self.layout.block_bytes)
-            return
-        for (src, dst), n in Counter((op.src.name, op.dst.name) for op in ops).items():
-            self.stats.add_bytes(src, dst, n * self.layout.block_bytes)
-
-    def _observe(self, ops: Sequence[CopyOp], handle: TransferHandle, seconds: float) -> None:
-        """Per-block latency, from submission to the last layer landing, by route."""
-        if len(ops) == 1:  # the usual small call: no Counter
-            if ops[0].key not in handle.failed:
-                self.stats.observe_transfer(ops[0].src.name, ops[0].dst.name, seconds, 1)
-            return
-        routes = Counter((op.src.name, op.dst.name) for op in ops if op.key not in handle.failed)
-        for (src, dst), n in routes.items():
+    def _observe(self, ops: Sequence[CopyOp], handle: TransferHandle, seconds: float, names) -> None:
+        """Per-block latency, from submission to the last layer landing, by route (`names`: the
+        batch's `_route_names`, which hold where no block failed)."""
+        failed = handle.failed
+        if failed:
+            names = _route_names([op for op in ops if op.key not in failed])
+        for (src, dst), n in names:
             self.stats.observe_transfer(src, dst, seconds, n)
 
     def _spans(self, layers: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -442,23 +302,78 @@ class TransferEngine:
         return self.layout.offsets[last + 1] - self.layout.offsets[first]
 
     def _run_span(self, lane: _Lane, ops: list[CopyOp], routes: list[Route], handle: TransferHandle,
-                  first: int, last: int) -> None:
-        live = [i for i, op in enumerate(ops) if self._still_live(op, handle, first, last)]
-        slow = [i for i in live if routes[i].io]
-        # All but one I/O copy go to the I/O workers, so that they are in flight together; this
-        # thread does the last itself (at queue depth 1: no hand-off at all) and the memory ones.
-        futures = [lane.io.submit(self._copy_guarded, ops[i], routes[i], handle, first, last) for i in slow[:-1]]
-        for i in live:
-            if not routes[i].io:
-                self._copy_guarded(ops[i], routes[i], handle, first, last)
-        if slow:
-            self._copy_guarded(ops[slow[-1]], routes[slow[-1]], handle, first, last)
-        if futures:
-            wait(futures)
-        if handle.fell_back:
-            self._take_fallbacks(ops, routes, handle)
+                  first: int, last: int, names) -> None:
+        """Layers first..last of every live op: one batch per route, an I/O route's batch on an I/O
+        worker while this thread runs the others; then the fallbacks of blocks whose source failed."""
+        live = self._live(ops, handle, first, last)
+        if live:
+            # The batch's stats labels hold while every op is live and none has been replaced.
+            whole = names if len(live) == len(ops) and not handle.fell_back else None
+            failed_over = self._run_batches(lane, ops, routes, live, handle, first, last, whole)
+            if failed_over:  # their fallbacks, read now, and from there for the later spans
+                for i in failed_over:
+                    ops[i] = ops[i].fallback
+                    routes[i] = self.route(ops[i].src, ops[i].dst)
+                self._run_batches(lane, ops, routes, failed_over, handle, first, last, None)
         if self._cuda is not None:
             self._cuda.sync()
+
+    def _run_batches(self, lane: _Lane, ops: list[CopyOp], routes: list[Route], live: list[int],
+                     handle: TransferHandle, first: int, last: int, names) -> list[int]:
+        """Runs the span of the ops at `live`, grouped by route; applies the outcomes to `handle`
+        and returns the ops whose source failed and that have a fallback to read instead.
+        `names`: the stats labels of all `ops` where `live` is all of them (else None)."""
+        offset = self.layout.offsets[first]
+        length = self.layout.offsets[last + 1] - offset
+        groups = _by_route(routes, live)
+        batches = [SpanBatch([ops[i] for i in indices], first, last, offset, length, handle.cuda_ready, lane.io)
+                   for _, indices in groups]
+        if len(groups) == 1:
+            groups[0][0].run(batches[0])
+        else:
+            futures = [lane.io.submit(route.run, batch) for (route, _), batch in zip(groups, batches) if route.io]
+            for (route, _), batch in zip(groups, batches):
+                if not route.io:
+                    route.run(batch)
+            wait(futures)
+            for f in futures:
+                f.result()  # a bug in a route fails the transfer
+        failed_over: list[int] = []
+        whole = names if len(groups) == 1 else None
+        for (_, indices), batch in zip(groups, batches):
+            failed_over += self._apply(batch, indices, handle, whole)
+        return failed_over
+
+    def _apply(self, batch: SpanBatch, indices: list[int], handle: TransferHandle, names) -> list[int]:
+        """Reports one route's batch to `handle`: failures (or a fallback to take), checksums,
+        bytes moved (`names`: the batch's stats labels where known, else None). Returns the
+        indices (into the transfer's ops) to read from their fallback."""
+        failed_over: list[int] = []
+        for j, e in batch.failed.items():
+            op = batch.ops[j]
+            # The failure is the whole span's: a route reads a span, checks it, then writes it, so
+            # no layer of it is in place (the error's text names the layer that failed).
+            if op.fallback is not None and e.stage in _FALLBACK_STAGES and op.key not in handle.fell_back:
+                handle.fell_back[op.key] = Failure(e.stage, batch.first, str(e.cause),
+                                                   isinstance(e.cause, TierUnavailable))
+                failed_over.append(indices[j])
+            else:
+                handle.fail(op.key, e.stage, batch.first, e.cause)
+        for j, sums in batch.checksums.items():
+            if j not in batch.failed:
+                handle.checksums.setdefault(batch.ops[j].key, []).extend(sums)
+        if batch.failed or names is None:
+            names = _route_names([op for j, op in enumerate(batch.ops) if j not in batch.failed])
+        for (src, dst), n in names:
+            self.stats.add_bytes(src, dst, n * batch.length)
+        return failed_over
+
+    def _live(self, ops: list[CopyOp], handle: TransferHandle, first: int, last: int) -> list[int]:
+        """The ops still to copy this span: neither failed nor cancelled, and whose `after`
+        transfer has landed the span (failing them where it failed the block)."""
+        if not handle.failed and not handle.is_cancelling() and all(op.after is None for op in ops):
+            return list(range(len(ops)))  # the usual batch, checked in one pass
+        return [i for i, op in enumerate(ops) if self._still_live(op, handle, first, last)]
 
     def _still_live(self, op: CopyOp, handle: TransferHandle, first: int, last: int) -> bool:
         if op.key in handle.failed:
@@ -476,157 +391,6 @@ class TransferEngine:
                 return False
         return True
 
-    def _take_fallbacks(self, ops: list[CopyOp], routes: list[Route], handle: TransferHandle) -> None:
-        """Each copy whose source failed (`handle.fell_back`) reads its later spans from its fallback."""
-        for i, op in enumerate(ops):
-            if op.fallback is not None and op.key in handle.fell_back:
-                ops[i], routes[i] = op.fallback, self.route(op.fallback.src, op.fallback.dst)
-
-    def _copy_guarded(self, op: CopyOp, route: Route, handle: TransferHandle, first: int, last: int) -> None:
-        try:
-            checksums = route.copy(op, first, last, handle.cuda_ready)
-        except StageError as e:
-            # The failure is the whole span's: a route reads a span, checks it, then writes it, so
-            # no layer of it is in place (the error's text names the layer that failed). Where the
-            # source failed and the copy has a fallback, the span is copied from there instead.
-            if op.fallback is not None and e.stage in (Stage.READ, Stage.VERIFY):
-                handle.fell_back[op.key] = Failure(e.stage, first, str(e.cause), isinstance(e.cause, TierUnavailable))
-                fallback = op.fallback
-                return self._copy_guarded(fallback, self.route(fallback.src, fallback.dst), handle, first, last)
-            handle.fail(op.key, e.stage, first, e.cause)
-            return
-        if checksums:
-            handle.checksums.setdefault(op.key, []).extend(checksums)
-        self.stats.add_bytes(op.src.name, op.dst.name, self._span_bytes(first, last))
-
-    # ---- the built-in routes (see `Route` for what each must do) -----------------------------
-
-    def _copy_host(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """host memory → host memory: one NumPy copy between the two ends' views."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        length = offsets[last + 1] - offset
-        src = op.src.view(offset, length)
-        checksums = self._check(op, src, first, last) if op.verify is not None or op.checksum else _NO_SUMS
-        copy_bytes(op.dst.view(offset, length), src)
-        return checksums
-
-    def _copy_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """memory ↔ memory, one end device memory: `copy_` on this thread's CUDA stream, queued
-        behind the caller's work (`ready`); the layer completes when the stream's event does
-        (`_run_span`). A CPU tensor standing in for the device (no CUDA) is copied as host memory."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        length = offsets[last + 1] - offset
-        src, dst = op.src.view(offset, length), op.dst.view(offset, length)
-        checksums = _NO_SUMS
-        if op.verify is not None or op.checksum:
-            checksums = self._check(op, self._on_host(src, length, ready), first, last)
-        if src.is_cuda or dst.is_cuda:
-            self._cuda.copy(dst, src, blocking=False, after=ready)
-        else:
-            copy_bytes(dst, src)
-        return checksums
-
-    def _read_into_host(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """disk/remote → host memory: the tier reads straight into the destination, whose bytes
-        are checked before the layer is reported done."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        host = op.dst.view(offset, offsets[last + 1] - offset)
-        self._read(op, host, offset)
-        return self._check(op, host, first, last)
-
-    def _read_into_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """disk/remote → device memory: read into a host staging buffer, checked there, then copied
-        up and waited for (the buffer is reused at once); a CPU stand-in is read into directly."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        length = offsets[last + 1] - offset
-        dst = op.dst.view(offset, length)
-        host = self._staging(length, 0) if dst.is_cuda else dst
-        self._read(op, host, offset)
-        checksums = self._check(op, host, first, last)
-        if host is not dst:
-            self._cuda.copy(dst, host, blocking=True, after=ready)
-        return checksums
-
-    def _write_from_host(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """host memory → disk/remote: checksums of the source's bytes, then the tier's write from them."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        host = op.src.view(offset, offsets[last + 1] - offset)
-        checksums = self._check(op, host, first, last)
-        self._write(op, host, offset)
-        return checksums
-
-    def _write_from_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """device memory → disk/remote: down into a host staging buffer (after the caller's work,
-        waited for), then as from host memory."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        length = offsets[last + 1] - offset
-        host = self._on_host(op.src.view(offset, length), length, ready)
-        checksums = self._check(op, host, first, last)
-        self._write(op, host, offset)
-        return checksums
-
-    def _relay(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """disk/remote → disk/remote: read into a host staging buffer, checked, written from it."""
-        offsets = self.layout.offsets
-        offset = offsets[first]
-        host = self._staging(offsets[last + 1] - offset, 0)
-        self._read(op, host, offset)
-        checksums = self._check(op, host, first, last)
-        self._write(op, host, offset)
-        return checksums
-
-    # ---- what the routes share -------------------------------------------------------------
-
-    def _read(self, op: CopyOp, host: torch.Tensor, offset: int) -> None:
-        """The source tier's `read` of the span at `offset` into `host`; a shared tier is told the key first."""
-        tier, slot = op.src.tier, op.src.slot
-        if tier.shared:
-            tier.bind(slot, op.key)
-        _stage(Stage.READ, tier.read, slot, host, offset)
-
-    def _write(self, op: CopyOp, host: torch.Tensor, offset: int) -> None:
-        """The destination tier's `write` of `host` at `offset`; a shared tier is told the key first."""
-        tier, slot = op.dst.tier, op.dst.slot
-        if tier.shared:
-            tier.bind(slot, op.key)
-        _stage(Stage.WRITE, tier.write, slot, host, offset)
-
-    def _on_host(self, t: torch.Tensor, length: int, ready=None) -> torch.Tensor:
-        """`t` itself where it is host memory; else a staging copy of it, waited for."""
-        if not t.is_cuda:
-            return t
-        host = self._staging(length, 1)
-        self._cuda.copy(host, t, blocking=True, after=ready)
-        return host
-
-    def _check(self, op: CopyOp, host: torch.Tensor, first: int, last: int) -> Sequence[int]:
-        """Checks `host` (layers first..last of the block, in host memory) against `op.verify`,
-        where given; returns their checksums where `op.checksum` asks for them."""
-        if op.verify is None and not op.checksum:
-            return _NO_SUMS
-        checksums = self._checksums(host, op.key, first, last)
-        if op.verify is not None:
-            for layer, got in zip(range(first, last + 1), checksums):
-                if got != op.verify[layer]:
-                    raise StageError(Stage.VERIFY, IntegrityError(
-                        f"block {_short(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
-                        "checksum mismatch"), layer)
-        return checksums if op.checksum else _NO_SUMS
-
-    def _checksums(self, host: torch.Tensor, key: Hashable, first: int, last: int) -> list[int]:
-        """`layer_checksum` of each layer in `host` (layers first..last), from one view of its
-        bytes: slicing a memoryview per layer costs a fraction of a tensor slice and `.numpy()`."""
-        base, offsets, seed = self.layout.offsets[first], self.layout.offsets, block_seed(key)
-        data, digest = memoryview(host.numpy()), xxhash.xxh3_64_intdigest
-        return [digest(data[offsets[l] - base: offsets[l + 1] - base], seed=(seed + l) & _U64)
-                for l in range(first, last + 1)]
-
     def _staging(self, length: int, which: int) -> torch.Tensor:
         """A per-thread host buffer (pinned with CUDA) of at least `length` bytes."""
         bufs = getattr(self._local, "bufs", None)
@@ -635,6 +399,35 @@ class TransferEngine:
         if bufs[which].numel() < length:
             bufs[which] = torch.empty(length, dtype=torch.uint8, pin_memory=self._cuda is not None)
         return bufs[which][:length]
+
+
+def _by_route(routes: list[Route], live: list[int]) -> list[tuple[Route, list[int]]]:
+    """The `live` op indices grouped by the route each takes, in order of first appearance."""
+    first = routes[live[0]]
+    if all(routes[i] is first for i in live):  # the usual batch: one route
+        return [(first, live)]
+    groups: dict[int, tuple[Route, list[int]]] = {}
+    for i in live:
+        groups.setdefault(id(routes[i]), (routes[i], []))[1].append(i)
+    return list(groups.values())
+
+
+def _route_names(ops: Sequence[CopyOp]) -> list[tuple[tuple[str, str], int]]:
+    """How many of `ops` go between each pair of end names (the stats' labels); one pass of
+    identity checks for the usual batch whose ops all join the same two tiers (or buffer kinds)."""
+    if not ops:
+        return []
+    src, dst = ops[0].src, ops[0].dst
+    if all(_same_kind(op.src, src) and _same_kind(op.dst, dst) for op in ops):
+        return [((src.name, dst.name), len(ops))]
+    return list(Counter((op.src.name, op.dst.name) for op in ops).items())
+
+
+def _same_kind(end: Endpoint, other: Endpoint) -> bool:
+    """Whether two ends have one name: the same tier, or two buffers in one tensor or of one device."""
+    if end.tier is not None or other.tier is not None:
+        return end.tier is other.tier
+    return end.buffer is other.buffer or end.buffer.device == other.buffer.device
 
 
 class _Lane:
@@ -662,27 +455,6 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
     except (AttributeError, OSError) as e:
         log.debug("background transfer threads keep their priority: %s", e)
-
-
-def _stage(stage: str, fn, *args) -> None:
-    try:
-        fn(*args)
-    except (OSError, IndexError, IntegrityError) as e:
-        raise StageError(stage, e) from e
-
-
-def _row(end: Endpoint) -> np.ndarray | None:
-    """A whole block's bytes at `end` as a NumPy array, where they are host memory; else None."""
-    if end.buffer is not None:
-        if end.buffer.device.type != "cpu" or end.buffer.requires_grad:
-            return None
-        return end.buffer.numpy()
-    rows = end.tier.host_rows()
-    return rows[end.slot] if rows is not None and 0 <= end.slot < len(rows) else None
-
-
-def _short(key: Hashable) -> str:
-    return key.hex()[:16] if isinstance(key, bytes) else repr(key)
 
 
 class _CudaCopier:
@@ -726,5 +498,5 @@ class _CudaCopier:
             event.synchronize()
 
 
-__all__ = ["CopyOp", "Endpoint", "Failure", "Route", "Stage", "StageError", "TransferEngine", "TransferHandle",
-           "block_seed", "layer_checksum"]
+__all__ = ["BlockCopy", "CopyOp", "Endpoint", "Failure", "Route", "SpanBatch", "Stage", "StageError", "TransferEngine",
+           "TransferHandle", "block_seed", "layer_checksum"]

@@ -16,7 +16,7 @@ import torch
 from kvtier.errors import TransferError
 from kvtier.handle import Stage
 from kvtier.tiers.base import Medium, Tier, TierKind
-from kvtier.transfer import CopyOp, Endpoint, Route, TransferEngine, layer_checksum, block_seed
+from kvtier.transfer import CopyOp, Endpoint, Route, StageError, TransferEngine, layer_checksum, block_seed
 
 from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 
@@ -103,13 +103,40 @@ def test_an_entry_is_the_function_every_copy_between_its_media_runs(engine):
         tape.read(op.src.slot, op.dst.view(offset, length), offset)
         return [first * 100 + op.key]
 
-    engine.add_route(Tape.TAPE, Medium.HOST, Route(copy, io=True))
+    engine.add_route(Tape.TAPE, Medium.HOST, Route.per_block(copy, io=True))
     tape.data[:] = blocks([0, 1])
     out = torch.zeros(2, BLOCK, dtype=torch.uint8)
     handle = engine.submit([CopyOp(k, Endpoint(tape, k), Endpoint(buffer=out[k])) for k in (0, 1)])
     assert handle.wait(WAIT_S) and torch.equal(out, blocks([0, 1]))
     assert sorted(spans) == sorted((k, l, l, None) for k in (0, 1) for l in range(LAYOUT.num_layers))
     assert handle.checksums == {k: [l * 100 + k for l in range(LAYOUT.num_layers)] for k in (0, 1)}
+
+
+def test_a_route_gets_every_block_of_a_span_in_one_call(engine):
+    """A batched route is called once per layer span with the whole batch; its per-block failures
+    and checksums reach the handle by index, and the other blocks land."""
+    tape = TapeTier(3)
+    calls: list[tuple] = []
+
+    def run(batch):
+        calls.append(([op.key for op in batch.ops], batch.first, batch.last, batch.offset, batch.length))
+        for i, op in enumerate(batch.ops):
+            if op.key == 1:
+                batch.fail(i, StageError(Stage.READ, OSError(5, "bad sector"), batch.first))
+                continue
+            tape.read(op.src.slot, op.dst.view(batch.offset, batch.length), batch.offset)
+            batch.checksums[i] = [op.key] * (batch.last - batch.first + 1)
+
+    engine.add_route(Tape.TAPE, Medium.HOST, Route(run, io=True))
+    tape.data[:] = blocks([0, 1, 2])
+    out = torch.zeros(3, BLOCK, dtype=torch.uint8)
+    handle = engine.submit([CopyOp(k, Endpoint(tape, k), Endpoint(buffer=out[k])) for k in (0, 1, 2)])
+    assert not handle.wait(WAIT_S)
+    assert calls[0] == ([0, 1, 2], 0, 0, 0, LAYOUT.layer_bytes[0]), "the first span: every block, one call"
+    assert [c[0] for c in calls[1:]] == [[0, 2]] * (LAYOUT.num_layers - 1), "a failed block is not copied again"
+    assert set(handle.failed) == {1} and handle.failed[1].stage == Stage.READ and "bad sector" in handle.failed[1].error
+    assert torch.equal(out[0], blocks([0])[0]) and torch.equal(out[2], blocks([2])[0])
+    assert handle.checksums == {0: [0] * LAYOUT.num_layers, 2: [2] * LAYOUT.num_layers}
 
 
 def test_a_copy_between_media_without_a_route_is_refused_naming_both(engine):
@@ -129,7 +156,7 @@ def test_add_route_takes_enum_media_and_a_route(engine):
     with pytest.raises(TypeError, match="enum"):
         engine.add_route("tape", Medium.HOST, route)
     with pytest.raises(TypeError, match="Route"):
-        engine.add_route(Tape.TAPE, Medium.HOST, route.copy)
+        engine.add_route(Tape.TAPE, Medium.HOST, route.run)
     assert (Tape.TAPE, Medium.HOST) not in engine.routes
 
 

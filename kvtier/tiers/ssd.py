@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, TierIOError, TierUnavailable
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, slots_needed
+from kvtier import _movers
+from kvtier.tiers.base import Medium, SpanIO, Tier, TierKind, as_byte_buffer, host_tensor, slots_needed
 from kvtier.tiers.ssd_files import check_reopened, open_directory, open_file, remove_files
 
 ALIGN_BYTES = 4096
@@ -57,6 +58,7 @@ class SSDTier(Tier):
         direct: bool | None = None,
         keep_files: bool = False,
         persist: bool = False,
+        io_threads: int = 4,
     ) -> None:
         """Creates and preallocates the slot files, then decides on O_DIRECT.
 
@@ -69,6 +71,8 @@ class SSDTier(Tier):
             direct: None tries O_DIRECT and falls back to buffered I/O with a warning; True requires
                 it; False uses buffered I/O.
             keep_files: leave the files on disk at `close()` (they are removed by default).
+            io_threads: the threads one batch (`read_spans`/`write_spans`) spreads its I/O over:
+                the queue depth a batch keeps the disk at.
             persist: use stable file names (`kvtier-ssd-<i>.slab`), reuse the files found there and
                 keep them at close, so a later process can serve the blocks; the runtime pairs this
                 with a `SlotJournal` that records what each slot holds.
@@ -84,6 +88,9 @@ class SSDTier(Tier):
             raise ConfigError(
                 f"SSD tier: slot_bytes and num_files must be positive, got {slot_bytes}, {num_files}"
             )
+        if not 1 <= io_threads <= _movers.MAX_THREADS:
+            raise ConfigError(f"SSD tier: io_threads must be 1..{_movers.MAX_THREADS}, got {io_threads}")
+        self.io_threads = io_threads
         self.slot_bytes = slot_bytes
         self.num_slots = slots_needed(capacity_bytes, slot_bytes, "ssd")
         self.slot_stride_bytes = _round_up(slot_bytes, ALIGN_BYTES)
@@ -162,6 +169,58 @@ class SSDTier(Tier):
                 _pread_all(fd, memoryview(data), start + offset, self._direct)
         except OSError as e:
             raise _io_error(e, "read", path, slot, start + offset, len(data)) from e
+
+    def write_spans(self, io: SpanIO) -> dict[int, Exception]:
+        """Batched `write` (see `Tier.write_spans`): one native call for the whole batch, its
+        writes spread over `io_threads` threads (the queue depth) outside the GIL."""
+        return self._spans(io, writing=True)
+
+    def read_spans(self, io: SpanIO) -> dict[int, Exception]:
+        """Batched `read` (see `Tier.read_spans`), as `write_spans`; a slot whose file ends
+        before the range fails alone (never zeros)."""
+        return self._spans(io, writing=False)
+
+    def _spans(self, io: SpanIO, writing: bool) -> dict[int, Exception]:
+        """Every slot of `io` whose range and memory O_DIRECT can take as they are, in one native
+        call; the others (unaligned memory or range) one by one through the bounce buffer."""
+        failed: dict[int, Exception] = {}
+        if len(io) == 0:
+            return failed
+        single = self.write if writing else self.read
+        aligned = not self._direct or (io.offset | io.length) % ALIGN_BYTES == 0
+        in_range = 0 <= io.offset and 0 <= io.length and io.offset + io.length <= self.slot_bytes and self._fds
+        native: list[int] = []
+        for i, (slot, address) in enumerate(zip(io.slots, io.addresses)):
+            if in_range and 0 <= slot < self.num_slots and aligned and (not self._direct or int(address) % ALIGN_BYTES == 0):
+                native.append(i)
+                continue
+            try:  # through the bounce buffer; or the single path raises the error that names the slot
+                single(slot, host_tensor(int(address), io.length), io.offset)
+            except (OSError, IndexError) as e:
+                failed[i] = e
+        if native and io.length:
+            failed.update(self._native(io, native, writing))
+        return failed
+
+    def _native(self, io: SpanIO, chosen: list[int], writing: bool) -> dict[int, Exception]:
+        """`pread`/`pwrite` of the `chosen` slots of `io` in one `kvtier._movers` call."""
+        fds, stride, per_file = self._fds, self.slot_stride_bytes, self._num_files
+        slots = [io.slots[i] for i in chosen]
+        fd_of = np.array([fds[slot % per_file] for slot in slots], np.uint64)
+        offsets = np.array([(slot // per_file) * stride + io.offset for slot in slots], np.uint64)
+        addresses = np.array([int(io.addresses[i]) for i in chosen], np.uint64)
+        errors = np.zeros(len(chosen), np.int32)
+        move = _movers.pwrite if writing else _movers.pread
+        if not move(fd_of, offsets, addresses, np.full(len(chosen), io.length, np.uint64), errors, self.io_threads):
+            return {}
+        verb = "write" if writing else "read"
+        failed: dict[int, Exception] = {}
+        for j in np.flatnonzero(errors):
+            code, slot = int(errors[j]), slots[j]
+            cause = _ShortRead(errno.EIO, "short read: the file ends before the slot (truncated?)") \
+                if code == errno.ENODATA else OSError(code, os.strerror(code))
+            failed[chosen[j]] = _io_error(cause, verb, self._paths[slot % per_file], slot, int(offsets[j]), io.length)
+        return failed
 
     def probe(self) -> None:
         """Reads the first 4 KiB of every slot file (O_DIRECT when the tier uses it).

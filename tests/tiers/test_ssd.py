@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from kvtier.errors import TierIOError
+from kvtier.tiers.base import SpanIO
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.ssd import ALIGN_BYTES, SSDTier
 
@@ -254,6 +255,71 @@ def test_truncated_file_makes_reads_raise_not_zeros(
             assert torch.equal(head, block[:50])
     finally:
         tier.close()
+
+
+# -- batches (read_spans / write_spans: one native call) --------------------------------------------
+
+
+def _spans(slots, length, buffers, offset=0) -> SpanIO:
+    return SpanIO(slots, offset, length, [b.data_ptr() for b in buffers], [b"k%015d" % s for s in slots])
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_truncated_file_fails_its_slots_alone_in_a_batch(tmp_path: Path, direct: bool | None) -> None:
+    """Slots striped over two files; one file truncated: its slots fail (short read, naming the
+    slot and file), the other file's slots are read whole in the same batch."""
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=direct)
+    try:
+        blocks = [random_bytes(SLOT_BYTES, seed=s) for s in range(4)]
+        assert tier.write_spans(_spans(range(4), SLOT_BYTES, blocks)) == {}
+        os.truncate(tier.paths[1], 0)  # slots 1 and 3
+        outs = [aligned(SLOT_BYTES) for _ in range(4)]
+        failed = tier.read_spans(_spans(range(4), SLOT_BYTES, outs))
+        assert set(failed) == {1, 3}
+        assert all(isinstance(e, TierIOError) and "short read" in str(e) and e.filename == tier.paths[1]
+                   for e in failed.values())
+        assert "slot 3" in str(failed[3])
+        assert torch.equal(outs[0], blocks[0]) and torch.equal(outs[2], blocks[2])
+    finally:
+        tier.close()
+
+
+@needs_mount
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_full_disk_fails_the_slots_it_cannot_write_in_a_batch(small_tmpfs: Path, direct: bool | None) -> None:
+    tier = SSDTier(small_tmpfs, 2 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=direct)
+    try:
+        os.truncate(tier.paths[1], 0)  # slot 1's reserved space given back ...
+        _fill(small_tmpfs / "filler")  # ... and taken by someone else
+        failed = tier.write_spans(_spans([0, 1], SLOT_BYTES, [random_bytes(SLOT_BYTES)] * 2))
+        assert set(failed) == {1} and failed[1].errno == errno.ENOSPC and "slot 1" in str(failed[1])
+    finally:
+        tier.close()
+
+
+def test_a_batch_reads_unaligned_memory_through_the_bounce_buffer(tmp_path: Path) -> None:
+    """Memory or ranges O_DIRECT cannot take as they are go one by one through the bounce buffer,
+    in the same batch as the aligned ones; every byte lands."""
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=2)
+    try:
+        blocks = [random_bytes(SLOT_BYTES, seed=s) for s in range(4)]
+        assert tier.write_spans(_spans(range(4), SLOT_BYTES, blocks)) == {}
+        base = aligned(4 * SLOT_BYTES + 1)
+        outs = [aligned(SLOT_BYTES), base[1:SLOT_BYTES + 1], aligned(SLOT_BYTES), base[SLOT_BYTES + 1:2 * SLOT_BYTES + 1]]
+        assert tier.read_spans(_spans(range(4), SLOT_BYTES, outs)) == {}
+        assert all(torch.equal(o, b) for o, b in zip(outs, blocks))
+        parts = [aligned(1000) for _ in range(4)]
+        assert tier.read_spans(_spans(range(4), 1000, parts, offset=100)) == {}
+        assert all(torch.equal(p, b[100:1100]) for p, b in zip(parts, blocks))
+    finally:
+        tier.close()
+
+
+def aligned(n: int) -> torch.Tensor:
+    """A page-aligned CPU buffer of `n` bytes (what O_DIRECT reads straight into)."""
+    from kvtier.tiers.dram import aligned_host_memory
+
+    return aligned_host_memory(n, pinned=False)
 
 
 # -- layout, alignment and lifecycle --------------------------------------------------------------

@@ -1,0 +1,285 @@
+/* kvtier._movers: a whole batch of host-memory copies or file I/O in one call, outside the GIL.
+ *
+ * The transfer engine hands each route a batch (every block of one load or store, one layer span
+ * at a time) as arrays of descriptors: where each range starts, where it goes, how long it is.
+ * Per block, a Python loop costs several µs (a view, a NumPy copy, a lookup): more than a 64 KiB
+ * memcpy. Here the loop is C, and the GIL is released for the whole of it, so the engine's own
+ * Python threads (an API server, a scheduler) run while the bytes move.
+ *
+ *   copy(src, dst, lengths, seeds=None, sums=None, expect=None, bad=None, threads=1) -> int
+ *       For each i: the xxh3-64 of src[i]'s bytes seeded with seeds[i] (where seeds are given)
+ *       into sums[i]; where expect is given and differs, bad[i] = 1 and the range is not copied;
+ *       then memcpy(dst[i], src[i], lengths[i]) (dst=None: check only, nothing copied).
+ *       Checksum and copy run in one pass over each range, while it is in cache. Returns the
+ *       number of mismatches.
+ *   pread(fds, offsets, addresses, lengths, errors, threads=1) -> int
+ *   pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> int
+ *       For each i: the whole range read from (written to) file descriptor fds[i] at offsets[i],
+ *       retried on EINTR and short transfers; errors[i] = 0, or the errno that failed it (a read
+ *       past the end of the file: ENODATA, never zeros). `threads` native threads take
+ *       descriptors in turn, so that many are in flight at once (the queue depth). Returns the
+ *       number of failed descriptors.
+ *
+ * Every array is a C-contiguous buffer of 8-byte unsigned integers (NumPy uint64; `errors` and
+ * `bad` int32 and uint8), all of the same length. Addresses are raw: the caller (the transfer
+ * engine, which computes them from tensors and tier memory it holds for the call's duration)
+ * guarantees that each range is valid memory. That is the same contract as ctypes.memmove; the
+ * module is private to kvtier.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#define MAX_THREADS 64
+
+/* ---- arguments ---------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Arg;
+
+/* Takes `obj` as an array of `n` items of `itemsize` bytes (n < 0: sets it). None gives NULL data. */
+static int take(Arg *arg, PyObject *obj, const char *name, Py_ssize_t itemsize, Py_ssize_t *n, int writable) {
+    arg->held = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (PyObject_GetBuffer(obj, &arg->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    arg->held = 1;
+    const char *format = arg->view.format ? arg->view.format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    if (arg->view.itemsize != itemsize || arg->view.ndim != 1 || strlen(format) != 1 || !strchr("bBhHiIlLqQ", *format)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D array of %zd-byte integers, got format '%s', "
+                     "%zd-byte items in %d dims", name, itemsize, arg->view.format ? arg->view.format : "B",
+                     arg->view.itemsize, arg->view.ndim);
+        return -1;
+    }
+    Py_ssize_t len = arg->view.len / itemsize;
+    if (*n < 0) {
+        *n = len;
+    } else if (len != *n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd items where the batch has %zd", name, len, *n);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Arg *args, int count) {
+    for (int i = 0; i < count; i++)
+        if (args[i].held) PyBuffer_Release(&args[i].view);
+}
+
+static void *data(Arg *arg) { return arg->held ? arg->view.buf : NULL; }
+
+static int check_threads(long threads) {
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads: expected 1..%d, got %ld", MAX_THREADS, threads);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- workers: `threads` threads (the caller's one of them) take descriptors in turn --------- */
+
+typedef struct Batch Batch;
+typedef void (*Step)(Batch *b, Py_ssize_t i);
+
+struct Batch {
+    Py_ssize_t n;
+    Py_ssize_t next;  /* the next descriptor to take (atomic) */
+    Step step;
+    const uint64_t *src, *dst, *lengths, *seeds, *expect, *fds, *offsets;
+    uint64_t *sums;
+    uint8_t *bad;
+    int32_t *errors;
+    Py_ssize_t failed;  /* atomic */
+};
+
+static void *work(void *arg) {
+    Batch *b = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+        if (i >= b->n) return NULL;
+        b->step(b, i);
+    }
+}
+
+/* Runs `b` on `threads` threads; a thread that cannot be started leaves its share to the others. */
+static void run(Batch *b, long threads) {
+    pthread_t ids[MAX_THREADS];
+    long started = 0;
+    if (threads > b->n) threads = (long)b->n;
+    for (long t = 1; t < threads; t++) {
+        if (pthread_create(&ids[started], NULL, work, b) == 0) started++;
+    }
+    work(b);
+    for (long t = 0; t < started; t++) pthread_join(ids[t], NULL);
+}
+
+/* ---- copy --------------------------------------------------------------------------------- */
+
+static void copy_step(Batch *b, Py_ssize_t i) {
+    const void *src = (const void *)(uintptr_t)b->src[i];
+    size_t length = (size_t)b->lengths[i];
+    if (b->seeds != NULL) {
+        uint64_t sum = XXH3_64bits_withSeed(src, length, b->seeds[i]);
+        if (b->sums != NULL) b->sums[i] = sum;
+        if (b->expect != NULL && sum != b->expect[i]) {
+            b->bad[i] = 1;
+            __atomic_fetch_add(&b->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+    }
+    if (b->dst != NULL && length) memcpy((void *)(uintptr_t)b->dst[i], src, length);
+}
+
+static PyObject *movers_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"src", "dst", "lengths", "seeds", "sums", "expect", "bad", "threads", NULL};
+    PyObject *src, *dst, *lengths, *seeds = Py_None, *sums = Py_None, *expect = Py_None, *bad = Py_None;
+    long threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|OOOOl:copy", names, &src, &dst, &lengths, &seeds,
+                                     &sums, &expect, &bad, &threads))
+        return NULL;
+    Arg a[7];
+    memset(a, 0, sizeof a);
+    Py_ssize_t n = -1;
+    PyObject *result = NULL;
+    if (check_threads(threads) < 0 || take(&a[0], src, "src", 8, &n, 0) < 0 || take(&a[1], dst, "dst", 8, &n, 0) < 0 ||
+        take(&a[2], lengths, "lengths", 8, &n, 0) < 0 || take(&a[3], seeds, "seeds", 8, &n, 0) < 0 ||
+        take(&a[4], sums, "sums", 8, &n, 1) < 0 || take(&a[5], expect, "expect", 8, &n, 0) < 0 ||
+        take(&a[6], bad, "bad", 1, &n, 1) < 0)
+        goto done;
+    if (src == Py_None || lengths == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "copy: src and lengths are required arrays");
+        goto done;
+    }
+    if ((sums != Py_None || expect != Py_None) && seeds == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "copy: sums and expect need seeds");
+        goto done;
+    }
+    if ((expect == Py_None) != (bad == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "copy: expect and bad go together (bad flags each mismatch)");
+        goto done;
+    }
+    Batch b = {.n = n, .step = copy_step, .src = data(&a[0]), .dst = data(&a[1]), .lengths = data(&a[2]),
+               .seeds = data(&a[3]), .sums = data(&a[4]), .expect = data(&a[5]), .bad = data(&a[6])};
+    Py_BEGIN_ALLOW_THREADS
+    run(&b, threads);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(b.failed);
+done:
+    release(a, 7);
+    return result;
+}
+
+/* ---- file I/O ----------------------------------------------------------------------------- */
+
+static void pread_step(Batch *b, Py_ssize_t i) {
+    int fd = (int)b->fds[i];
+    char *buf = (char *)(uintptr_t)b->dst[i];
+    size_t left = (size_t)b->lengths[i];
+    off_t offset = (off_t)b->offsets[i];
+    int error = 0;
+    while (left > 0) {
+        ssize_t got = pread(fd, buf, left, offset);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { error = errno; break; }
+        if (got == 0) { error = ENODATA; break; }  /* past the end of the file: never zeros */
+        buf += got;
+        left -= (size_t)got;
+        offset += got;
+    }
+    b->errors[i] = error;
+    if (error) __atomic_fetch_add(&b->failed, 1, __ATOMIC_RELAXED);
+}
+
+static void pwrite_step(Batch *b, Py_ssize_t i) {
+    int fd = (int)b->fds[i];
+    const char *buf = (const char *)(uintptr_t)b->src[i];
+    size_t left = (size_t)b->lengths[i];
+    off_t offset = (off_t)b->offsets[i];
+    int error = 0;
+    while (left > 0) {
+        ssize_t put = pwrite(fd, buf, left, offset);
+        if (put < 0 && errno == EINTR) continue;
+        if (put < 0) { error = errno; break; }
+        if (put == 0) { error = EIO; break; }
+        buf += put;
+        left -= (size_t)put;
+        offset += put;
+    }
+    b->errors[i] = error;
+    if (error) __atomic_fetch_add(&b->failed, 1, __ATOMIC_RELAXED);
+}
+
+static PyObject *file_io(PyObject *args, PyObject *kwargs, int writing) {
+    static char *names[] = {"fds", "offsets", "addresses", "lengths", "errors", "threads", NULL};
+    PyObject *fds, *offsets, *addresses, *lengths, *errors;
+    long threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, writing ? "OOOOO|l:pwrite" : "OOOOO|l:pread", names, &fds,
+                                     &offsets, &addresses, &lengths, &errors, &threads))
+        return NULL;
+    Arg a[5];
+    memset(a, 0, sizeof a);
+    Py_ssize_t n = -1;
+    PyObject *result = NULL;
+    if (check_threads(threads) < 0 || take(&a[0], fds, "fds", 8, &n, 0) < 0 || take(&a[1], offsets, "offsets", 8, &n, 0) < 0 ||
+        take(&a[2], addresses, "addresses", 8, &n, 0) < 0 || take(&a[3], lengths, "lengths", 8, &n, 0) < 0 ||
+        take(&a[4], errors, "errors", 4, &n, 1) < 0)
+        goto done;
+    if (!a[0].held || !a[1].held || !a[2].held || !a[3].held || !a[4].held) {
+        PyErr_SetString(PyExc_TypeError, "fds, offsets, addresses, lengths and errors are required arrays");
+        goto done;
+    }
+    Batch b = {.n = n, .step = writing ? pwrite_step : pread_step, .fds = data(&a[0]), .offsets = data(&a[1]),
+               .lengths = data(&a[3]), .errors = data(&a[4])};
+    if (writing) b.src = data(&a[2]); else b.dst = data(&a[2]);
+    for (Py_ssize_t i = 0; i < n; i++) {  /* a descriptor a signed off_t or an int cannot hold is a bug */
+        if (b.offsets[i] > (uint64_t)INT64_MAX || b.fds[i] > (uint64_t)INT32_MAX || b.lengths[i] > (uint64_t)PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_ValueError, "descriptor %zd: fd %llu, offset %llu or length %llu out of range", i,
+                         (unsigned long long)b.fds[i], (unsigned long long)b.offsets[i], (unsigned long long)b.lengths[i]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run(&b, threads);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(b.failed);
+done:
+    release(a, 5);
+    return result;
+}
+
+static PyObject *movers_pread(PyObject *self, PyObject *args, PyObject *kwargs) { return file_io(args, kwargs, 0); }
+static PyObject *movers_pwrite(PyObject *self, PyObject *args, PyObject *kwargs) { return file_io(args, kwargs, 1); }
+
+static PyMethodDef methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))movers_copy, METH_VARARGS | METH_KEYWORDS,
+     "copy(src, dst, lengths, seeds=None, sums=None, expect=None, bad=None, threads=1) -> mismatches"},
+    {"pread", (PyCFunction)(void (*)(void))movers_pread, METH_VARARGS | METH_KEYWORDS,
+     "pread(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
+    {"pwrite", (PyCFunction)(void (*)(void))movers_pwrite, METH_VARARGS | METH_KEYWORDS,
+     "pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef movers_module = {
+    PyModuleDef_HEAD_INIT, "kvtier._movers", "Batched host copies and file I/O outside the GIL (see kvtier/_movers.c).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__movers(void) {
+    PyObject *m = PyModule_Create(&movers_module);
+    if (m != NULL && PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

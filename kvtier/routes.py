@@ -1,0 +1,418 @@
+"""The transfer engine's built-in routes: how a batch goes between two media, in native code.
+
+A route gets a whole `SpanBatch` — one layer span of every block of a load, a store or a move —
+and moves it with as few calls as the media allow (see `Route` for the contract):
+
+- host memory ↔ host memory (DRAM slots, CPU buffers, a CPU tensor standing in for HBM): one call
+  to `kvtier._movers.copy` for the batch, outside the GIL; where a copy carries checksums to check
+  or compute, its layers are separate descriptors, each hashed (xxh3-64, seeded per block and
+  layer) and copied in one pass while it is in cache;
+- a disk or remote tier → host memory: one `Tier.read_spans` per tier (the SSD: one native call,
+  many reads in flight; the pool: one request per node), then one native pass that checks every
+  layer read against its checksums;
+- host memory → a disk or remote tier: one native pass computing the checksums, then one
+  `Tier.write_spans` per tier;
+- anything with a CUDA end, and a copy between two disk/remote tiers: block by block (each a
+  `copy_` on the engine's CUDA stream, or a read into a staging buffer written on), through
+  `Route.per_block`.
+
+Addresses come from the tiers' own memory (`Tier.host_rows`) and the caller's tensors, which the
+batch holds for the call's duration; a slot out of its tier's range is that block's failure
+(`IndexError`), never an address computed past the end. An end with no host address (a closed
+tier, a buffer that is not a contiguous CPU tensor of the block) goes through the block-by-block
+path, which raises as it always did.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier import _movers
+from kvtier.errors import IntegrityError
+from kvtier.handle import Stage
+from kvtier.layout import BlockLayout
+from kvtier.tiers.base import SpanIO, Tier, copy_bytes
+from kvtier.copies import CopyOp, Endpoint, SpanBatch, StageError, block_seed
+
+_U64 = (1 << 64) - 1
+_NO_SUMS: tuple[int, ...] = ()
+_OUT_OF_RANGE = -1
+
+
+class HostAddresses:
+    """Host addresses of copy ends for one batch, holding the memory they lie in until dropped.
+
+    `of(end, offset)` is the address of byte `offset` of the block at `end`: None where the end is
+    not host memory this can address (device memory, a closed tier, a buffer that is not a
+    contiguous CPU tensor of at least the span), `_OUT_OF_RANGE` for a slot or row outside its
+    memory. `column(ends, offset)` is every end's address at once, as an array, where all lie in
+    one piece of memory (one tier's slab, one 2-D buffer), else None.
+    """
+
+    def __init__(self, span_end: int) -> None:
+        self._span_end = span_end  # offset + length: how much of a block the batch touches
+        self._memory: dict[int, tuple[int, int, int] | None] = {}  # id(tier or buffer) -> base, row bytes, rows
+        self._held: list[object] = []
+
+    def of(self, end: Endpoint, offset: int) -> int | None:
+        memory = self._memory_of(end)
+        if memory is None:
+            return None
+        base, row_bytes, num_rows = memory
+        if num_rows == 0:  # a 1-D buffer: the block itself
+            return base + offset
+        if not 0 <= end.slot < num_rows:
+            return _OUT_OF_RANGE
+        return base + end.slot * row_bytes + offset
+
+    def column(self, ends: Sequence[Endpoint], offset: int) -> np.ndarray | None:
+        first = ends[0]
+        if first.tier is not None:
+            if not all(e.tier is first.tier for e in ends):
+                return None
+        elif first.slot < 0 or not all(e.buffer is first.buffer for e in ends):
+            return None
+        memory = self._memory_of(first)
+        if memory is None:
+            return None
+        base, row_bytes, num_rows = memory
+        slots = [e.slot for e in ends]
+        if min(slots) < 0 or max(slots) >= num_rows:
+            return None  # the ends out of range fail one by one
+        start = base + offset
+        return np.array([start + slot * row_bytes for slot in slots], np.uint64)
+
+    def _memory_of(self, end: Endpoint) -> tuple[int, int, int] | None:
+        owner = end.tier if end.tier is not None else end.buffer
+        memory = self._memory.get(id(owner), False)
+        if memory is False:
+            memory = self._memory[id(owner)] = self._find(end)
+        return memory
+
+    def _find(self, end: Endpoint) -> tuple[int, int, int] | None:
+        if end.tier is not None:
+            rows = end.tier.host_rows()
+            if rows is None or rows.shape[1] < self._span_end:
+                return None
+            self._held.append(rows)  # the slab stays mapped while this batch copies into it
+            return _address(rows), rows.strides[0], rows.shape[0]
+        buffer = end.buffer
+        if not buffer.is_cpu or buffer.dtype != torch.uint8:
+            return None
+        if end.slot >= 0:  # row `slot` of a [num_blocks, block_bytes] tensor
+            if buffer.dim() != 2 or buffer.shape[1] < self._span_end or (buffer.shape[1] > 1 and buffer.stride(1) != 1):
+                return None
+            return buffer.data_ptr(), buffer.stride(0), buffer.shape[0]
+        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < self._span_end:
+            return None
+        return buffer.data_ptr(), 0, 0
+
+
+_ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}  # id(array) -> (the array, its address)
+
+
+def _address(rows: np.ndarray) -> int:
+    """The address of a tier's host rows, remembered per array while it lives (asking NumPy
+    costs µs a batch; the cache holds no array alive, so a closed tier's slab is still freed)."""
+    known = _ADDRESSES.get(id(rows))
+    if known is not None and known[0]() is rows:
+        return known[1]
+    address = rows.__array_interface__["data"][0]
+    _ADDRESSES[id(rows)] = (weakref.ref(rows, lambda _, key=id(rows): _ADDRESSES.pop(key, None)), address)
+    return address
+
+
+class BuiltinRoutes:
+    """The route functions `TransferEngine` fills its table with.
+
+    Args:
+        layout: the block layout every copy follows.
+        cuda: the engine's CUDA copier (None without CUDA).
+        staging: `staging(length, which)`, a per-thread host buffer of at least `length` bytes.
+    """
+
+    def __init__(self, layout: BlockLayout, cuda, staging: Callable[[int, int], torch.Tensor]) -> None:
+        self.layout = layout
+        self._cuda = cuda
+        self._staging = staging
+
+    # ---- memory ↔ memory ----------------------------------------------------------------------
+
+    def move_host(self, batch: SpanBatch) -> None:
+        """host ↔ host: one native copy of every block's span (checksummed ones layer by layer)."""
+        offset, length, ops = batch.offset, batch.length, batch.ops
+        addresses = HostAddresses(offset + length)
+        if not any(op.checksum or op.verify is not None for op in ops):  # the usual batch: one column each way
+            src = addresses.column([op.src for op in ops], offset)
+            dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
+            if dst is not None:
+                _movers.copy(src, dst, np.full(len(ops), length, np.uint64))
+                return
+        plain_src: list[int] = []
+        plain_dst: list[int] = []
+        summed: list[tuple[int, int, int]] = []
+        for i, op in enumerate(batch.ops):
+            src, dst = addresses.of(op.src, offset), addresses.of(op.dst, offset)
+            if src is None or dst is None:
+                self._one(batch, i, self.copy_host)
+            elif src == _OUT_OF_RANGE or dst == _OUT_OF_RANGE:
+                batch.fail(i, _out_of_range(op, src == _OUT_OF_RANGE))
+            elif op.verify is None and not op.checksum:
+                plain_src.append(src)
+                plain_dst.append(dst)
+            else:
+                summed.append((i, src, dst))
+        if plain_src:
+            n = len(plain_src)
+            _movers.copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), np.full(n, length, np.uint64))
+        if summed:
+            self._summed(batch, summed, copy=True)
+
+    def move_memory(self, batch: SpanBatch) -> None:
+        """memory ↔ memory with a device end: as host memory where no CUDA is present (a CPU
+        tensor stands in for HBM); else block by block on the engine's CUDA stream."""
+        if self._cuda is None:
+            return self.move_host(batch)
+        for i in range(len(batch.ops)):
+            self._one(batch, i, self.copy_device)
+
+    # ---- disk/remote ↔ memory -------------------------------------------------------------------
+
+    def read(self, batch: SpanBatch) -> None:
+        """disk/remote → memory: one `read_spans` per source tier straight into the destinations,
+        then one native pass checking every layer read; a device destination block by block."""
+        offset, length = batch.offset, batch.length
+        addresses = HostAddresses(offset + length)
+        for tier, indices in _by_tier(batch.ops, lambda op: op.src.tier):
+            direct: list[tuple[int, int]] = []
+            for i in indices:
+                dst = addresses.of(batch.ops[i].dst, offset)
+                if dst is None:
+                    self._one(batch, i, self.read_into_device)
+                elif dst == _OUT_OF_RANGE:
+                    batch.fail(i, _out_of_range(batch.ops[i], False))
+                else:
+                    direct.append((i, dst))
+            self._read_direct(batch, tier, direct)
+
+    def write(self, batch: SpanBatch) -> None:
+        """memory → disk/remote: one native pass computing (and checking) the checksums, then one
+        `write_spans` per destination tier from the sources; a device source block by block."""
+        offset, length = batch.offset, batch.length
+        addresses = HostAddresses(offset + length)
+        for tier, indices in _by_tier(batch.ops, lambda op: op.dst.tier):
+            direct: list[tuple[int, int, int]] = []
+            for i in indices:
+                src = addresses.of(batch.ops[i].src, offset)
+                if src is None:
+                    self._one(batch, i, self.write_from_device)
+                elif src == _OUT_OF_RANGE:
+                    batch.fail(i, _out_of_range(batch.ops[i], True))
+                else:
+                    direct.append((i, src, 0))
+            self._summed(batch, [d for d in direct if _sums_wanted(batch.ops[d[0]])], copy=False)
+            ready = [(i, src) for i, src, _ in direct if i not in batch.failed]
+            if ready:
+                io = SpanIO([batch.ops[i].dst.slot for i, _ in ready], offset, length, [a for _, a in ready],
+                            [batch.ops[i].key for i, _ in ready])
+                for j, error in tier.write_spans(io).items():
+                    batch.fail(ready[j][0], StageError(Stage.WRITE, error))
+
+    def _read_direct(self, batch: SpanBatch, tier: Tier, direct: list[tuple[int, int]]) -> None:
+        if not direct:
+            return
+        io = SpanIO([batch.ops[i].src.slot for i, _ in direct], batch.offset, batch.length,
+                    [a for _, a in direct], [batch.ops[i].key for i, _ in direct])
+        failed = tier.read_spans(io)
+        for j, error in failed.items():
+            batch.fail(direct[j][0], StageError(Stage.READ, error))
+        self._summed(batch, [(i, a, 0) for j, (i, a) in enumerate(direct)
+                             if j not in failed and _sums_wanted(batch.ops[i])], copy=False)
+
+    # ---- checksums, in one native pass ----------------------------------------------------------
+
+    def _summed(self, batch: SpanBatch, items: Sequence[tuple[int, int, int]], copy: bool) -> None:
+        """Hashes layers `first..last` of each item's source (`(index, src address, dst address)`),
+        copying each layer after it is hashed where `copy`; a layer that differs from its op's
+        `verify` fails the block (VERIFY, naming the layer) and is not copied; the checksums of
+        ops that ask for them go to `batch.checksums`."""
+        if not items:
+            return
+        ops, first, last = batch.ops, batch.first, batch.last
+        offsets = self.layout.offsets
+        base = offsets[first]
+        layers = np.arange(first, last + 1, dtype=np.uint64)
+        rel = np.array([offsets[l] - base for l in range(first, last + 1)], np.uint64)
+        lengths = np.array(self.layout.layer_bytes[first:last + 1], np.uint64)
+        k, nl = len(items), last - first + 1
+        src = (np.array([s for _, s, _ in items], np.uint64)[:, None] + rel).ravel()
+        dst = (np.array([d for _, _, d in items], np.uint64)[:, None] + rel).ravel() if copy else None
+        seeds = (np.array([block_seed(ops[i].key) for i, _, _ in items], np.uint64)[:, None] + layers).ravel()
+        sums = np.zeros(k * nl, np.uint64)
+        checked = [op.verify is not None for op in (ops[i] for i, _, _ in items)]
+        expect = bad = None
+        if any(checked):
+            expect = np.array([ops[i].verify[first:last + 1] if ops[i].verify is not None else (0,) * nl
+                               for i, _, _ in items], np.uint64).ravel()
+            bad = np.zeros(k * nl, np.uint8)
+        if expect is not None and not all(checked):  # only the ops with `verify` are checked
+            _movers.copy(src, dst, np.tile(lengths, k), seeds, sums)
+            bad = ((sums != expect) & np.repeat(np.array(checked), nl)).astype(np.uint8)
+        else:
+            _movers.copy(src, dst, np.tile(lengths, k), seeds, sums, expect, bad)
+        sums, bad = sums.reshape(k, nl), None if bad is None else bad.reshape(k, nl)
+        for j, (i, _, _) in enumerate(items):
+            op = ops[i]
+            if bad is not None and bad[j].any():
+                layer = first + int(np.flatnonzero(bad[j])[0])
+                batch.fail(i, StageError(Stage.VERIFY, IntegrityError(
+                    f"block {short_key(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
+                    "checksum mismatch"), layer))
+            elif op.checksum:
+                batch.checksums[i] = sums[j].tolist()
+
+    # ---- block by block (a CUDA end; the fallback of an end with no host address) --------------
+
+    def _one(self, batch: SpanBatch, i: int, copy) -> None:
+        try:
+            sums = copy(batch.ops[i], batch.first, batch.last, batch.ready)
+        except StageError as e:
+            batch.fail(i, e)
+            return
+        if sums:
+            batch.checksums[i] = sums
+
+    def copy_host(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
+        """host memory → host memory: one NumPy copy between the two ends' views."""
+        offset, length = self._range(first, last)
+        src = op.src.view(offset, length)
+        checksums = self.check(op, src, first, last)
+        copy_bytes(op.dst.view(offset, length), src)
+        return checksums
+
+    def copy_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
+        """memory ↔ memory, one end device memory: `copy_` on this thread's CUDA stream, queued
+        behind the caller's work (`ready`); the span completes when the stream's event does."""
+        offset, length = self._range(first, last)
+        src, dst = op.src.view(offset, length), op.dst.view(offset, length)
+        checksums = _NO_SUMS
+        if op.verify is not None or op.checksum:
+            checksums = self.check(op, self._on_host(src, length, ready), first, last)
+        if src.is_cuda or dst.is_cuda:
+            self._cuda.copy(dst, src, blocking=False, after=ready)
+        else:
+            copy_bytes(dst, src)
+        return checksums
+
+    def read_into_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
+        """disk/remote → memory without a host address (device memory): read into a host staging
+        buffer, checked there, then copied up and waited for (the buffer is reused at once)."""
+        offset, length = self._range(first, last)
+        dst = op.dst.view(offset, length)
+        host = self._staging(length, 0) if dst.is_cuda else dst
+        _read(op, host, offset)
+        checksums = self.check(op, host, first, last)
+        if host is not dst:
+            self._cuda.copy(dst, host, blocking=True, after=ready)
+        return checksums
+
+    def write_from_device(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
+        """memory without a host address (device memory) → disk/remote: down into a host staging
+        buffer (after the caller's work, waited for), then as from host memory."""
+        offset, length = self._range(first, last)
+        host = self._on_host(op.src.view(offset, length), length, ready)
+        checksums = self.check(op, host, first, last)
+        _write(op, host, offset)
+        return checksums
+
+    def relay(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
+        """disk/remote → disk/remote: read into a host staging buffer, checked, written from it."""
+        offset, length = self._range(first, last)
+        host = self._staging(length, 0)
+        _read(op, host, offset)
+        checksums = self.check(op, host, first, last)
+        _write(op, host, offset)
+        return checksums
+
+    def check(self, op: CopyOp, host: torch.Tensor, first: int, last: int) -> Sequence[int]:
+        """Checks `host` (layers first..last of the block, in host memory) against `op.verify`,
+        where given; returns their checksums where `op.checksum` asks for them."""
+        if op.verify is None and not op.checksum:
+            return _NO_SUMS
+        base, offsets, seed = self.layout.offsets[first], self.layout.offsets, block_seed(op.key)
+        data, digest = memoryview(host.numpy()), xxhash.xxh3_64_intdigest
+        checksums = [digest(data[offsets[l] - base: offsets[l + 1] - base], seed=(seed + l) & _U64)
+                     for l in range(first, last + 1)]
+        if op.verify is not None:
+            for layer, got in zip(range(first, last + 1), checksums):
+                if got != op.verify[layer]:
+                    raise StageError(Stage.VERIFY, IntegrityError(
+                        f"block {short_key(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
+                        "checksum mismatch"), layer)
+        return checksums if op.checksum else _NO_SUMS
+
+    def _on_host(self, t: torch.Tensor, length: int, ready=None) -> torch.Tensor:
+        """`t` itself where it is host memory; else a staging copy of it, waited for."""
+        if not t.is_cuda:
+            return t
+        host = self._staging(length, 1)
+        self._cuda.copy(host, t, blocking=True, after=ready)
+        return host
+
+    def _range(self, first: int, last: int) -> tuple[int, int]:
+        offsets = self.layout.offsets
+        return offsets[first], offsets[last + 1] - offsets[first]
+
+
+def _by_tier(ops: Sequence[CopyOp], tier_of) -> list[tuple[Tier, list[int]]]:
+    """The batch's op indices grouped by `tier_of(op)`, in order of first appearance."""
+    first = tier_of(ops[0])
+    if all(tier_of(op) is first for op in ops):  # the usual batch: one tier
+        return [(first, list(range(len(ops))))]
+    groups: dict[int, tuple[Tier, list[int]]] = {}
+    for i, op in enumerate(ops):
+        tier = tier_of(op)
+        groups.setdefault(id(tier), (tier, []))[1].append(i)
+    return list(groups.values())
+
+
+def _sums_wanted(op: CopyOp) -> bool:
+    return op.verify is not None or op.checksum
+
+
+def _out_of_range(op: CopyOp, at_source: bool) -> StageError:
+    end = op.src if at_source else op.dst
+    return StageError(Stage.READ if at_source else Stage.WRITE, IndexError(
+        f"{end.name} slot {end.slot} out of range [0, {end.tier.num_slots})"))
+
+
+def _read(op: CopyOp, host: torch.Tensor, offset: int) -> None:
+    """The source tier's `read` of the span at `offset` into `host`; a shared tier is told the key first."""
+    tier, slot = op.src.tier, op.src.slot
+    if tier.shared:
+        tier.bind(slot, op.key)
+    _stage(Stage.READ, tier.read, slot, host, offset)
+
+
+def _write(op: CopyOp, host: torch.Tensor, offset: int) -> None:
+    """The destination tier's `write` of `host` at `offset`; a shared tier is told the key first."""
+    tier, slot = op.dst.tier, op.dst.slot
+    if tier.shared:
+        tier.bind(slot, op.key)
+    _stage(Stage.WRITE, tier.write, slot, host, offset)
+
+
+def _stage(stage: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except (OSError, IndexError, IntegrityError) as e:
+        raise StageError(stage, e) from e
+
+
+def short_key(key: Hashable) -> str:
+    return key.hex()[:16] if isinstance(key, bytes) else repr(key)
