@@ -156,7 +156,20 @@ class PoolClient:
             ValueError: a buffer is not the stored block's size.
         """
         views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
-        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, [views[j] for j in js]))
+        choose = lambda j, length: [views[j]] if length == len(views[j]) else None
+        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, lambda k, n: choose(js[k], n), strict=True))
+
+    def batch_get_parts(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None]) -> list[bool]:
+        """As `batch_get`, into consecutive buffers chosen by the stored length: `parts(j, length)`
+        for key j stored as `length` bytes (None: not a length the caller reads, a miss counted
+        `wrong_size`). One GET per node for the whole batch. `parts` runs on the receiving
+        thread; it must be quick and not raise."""
+        def choose(js: Sequence[int], k: int, length: int) -> list[memoryview] | None:
+            got = parts(js[k], length)
+            views = None if got is None else [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(got)]
+            return views if views is not None and sum(map(len, views)) == length else None
+
+        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, lambda k, n: choose(js, k, n), strict=False))
 
     def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
                      landed: Callable[[int], None] | None = None,
@@ -218,6 +231,40 @@ class PoolClient:
         view = byte_view(src, writable=False, what="write source")
         return self._data_plane(slot.node).write(slot.location.sub(offset, len(view)), view)
 
+    def alloc_many(self, keys: Sequence[bytes], length: int) -> list[Slot | TransferError]:
+        """`alloc` of many keys, one ALLOC per home node, nodes in parallel; per key the slot or
+        the error `alloc` would raise."""
+        def on(node: int, ks: list[bytes]) -> list[Slot | TransferError]:
+            grants = [g for s in range(0, len(ks), MAX_BATCH) for g in self.links[node].call(
+                MsgType.ALLOC, {"keys": ks[s: s + MAX_BATCH], "lengths": [length] * len(ks[s: s + MAX_BATCH])})["grants"]]
+            out: list[Slot | TransferError] = []
+            for key, grant in zip(ks, grants):
+                status = _status(grant[0])
+                if status is GrantStatus.GRANTED:
+                    out.append(Slot(node, key, Location(grant[1], grant[2], length, grant[3])))
+                else:
+                    self._count(f"alloc_{status.name.lower() if status else grant[0]}")
+                    out.append(TransferError(f"pool node {self.links[node].name}: cannot allocate {length} "
+                                             f"bytes: {status.name if status else grant[0]}"))
+            return out
+
+        return self._by_node([self.home(k) for k in keys], lambda node, js: on(node, [keys[j] for j in js]))
+
+    def access_many(self, slots: Sequence[Slot], offset: int, buffers: Sequence[Any], *,
+                    write: bool) -> list[bool | TransferError]:
+        """`write_at` (`write`) or `read_at` of many slots at `offset`, one batch of one-sided
+        accesses per node (pipelined on one connection over TCP, one chain of work requests over
+        RDMA), nodes in parallel. Per slot: True, False (the node dropped the slot), or the
+        `TransferError` its node's batch raised (`NodeUnavailable`: the node did not answer)."""
+        views = [byte_view(b, writable=not write, what=f"buffer {i}") for i, b in enumerate(buffers)]
+
+        def on(node: int, js: list[int]) -> list[bool]:
+            transport = self._data_plane(node)
+            ios = [RemoteIO(slots[j].location.sub(offset, len(views[j])), views[j]) for j in js]
+            return transport.write_many(ios) if write else transport.read_many(ios)
+
+        return self._by_node([s.node for s in slots], on)
+
     def free(self, slots: Sequence[Slot]) -> None:
         """Drops slots, best effort: a node that is down drops them by recency later."""
         by_node: dict[int, list[bytes]] = {}
@@ -266,7 +313,9 @@ class PoolClient:
 
     @property
     def counters(self) -> dict[str, int]:
-        """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors, lease_limit..."""
+        """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors, lease_limit,
+        node_calls (one per node and batched call: a GET, CONTAINS, a put's pipelined frames or its
+        PUT_BEGIN/writes/PUT_COMMIT, a batch of one-sided accesses)..."""
         with self._lock:
             return dict(self._counters)
 
@@ -310,7 +359,34 @@ class PoolClient:
                 out[j] = r
         return out
 
+    def _by_node(self, nodes: Sequence[int], fn: Callable[[int, list[int]], list]) -> list:
+        """Runs `fn(node, positions)` once per node of `nodes[j]` (nodes in parallel); a node whose
+        call raises a `TransferError` gives that error for each of its positions."""
+        groups: dict[int, list[int]] = {}
+        for j, node in enumerate(nodes):
+            groups.setdefault(node, []).append(j)
+
+        def run(job: tuple[int, list[int]]) -> list:
+            self._count("node_calls")
+            try:
+                return fn(*job)
+            except AuthFailed:
+                raise
+            except TransferError as e:
+                if isinstance(e, NodeUnavailable):
+                    self._count("node_errors")
+                return [e] * len(job[1])
+
+        jobs = list(groups.items())
+        results = list(self._fanout.map(run, jobs)) if self._fanout and len(jobs) > 1 else [run(j) for j in jobs]
+        out: list = [None] * len(nodes)
+        for (_, js), res in zip(jobs, results):
+            for j, r in zip(js, res):
+                out[j] = r
+        return out
+
     def _guarded(self, node: int, fn, keys: list[bytes], js: list[int]) -> list:
+        self._count("node_calls")
         try:
             return fn(node, keys, js)
         except AuthFailed:
@@ -394,19 +470,21 @@ class PoolClient:
         self._count_all(counts)
         return out
 
-    def _get_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    def _get_on(self, node: int, keys: list[bytes], choose: Callable[[int, int], list[memoryview] | None],
+                strict: bool) -> list[bool]:
+        """One GET of `keys` on `node`, each hit's bytes into `choose(j, stored length)` (None: a
+        length the caller does not read; `strict`: a ValueError once the reply is in, else a
+        miss counted `wrong_size`)."""
         transport = self._data_plane(node)
-        wrong_size: list[int] = []
+        chosen: list[list[memoryview] | None] = [None] * len(keys)
 
         def inline_buffers(header: dict) -> list[memoryview]:
-            """Where an inline reply's bytes go, hit by hit (a wrong-sized buffer gets scratch)."""
-            out = []
+            """Where an inline reply's bytes go, hit by hit (a length not read lands in scratch)."""
+            out: list[memoryview] = []
             for j, h in enumerate(header["hits"][: len(keys)]):
                 if h[0] and h[7]:
-                    fits = h[3] == len(views[j])
-                    out.append(views[j] if fits else memoryview(bytearray(h[3])))
-                    if not fits:
-                        wrong_size.append(j)
+                    chosen[j] = choose(j, h[3])
+                    out.extend(chosen[j] if chosen[j] is not None else [memoryview(bytearray(h[3]))])
             return out
 
         request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
@@ -422,15 +500,18 @@ class PoolClient:
                     raise
                 self._count_all({"misses": len(keys), "lease_limit": 1})  # the node leased nothing
                 return [False] * len(keys)
-            found, read = self._read_leased(node, keys, views, hits, wrong_size)
+            found, read = self._read_leased(node, keys, hits, choose, chosen, strict)
         out = [False] * len(keys)
-        stale = corrupt = 0
+        stale = corrupt = wrong = 0
         for j in found:
+            if chosen[j] is None:
+                wrong += 1
+                continue
             moved = read.get(j, True)  # an inline hit came with the reply
-            out[j] = moved and block_checksum(keys[j], views[j]) == hits[j][5]
+            out[j] = moved and _checksum(keys[j], _one_or_tuple(chosen[j])) == hits[j][5]
             stale += not moved
             corrupt += moved and not out[j]
-        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt})
+        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt, "wrong_size": wrong})
         return out
 
     def _get_streamed_on(self, node: int, key: bytes, parts: Callable[[int], Sequence[Any] | None],
@@ -494,14 +575,16 @@ class PoolClient:
         self._count("hits")
         return True
 
-    def _read_leased(self, node: int, keys: list[bytes], views: list[memoryview], hits: list,
-                     wrong_size: list[int]) -> tuple[list[int], dict[int, bool]]:
-        """Checks a GET's answer, queues its leases for release and reads the leased hits; returns
-        the positions found and, per leased one, whether its bytes moved.
+    def _read_leased(self, node: int, keys: list[bytes], hits: list,
+                     choose: Callable[[int, int], list[memoryview] | None], chosen: list[list[memoryview] | None],
+                     strict: bool) -> tuple[list[int], dict[int, bool]]:
+        """Checks a GET's answer, queues its leases for release, chooses the leased hits' buffers
+        (into `chosen`) and reads them; returns the positions found and, per leased one read,
+        whether its bytes moved.
 
         Raises:
             NodeUnavailable: an answer of the wrong length.
-            ValueError: a buffer that is not the stored block's size.
+            ValueError: `strict`, and a hit of a length the caller does not read.
         """
         if len(hits) != len(keys):
             raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to {len(keys)} keys")
@@ -511,12 +594,24 @@ class PoolClient:
             with self._lock:
                 self._releases[node] += [hits[j][6] for j in leased]
                 self._counters["misses"] += len(keys) - len(found)
-        for j in wrong_size + [j for j in leased if hits[j][3] != len(views[j])]:
-            raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, buffer holds {len(views[j])}")
-        if not leased:
+        for j in leased:
+            chosen[j] = choose(j, hits[j][3])
+        for j in found if strict else ():
+            if chosen[j] is None:
+                raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, not the buffer's size")
+        ios, owner = [], []
+        for j in leased:
+            location, at = Location(*hits[j][1:5]), 0
+            for view in chosen[j] or ():
+                ios.append(RemoteIO(location.sub(at, len(view)), view))
+                owner.append(j)
+                at += len(view)
+        if not ios:
             return found, {}
-        moved = self.transports[node].read_many([RemoteIO(Location(*hits[j][1:5]), views[j]) for j in leased])
-        return found, dict(zip(leased, moved))
+        moved: dict[int, bool] = {}
+        for j, ok in zip(owner, self.transports[node].read_many(ios)):
+            moved[j] = moved.get(j, True) and ok
+        return found, moved
 
     def _data_plane(self, node: int) -> Transport:
         """The node's transport; under `auto`, chosen on first use from what the node serves.
@@ -563,6 +658,10 @@ _STORED = (GrantStatus.GRANTED, GrantStatus.EXISTS)
 
 def _length(block: memoryview | tuple[memoryview, ...]) -> int:
     return sum(map(len, block)) if isinstance(block, tuple) else len(block)
+
+
+def _one_or_tuple(views: list[memoryview]) -> memoryview | tuple[memoryview, ...]:
+    return views[0] if len(views) == 1 else tuple(views)
 
 
 def _checksum(key: bytes, block: memoryview | tuple[memoryview, ...]) -> int:
