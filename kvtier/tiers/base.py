@@ -59,17 +59,14 @@ class Tier(ABC):
     medium: Medium
     slot_bytes: int
     num_slots: int
-    # A shared tier (the pool) holds blocks under their keys, so that other processes find them:
-    # the transfer engine then names the block of every slot it reads or writes (`bind`), and the
-    # runtime asks it for blocks it does not index (`find`).
+    # A shared tier (a `kvtier.tiers.shared.SharedTier` with sharing on: the pool) holds blocks
+    # under their keys, so that other processes find them: the transfer engine then names the
+    # block of every slot it reads or writes (`bind`), and the runtime asks it for blocks it does
+    # not index (`SharedTier.find`, `SharedTier.can_share`).
     shared: bool = False
     # Whether the tier checks the bytes it reads itself (the pool checks each block's key-seeded
     # checksum), so that a block adopted from another process needs no checksums in the index.
     checks_reads: bool = False
-    # False in a process whose shared blocks another process sends (a tensor-parallel rank whose
-    # KV slice another rank replicates, under the same keys): the tier's writes of shared blocks
-    # then send nothing, and its reads find the peer's copy (or miss, never wrong bytes).
-    writes_shared: bool = True
     # Whether the tier may lose a block on its own authority (a pool node evicts by its own
     # recency, under every client's pressure, or restarts): a copy there never lets the manager
     # drop a block's copy above without demoting it to a tier that keeps what it holds.
@@ -125,18 +122,8 @@ class Tier(ABC):
 
     def bind(self, slot: int, key: Hashable) -> None:
         """A shared tier learns that `slot` holds (or is about to hold) block `key`; called by the
-        transfer engine before each read or write of the slot. The default ignores it."""
-
-    def can_share(self, key: Hashable) -> bool:
-        """Whether a shared tier keeps block `key` where other processes find it (the pool: a
-        16-byte `BlockKey`); a shared tier takes every store of such a block by default (its
-        `write_through`). False for the others."""
-        return False
-
-    def find(self, keys: Sequence[Hashable]) -> list[bool]:
-        """Whether a shared tier holds each of `keys` (stored there by any process); never raises
-        for a node that is down (its keys are absent). The default holds nothing it does not index."""
-        return [False] * len(keys)
+        transfer engine before each read or write of the slot (and by `write_spans`/`read_spans`
+        by default). The default ignores it."""
 
     def write_spans(self, io: SpanIO) -> dict[int, Exception]:
         """Batched `write`: for each `i`, `io.length` bytes at `io.addresses[i]` into `io.slots[i]`

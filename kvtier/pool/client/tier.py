@@ -1,68 +1,61 @@
 """`PoolTier`: the pool nodes as the manager's pool tier — `num_slots` slots of `slot_bytes`, shared by key.
 
-The manager addresses slots; the transfer engine tells this tier which block each slot holds
-(`bind`). A block whose key is a `BlockKey` (16 bytes, naming model, weights, KV format, block
-size and tenant) is kept on the pool under that key, where every process and server of the tenant
-finds it (`find`, which `KVTier.lookup` asks for the keys it does not index):
+The keyed-store skeleton (binding slots to keys, gathering layer spans, deduplication, the
+negative cache, waiting for a peer's put, batches failing by index) is `SharedTier`'s; this class
+fills in the pool's calls, each one per node for a whole batch (`PoolClient`):
 
-    write   the block's bytes, gathered until the whole block is in (spans of a store come layer
-            range by layer range), then one keyed put of a header of per-chunk checksums and the
-            bytes (`streamed.BlockFrame`), committed by the node only against the object's
-            key-seeded checksum, so no process sees it before it is whole and checked. A put
-            answered BUSY (another process storing the same block now) waits for that one.
-            A block this tier saw on the pool already (found, or put before) is asked for
-            instead (CONTAINS) and not sent again if the node still holds it: deduplicated.
-    read    a keyed get of the whole block, checked against its checksum by the client (a block
-            the node dropped or that fails its check is a `TierIOError`: a miss, never wrong
-            bytes). A read of part of a block (a layer range) starts one streamed get of the
-            whole block and returns as soon as its range is in and checked chunk by chunk
-            (`streamed.StreamedRead`): layer by layer from the pool; the other ranges' reads
-            take theirs from the same get.
-    find    one CONTAINS per node for the keys asked, behind a short negative cache, so a miss
-            asked again at once costs nothing.
+    put     a header of per-chunk checksums and the bytes (`streamed.BlockFrame`; large blocks
+            only), committed by the node only against the object's key-seeded checksum, so no
+            process sees it before it is whole and checked. Over TCP one pipelined burst of PUT
+            frames per node (one round trip); over RDMA one PUT_BEGIN, one chain of work requests
+            and one PUT_COMMIT per node.
+    get     one GET per node for the whole blocks of a batch, each straight into the caller's
+            memory (a framed block's header into scratch), checked against its checksum by the
+            client (a block the node dropped or that fails its check is a `TierIOError`: a miss,
+            never wrong bytes). A read of part of a block (a layer range) starts one streamed get
+            of the whole block and returns as soon as its range is in and checked chunk by chunk
+            (`streamed.StreamedRead`): layer by layer from the pool; the other ranges' reads take
+            theirs from the same get.
+    find    one CONTAINS per node for the keys asked.
 
 The node's recency eviction, leases and quotas stay the authority over shared blocks: this tier
 never deletes one (another process may be reading it), and one the node evicted is a miss here.
 
 A key of any other type cannot be found by another process; such blocks get a mutable block under
-a key private to this tier instance (`xxh3_128(instance id, slot)`), written and read one-sided at
-byte ranges, and deleted when the tier closes. Either way the pool may drop a block (recency
-eviction under pressure from other clients, a node restart): the read then raises `TierIOError`,
-which the transfer engine turns into a miss. Keep `capacity` within the tenant's quota.
+a key private to this tier instance (`xxh3_128(instance id, slot)`), allocated one ALLOC per node
+for a batch, written and read one-sided at byte ranges (one batch of accesses per node), and
+deleted when the tier closes. Either way the pool may drop a block (recency eviction under
+pressure from other clients, a node restart): the read then fails with `TierIOError`, which the
+transfer engine turns into a miss. Keep `capacity` within the tenant's quota.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import xxhash
 
 from kvtier.errors import TierIOError, TierUnavailable, TransferError
-from kvtier.keys import KEY_BYTES
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.protocol import GrantStatus
-from kvtier.pool.shared_keys import KeyMemory, SpanGather
 from kvtier.stats import Stats
-from kvtier.tiers.base import Medium, Tier, TierKind, as_byte_buffer, copy_bytes, slots_needed
+from kvtier.tiers.base import Tier, copy_bytes
+from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, SharedTier
 
 log = logging.getLogger(__name__)
 
 
-NEGATIVE_CACHE_S = 1.0  # how long a key the pool did not hold is answered "absent" without asking
-_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `_read_shared`)
+_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `_read_parts`)
 _FETCH_THREADS = 8  # streamed reads at once (the transfer engine reads one range per block at a time)
+_REFUSALS = {None: "its node did not answer", GrantStatus.FULL: "no room: every block there is being read",
+             GrantStatus.QUOTA: "the tenant's quota is spent"}
 
 
-class PoolTier(Tier):
+class PoolTier(SharedTier):
     """`num_slots` slots on the pool nodes behind `client`, shared by key (see the module docstring).
 
     Args:
@@ -74,105 +67,24 @@ class PoolTier(Tier):
         negative_cache_s: how long a key found absent is not asked for again.
         stats: where the shared-tier counters go (`Stats.shared`); the runtime passes its own.
 
-    Set `writes_shared` (see `Tier`) False where a peer process sends the shared blocks: writes of
-    them are then counted `left_to_peer` and send nothing.
+    Set `writes_shared` (see `SharedTier`) False where a peer process sends the shared blocks:
+    writes of them are then counted `left_to_peer` and send nothing.
     Raises:
         CapacityError: capacity is below one slot.
     """
 
-    kind = TierKind.POOL
-    medium = Medium.REMOTE
-    checks_reads = True  # a keyed get checks the block's key-seeded checksum
-    may_drop = True  # the nodes evict by their own recency (see `Tier.may_drop`)
-
     def __init__(self, client: PoolClient, capacity_bytes: int, slot_bytes: int, *, owns_client: bool = False,
                  shared: bool = True, negative_cache_s: float = NEGATIVE_CACHE_S, stats: Stats | None = None) -> None:
-        self.slot_bytes = slot_bytes
-        self.num_slots = slots_needed(capacity_bytes, slot_bytes, "pool")
-        self.shared = shared
-        self.stats = stats or Stats()
+        super().__init__(capacity_bytes, slot_bytes, shared=shared, negative_cache_s=negative_cache_s, stats=stats,
+                         peer_timeout_s=client.timeout_s)
         self._client, self._owns_client = client, owns_client
-        self._instance = os.urandom(16)
         self._slots: list[Slot | None] = [None] * self.num_slots  # private mutable blocks
-        self._keys: list[bytes | None] = [None] * self.num_slots  # the shared key each slot holds, if any
-        self._gather = SpanGather(slot_bytes)
-        self._reads: OrderedDict[tuple[int, bytes], StreamedRead] = OrderedDict()  # see `_read_shared`
+        self._reads: OrderedDict[tuple[int, bytes], StreamedRead] = OrderedDict()  # see `_read_parts`
         self._frame = BlockFrame(slot_bytes)
         self._fetcher: ThreadPoolExecutor | None = None  # runs the streamed reads, started on first use
         # A streamed read may queue behind others on the fetch threads; each of its calls has the
         # client's timeout, so this only guards against a bug, never ends a slow read.
         self._fetch_timeout_s = 60 + 10 * client.timeout_s
-        self._memory = KeyMemory(4 * self.num_slots, negative_cache_s)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def can_share(self, key: Hashable) -> bool:
-        return self.shared and isinstance(key, bytes) and len(key) == KEY_BYTES
-
-    def bind(self, slot: int, key: Hashable) -> None:
-        """Slot `slot` holds block `key`: a `BlockKey` makes it a shared block, anything else a private one."""
-        shared = self.can_share(key)
-        with self._lock:
-            self._keys[slot] = bytes(key) if shared else None
-
-    def find(self, keys: Sequence[Hashable]) -> list[bool]:
-        """Whether the pool holds each key (a node down: absent), one CONTAINS per node for the
-        keys not answered from the negative cache; keys that cannot be shared are absent."""
-        with self._lock:
-            self._check_open()
-        candidates = [i for i, key in enumerate(keys) if self.can_share(key)]
-        shared = [bytes(keys[i]) for i in candidates]
-        ask = self._memory.to_ask(shared)
-        asked = [shared[j] for j in ask]
-        found = self._client.contains(asked) if asked else []
-        self._memory.answered(asked, found)
-        out = [False] * len(keys)
-        for j, hit in zip(ask, found):
-            out[candidates[j]] = bool(hit)
-        self.stats.count_shared({"asked": len(ask), "found": sum(out), "negative_cached": len(shared) - len(ask)})
-        return out
-
-    def write(self, slot: int, src: torch.Tensor, offset: int = 0) -> None:
-        """Writes `src` at `offset` of `slot`: a shared block once all its bytes are in (see the
-        module docstring), a private one at once, allocated on the slot's first use.
-
-        Raises:
-            TypeError, IndexError: as the `Tier` contract.
-            TierIOError: the pool has no room, is unreachable, or dropped the slot (its earlier
-                content is then lost; the next write starts it afresh).
-        """
-        src = as_byte_buffer(src, "pool write source")
-        self._check_range(slot, offset, src.numel())
-        if src.numel() == 0:
-            return self._check_open()
-        key = self._key(slot)
-        if key is not None:
-            return self._write_shared(slot, key, _host(src), offset)
-        handle = self._slot(slot, allocate=True)
-        self._io(slot, handle, lambda: self._client.write_at(handle, offset, _host(src)), "write")
-
-    def read(self, slot: int, dst: torch.Tensor, offset: int = 0) -> None:
-        """Reads `dst.numel()` bytes at `offset` of `slot`.
-
-        Raises:
-            TypeError, IndexError: as the `Tier` contract.
-            TierIOError: the slot was never written here, was dropped by the pool, failed its
-                checksum, or the pool is unreachable.
-        """
-        dst = as_byte_buffer(dst, "pool read destination")
-        self._check_range(slot, offset, dst.numel())
-        if dst.numel() == 0:
-            return self._check_open()
-        key = self._key(slot)
-        if key is not None:
-            return self._read_shared(slot, key, dst, offset)
-        handle = self._slot(slot, allocate=False)
-        if dst.is_cuda:
-            host = torch.empty(dst.numel(), dtype=torch.uint8)
-            self._io(slot, handle, lambda: self._client.read_at(handle, offset, host), "read")
-            dst.copy_(host)
-        else:
-            self._io(slot, handle, lambda: self._client.read_at(handle, offset, dst), "read")
 
     def register_host_memory(self, memory: torch.Tensor) -> None:
         """Host memory (the DRAM tier's slab) goes to the client: over RDMA, blocks then move
@@ -221,112 +133,82 @@ class PoolTier(Tier):
             facts["rdma_staged_bytes"] = sum(t.staged_bytes for t in rdma)
         return facts
 
-    def close(self) -> None:
-        """Frees this tier's private blocks on the pool (best effort; shared blocks stay for the other
-        processes, the node evicts them by recency) and closes the client if owned. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            held = [s for s in self._slots if s is not None]
-            self._slots = [None] * self.num_slots
-            self._gather.clear()
-            self._reads.clear()
-            fetcher, self._fetcher = self._fetcher, None
-        if fetcher is not None:  # each fetch ends within the client's timeouts
-            fetcher.shutdown(wait=True)
+    # ---- the keyed store (`SharedTier`) ------------------------------------------------------
+
+    def _put(self, keys: list[bytes], blocks: list[torch.Tensor]) -> list[PutResult]:
+        """One put per node for the batch, each block behind a header of per-chunk checksums for
+        readers that stream it (large blocks only), committed by the node only against the
+        object's key-seeded checksum."""
+        framed = [(memoryview(self._frame.header(k, b)), b.numpy()) for k, b in zip(keys, blocks)] \
+            if self._frame.framed else blocks
+        out = []
+        for status in self._client.batch_put_status(keys, framed):
+            if status in (GrantStatus.GRANTED, GrantStatus.EXISTS):
+                out.append(STORED)
+            elif status is GrantStatus.BUSY:
+                out.append(PutResult(Put.BUSY))
+            else:
+                out.append(PutResult(Put.REFUSED, _REFUSALS.get(status, getattr(status, "name", str(status)))))
+        return out
+
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor]) -> list[str | None]:
+        """One GET per node for the batch, each block straight into its buffer (a framed block's
+        header into scratch, its format checked), checked as a whole (nothing chunk by chunk)."""
+        headers = torch.empty((len(keys), self._frame.header_bytes), dtype=torch.uint8)
+        framed = [False] * len(keys)
+
+        def parts(j: int, length: int):
+            got = self._frame.parts(headers[j], intos[j], length, chunked=False)
+            framed[j] = got is not None and len(got) > 1
+            return got
+
+        hits = self._client.batch_get_parts(keys, parts)
+        return [None if hit and (not framed[j] or self._frame.checksums(headers[j]) is not None) else
+                "not on the pool any more (evicted, node down or restarted) or failed its checksum"
+                for j, hit in enumerate(hits)]
+
+    def _contains(self, keys: list[bytes]) -> list[bool]:
+        return self._client.contains(keys)
+
+    def _failure(self, key: bytes) -> type[TierIOError]:
+        node = self._client.home(key)
+        return TierUnavailable if self._client.links[node].down and all(l.down for l in self._client.links) \
+            else TierIOError
+
+    def _read_parts(self, slots: list[int], keys: list[bytes], offset: int,
+                    dsts: list[torch.Tensor]) -> dict[int, Exception]:
+        """Ranges of blocks (layer ranges of a load that reports layers as they land): each block
+        is fetched once, on a fetch thread, every fetch of the batch started before any is waited
+        for; a range is copied out as soon as it is in and checked (`StreamedRead`), so the first
+        layers of a block are delivered while its last are still on the wire."""
         try:
-            self._client.free(held)
-        finally:
-            if self._owns_client:
-                self._client.close()
+            fetches = [self._streamed(slot, key) for slot, key in zip(slots, keys)]
+        except TierIOError as e:  # closed
+            return {j: e for j in range(len(slots))}
+        failed: dict[int, Exception] = {}
+        for j, (slot, key, fetch, dst) in enumerate(zip(slots, keys, fetches, dsts)):
+            try:
+                self._take_range(slot, key, fetch, dst, offset)
+            except TierIOError as e:
+                failed[j] = e
+        return failed
 
-    # ---- internals: shared blocks --------------------------------------------------------------
-
-    def _key(self, slot: int) -> bytes | None:
-        with self._lock:
-            self._check_open()
-            return self._keys[slot]
-
-    def _write_shared(self, slot: int, key: bytes, src: torch.Tensor, offset: int) -> None:
-        if not self.writes_shared:  # a peer process sends this block (`Tier.writes_shared`)
-            if offset + src.numel() == self.slot_bytes:
-                self.stats.count_shared({"left_to_peer": 1})
-            return
-        if offset != 0 or src.numel() != self.slot_bytes:  # one span of several: gather the block first
-            with self._lock:
-                src = self._gather.add(slot, key, src, offset)
-            if src is None:
-                return
-        known = self._memory.held(key)
-        # A block seen on the pool is asked for (a few bytes) rather than sent: the node may have
-        # evicted it since, and a block written nowhere would be lost.
-        if known and self._client.contains([key])[0]:
-            self.stats.count_shared({"deduplicated": 1})
-            return
-        # Behind a header of per-chunk checksums, for readers that stream it (large blocks only).
-        block = (memoryview(self._frame.header(key, src)), src.numpy()) if self._frame.framed else src
-        status = self._client.batch_put_status([key], [block])[0]
-        if status is GrantStatus.BUSY and self._await_peer(key):
-            self.stats.count_shared({"awaited_peer": 1})
-        elif status not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
-            why = "its node did not answer" if status is None else {
-                GrantStatus.BUSY: "another process was writing it and did not finish in time",
-                GrantStatus.FULL: "no room: every block there is being read",
-                GrantStatus.QUOTA: "the tenant's quota is spent"}.get(status, status.name)
-            raise self._error_for(key)(f"POOL slot {slot}: the pool did not take block {key.hex()[:16]} ({why})")
-        self._memory.note_held(key)
-
-    def _await_peer(self, key: bytes) -> bool:
-        """Whether the block another client is writing now (a put answered BUSY: the same prefix
-        stored by two engines at once) becomes visible within the client's timeout: then nothing
-        needs sending from here. Polls CONTAINS, backing off from 1 ms."""
-        deadline, pause = time.monotonic() + self._client.timeout_s, 0.001
-        while True:
-            if self._client.contains([key])[0]:
-                return True
-            if time.monotonic() + pause > deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-
-    def _read_shared(self, slot: int, key: bytes, dst: torch.Tensor, offset: int) -> None:
-        """A whole block into host memory: one get into `dst` itself. A part of one (a layer range
-        of a load that reports layers as they land): the block is fetched once, on a fetch
-        thread, and this read returns as soon as its range is in and checked (`StreamedRead`),
-        so the first layers of a block are delivered while its last are still on the wire."""
+    def _take_range(self, slot: int, key: bytes, fetch: StreamedRead, dst: torch.Tensor, offset: int) -> None:
         n = dst.numel()
-        if offset == 0 and n == self.slot_bytes and not dst.is_cuda:
-            header = torch.empty(self._frame.header_bytes, dtype=torch.uint8)
-            framed: list[bool] = []
-
-            def parts(length: int):
-                # the block as one buffer: one receive, nothing checked chunk by chunk (the get
-                # checks the whole object), each part a GIL hand-off the other I/O threads wait on
-                got = self._frame.parts(header, dst, length, chunked=False)
-                framed.append(got is not None and len(got) > 1)
-                return got
-
-            if not (self._client.get_streamed(key, parts)
-                    and (not framed[-1] or self._frame.checksums(header) is not None)):
-                self._forget(key)
-                raise self._error_for(key)(f"POOL slot {slot}: block {key.hex()[:16]} is not on the pool any "
-                                           "more (evicted, node down or restarted) or failed its checksum")
-            return
-        fetch = self._streamed(slot, key)
         try:
             fetch.wait(offset + n, self._fetch_timeout_s)
         except TierIOError as e:
-            with self._lock:
-                if self._reads.get((slot, key)) is fetch:
-                    del self._reads[(slot, key)]
-            self._forget(key)
-            raise self._error_for(key)(f"POOL slot {slot}: {e}") from None
+            self._drop_fetch(slot, key, fetch)
+            self._memory.forget(key)
+            raise self._failure(key)(f"POOL slot {slot}: {e}") from None
         copy_bytes(dst, fetch.block[offset: offset + n])  # one thread's memcpy (see `copy_bytes`)
         if offset + n == self.slot_bytes:  # the last range: the next load of this slot fetches afresh
-            with self._lock:
-                if self._reads.get((slot, key)) is fetch:
-                    del self._reads[(slot, key)]
+            self._drop_fetch(slot, key, fetch)
+
+    def _drop_fetch(self, slot: int, key: bytes, fetch: StreamedRead) -> None:
+        with self._lock:
+            if self._reads.get((slot, key)) is fetch:
+                del self._reads[(slot, key)]
 
     def _streamed(self, slot: int, key: bytes) -> StreamedRead:
         """The fetch of `slot`'s block in progress or done, else a new one started."""
@@ -343,51 +225,66 @@ class PoolTier(Tier):
             self._fetcher.submit(fetch.run, self._client.get_streamed)
         return fetch
 
-    def _forget(self, key: bytes) -> None:
-        self._memory.forget(key)
+    # ---- private blocks ----------------------------------------------------------------------
 
-    def _error_for(self, key: bytes) -> type[TierIOError]:
-        node = self._client.home(key)
-        return TierUnavailable if self._client.links[node].down and all(l.down for l in self._client.links) \
-            else TierIOError
+    def _write_private(self, slots: list[int], offset: int, srcs: list[torch.Tensor]) -> dict[int, Exception]:
+        """One-sided writes at byte ranges of mutable blocks, allocated on a slot's first use
+        (one ALLOC per node for the batch); one batch of writes per node."""
+        return self._access(slots, offset, srcs, write=True)
 
-    # ---- internals: private blocks -------------------------------------------------------------
+    def _read_private(self, slots: list[int], offset: int, dsts: list[torch.Tensor]) -> dict[int, Exception]:
+        return self._access(slots, offset, dsts, write=False)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierIOError("POOL tier is closed")
+    def _access(self, slots: list[int], offset: int, buffers: list[torch.Tensor], write: bool) -> dict[int, Exception]:
+        handles, failed = self._handles(slots, allocate=write)
+        todo = [j for j in range(len(slots)) if j not in failed]
+        if not todo:
+            return failed
+        results = self._client.access_many([handles[j] for j in todo], offset, [buffers[j] for j in todo],
+                                           write=write)
+        for j, result in zip(todo, results):
+            if result is not True:
+                failed[j] = self._lost(slots[j], handles[j], result, "write" if write else "read")
+        return failed
 
-    def _slot(self, slot: int, allocate: bool) -> Slot:
+    def _handles(self, slots: list[int], allocate: bool) -> tuple[dict[int, Slot], dict[int, Exception]]:
+        """Each slot's mutable block, allocated where `allocate` and it has none (one ALLOC per
+        node); the slots without one fail by index."""
         with self._lock:
             self._check_open()
-            handle = self._slots[slot]
-        if handle is not None:
-            return handle
+            handles = {j: self._slots[slot] for j, slot in enumerate(slots) if self._slots[slot] is not None}
+        missing = [j for j in range(len(slots)) if j not in handles]
+        if not missing:
+            return handles, {}
         if not allocate:
-            raise TierIOError(f"POOL slot {slot}: holds no block (never written, or dropped by the pool)")
-        key = xxhash.xxh3_128_digest(self._instance + slot.to_bytes(8, "little"))
-        try:
-            handle = self._client.alloc(key, self.slot_bytes)
-        except TransferError as e:
-            raise self._error(e, self._client.home(key))(f"POOL slot {slot}: {e}") from None
+            return handles, {j: TierIOError(f"POOL slot {slots[j]}: holds no block (never written, or dropped "
+                                            "by the pool)") for j in missing}
+        keys = [self._private_key(slots[j]) for j in missing]
+        failed: dict[int, Exception] = {}
+        for j, key, got in zip(missing, keys, self._client.alloc_many(keys, self.slot_bytes)):
+            if isinstance(got, Slot):
+                handles[j] = got
+            else:
+                failed[j] = self._error(got, self._client.home(key))(f"POOL slot {slots[j]}: {got}")
         with self._lock:
             self._check_open()
-            self._slots[slot] = handle
-        return handle
+            for j in handles.keys() & set(missing):
+                self._slots[slots[j]] = handles[j]
+        return handles, failed
 
-    def _io(self, slot: int, handle: Slot, op, verb: str) -> None:
-        error, unreachable = TierIOError, False
-        try:
-            if op():
-                return
-            reason = "the pool dropped the slot (evicted or node restarted)"
-        except TransferError as e:
-            reason, error, unreachable = str(e), self._error(e, handle.node), isinstance(e, NodeUnavailable)
-        if not unreachable:  # a node that did not answer may still hold the slot: keep it for its return
+    def _lost(self, slot: int, handle: Slot, result: bool | TransferError, verb: str) -> TierIOError:
+        """The error of a failed access to private `slot`; the slot is forgotten unless its node
+        did not answer (it may still hold the slot: kept for its return)."""
+        if isinstance(result, TransferError):
+            reason, error = str(result), self._error(result, handle.node)
+            unreachable = isinstance(result, NodeUnavailable)
+        else:
+            reason, error, unreachable = "the pool dropped the slot (evicted or node restarted)", TierIOError, False
+        if not unreachable:
             with self._lock:
                 if self._slots[slot] is handle:
                     self._slots[slot] = None
-        raise error(f"POOL slot {slot}: {verb} failed: {reason}")
+        return error(f"POOL slot {slot}: {verb} failed: {reason}")
 
     def _error(self, e: TransferError, node: int) -> type[TierIOError]:
         """TierUnavailable when `e` says node `node` does not answer and no other node does
@@ -397,6 +294,22 @@ class PoolTier(Tier):
         if isinstance(e, NodeUnavailable) and all(link.down for i, link in enumerate(links) if i != node):
             return TierUnavailable
         return TierIOError
+
+    def _close_store(self) -> None:
+        """Frees this tier's private blocks on the pool (best effort; shared blocks stay for the
+        other processes, the node evicts them by recency) and closes the client if owned."""
+        with self._lock:
+            held = [s for s in self._slots if s is not None]
+            self._slots = [None] * self.num_slots
+            self._reads.clear()
+            fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:  # each fetch ends within the client's timeouts
+            fetcher.shutdown(wait=True)
+        try:
+            self._client.free(held)
+        finally:
+            if self._owns_client:
+                self._client.close()
 
 
 def build_pool_tier(cfg, slot_bytes: int) -> Tier:
@@ -453,7 +366,3 @@ def build_pool_tier(cfg, slot_bytes: int) -> Tier:
         client.close()
         raise
     return tier
-
-
-def _host(src: torch.Tensor) -> torch.Tensor:
-    return src.cpu() if src.is_cuda else src
