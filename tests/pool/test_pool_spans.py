@@ -1,0 +1,181 @@
+"""`PoolTier.write_spans`/`read_spans` on two real pool nodes: a batch costs one call per node
+(counted by the client's `node_calls` and by round trips on the node connections), failures come
+back by index (a dead node fails only its blocks, a block a node dropped fails alone, never wrong
+bytes), layer spans of a large block are gathered and put once, private slots batch too.
+
+Cost: about 3 s (two node subprocesses, one killed).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtier.errors import TierIOError
+from kvtier.pool.client import connection
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.tier import PoolTier
+from kvtier.pool.node.process import NodeProcess, start_nodes
+from kvtier.pool.protocol import MsgType
+from kvtier.tiers.base import SpanIO
+
+NUM_BLOCKS = 16
+SMALL = 64 << 10  # one span per block
+LARGE = 256 << 10  # framed on the pool; written and read here in two spans
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[NodeProcess]]:
+    two = start_nodes(2, capacity="16MiB", region_size="1MiB")
+    yield two
+    for node in two:
+        node.close()
+
+
+def make_tier(nodes: list[NodeProcess], slot_bytes: int, shared: bool = True) -> PoolTier:
+    client = PoolClient([n.address for n in nodes], timeout_s=5, reconnect_s=0.2)
+    return PoolTier(client, 2 * NUM_BLOCKS * slot_bytes, slot_bytes, owns_client=True, shared=shared)
+
+
+def rows(slot_bytes: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (NUM_BLOCKS, slot_bytes), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def span(tensors: torch.Tensor, keys: list, offset: int = 0, length: int | None = None) -> SpanIO:
+    """A batch over slots 0..n-1, each to or from row i's bytes `[offset, offset + length)`."""
+    length = tensors.shape[1] if length is None else length
+    return SpanIO(list(range(len(keys))), offset, length,
+                  [t.data_ptr() + offset for t in tensors], keys)
+
+
+class RoundTrips:
+    """Round trips on node connections, per node: each `call_many` (a request, or a pipelined
+    burst of them, answered in one round trip) is one; a new connection's handshake is not counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count: Counter = Counter()
+        inner = connection.NodeConnection.call_many
+
+        def counted(conn, requests, *args, **kwargs):
+            if requests[0].msg not in (MsgType.HELLO, MsgType.AUTH):
+                self.count[conn.name] += 1
+            return inner(conn, requests, *args, **kwargs)
+
+        monkeypatch.setattr(connection.NodeConnection, "call_many", counted)
+
+    def take(self) -> Counter:
+        out, self.count = self.count, Counter()
+        return out
+
+
+def homes(tier: PoolTier, keys: list[bytes]) -> list[int]:
+    return [tier._client.home(k) for k in keys]
+
+
+def test_a_batch_of_whole_blocks_costs_one_call_per_node(nodes, monkeypatch):
+    tier = make_tier(nodes, SMALL)
+    keys = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]
+    assert set(homes(tier, keys)) == {0, 1}, "16 random keys land on both nodes"
+    trips = RoundTrips(monkeypatch)
+    data, calls = rows(SMALL, 1), tier.client_counters().get("node_calls", 0)
+    assert tier.write_spans(span(data, keys)) == {}
+    assert tier.client_counters()["node_calls"] - calls == 2
+    ports = trips.take()
+    assert len(ports) == 2 and all(n == 1 for n in ports.values()), ports
+    out = torch.zeros_like(data)
+    calls = tier.client_counters()["node_calls"]
+    assert tier.read_spans(span(out, keys)) == {}
+    assert torch.equal(out, data)
+    assert tier.client_counters()["node_calls"] - calls == 2
+    assert sorted(trips.take().values()) == [1, 1]
+    assert tier.client_counters()["hits"] == NUM_BLOCKS
+    tier.close()
+
+
+def test_a_dead_node_fails_only_its_blocks(nodes):
+    tier = make_tier(nodes, SMALL)
+    keys = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]
+    data = rows(SMALL, 2)
+    assert tier.write_spans(span(data, keys)) == {}
+    on_dead = {i for i, h in enumerate(homes(tier, keys)) if h == 1}
+    assert on_dead and len(on_dead) < NUM_BLOCKS
+    nodes[1].kill()
+    out = torch.zeros_like(data)
+    failed = tier.read_spans(span(out, keys))
+    assert set(failed) == on_dead
+    assert all(type(e) is TierIOError for e in failed.values()), failed  # the tier as a whole still serves
+    for i in range(NUM_BLOCKS):
+        if i not in on_dead:
+            assert torch.equal(out[i], data[i])
+    # A batch written while the node is down: the first meets it and fails only its blocks
+    # (later ones go to the live node, by rendezvous order).
+    fresh = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]
+    planned = {i for i, k in enumerate(fresh) if tier._client.placement(k)[0] == 1}
+    failed = tier.write_spans(span(rows(SMALL, 3), fresh))
+    assert set(failed) <= planned
+    tier.close()
+
+
+def test_a_block_a_node_dropped_fails_alone_never_wrong_bytes(nodes):
+    tier = make_tier(nodes, SMALL)
+    keys = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]
+    data = rows(SMALL, 4)
+    assert tier.write_spans(span(data, keys)) == {}
+    with PoolClient([n.address for n in nodes]) as other:  # as the node's eviction would
+        assert other.delete([keys[5]]) == 1
+    out = torch.zeros_like(data)
+    failed = tier.read_spans(span(out, keys))
+    assert set(failed) == {5} and "not on the pool any more" in str(failed[5])
+    assert not out[5].any(), "nothing of the dropped block was delivered"
+    for i in set(range(NUM_BLOCKS)) - {5}:
+        assert torch.equal(out[i], data[i])
+    # written again: the tier knew it held the block, asks, finds it gone, and sends it again
+    assert tier.write_spans(span(data, keys)) == {}
+    assert tier.read_spans(span(out, keys)) == {} and torch.equal(out, data)
+    tier.close()
+
+
+def test_layer_spans_of_large_blocks_are_gathered_and_put_once_per_node(nodes):
+    tier = make_tier(nodes, LARGE)
+    assert tier._frame.framed
+    keys = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]
+    data, half = rows(LARGE, 5), LARGE // 2
+    calls = tier.client_counters().get("node_calls", 0)
+    assert tier.write_spans(span(data, keys, 0, half)) == {}
+    assert tier.client_counters().get("node_calls", 0) == calls, "nothing sent before a block is whole"
+    assert tier.write_spans(span(data, keys, half, half)) == {}
+    assert tier.client_counters()["node_calls"] - calls == 2
+    whole = torch.zeros_like(data)
+    assert tier.read_spans(span(whole, keys)) == {} and torch.equal(whole, data)
+    parts = torch.zeros_like(data)  # streamed, layer span by layer span
+    assert tier.read_spans(span(parts, keys, 0, half)) == {}
+    assert torch.equal(parts[:, :half], data[:, :half])
+    assert tier.read_spans(span(parts, keys, half, half)) == {}
+    assert torch.equal(parts, data)
+    tier.close()
+
+
+def test_private_slots_batch_per_node(nodes, monkeypatch):
+    tier = make_tier(nodes, SMALL, shared=False)
+    keys = [secrets.token_bytes(16) for _ in range(NUM_BLOCKS)]  # private: sharing is off
+    data = rows(SMALL, 6)
+    calls = tier.client_counters().get("node_calls", 0)
+    assert tier.write_spans(span(data, keys)) == {}
+    used = tier.client_counters()["node_calls"] - calls
+    assert used <= 4, "one ALLOC and one batch of writes per node"
+    trips = RoundTrips(monkeypatch)
+    patch = rows(SMALL, 7)
+    assert tier.write_spans(span(patch, keys, 1000, 3000)) == {}
+    assert tier.client_counters()["node_calls"] - calls - used <= 2
+    out = torch.zeros_like(data)
+    assert tier.read_spans(span(out, keys)) == {}
+    expected = data.clone()
+    expected[:, 1000:4000] = patch[:, 1000:4000]
+    assert torch.equal(out, expected)
+    assert sum(trips.take().values()) <= 4  # a pipelined batch per node, each way
+    tier.close()
