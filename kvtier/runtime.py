@@ -210,10 +210,11 @@ class KVTier:
         with self._lock:
             plan = self.manager.prepare_load(keys)
             self._submit_moves(plan.moves, background=False)
-            ops = [CopyOp(s.key, self._end(s.tier, s.slot), buffers[s.key],
-                          verify=self._expected(s.key, s.tier, s.checksums),
-                          after=self._move_handles.get(s.after_move) if s.after_move is not None else None,
-                          fallback=self._fallback_op(s.key, s.fallback, buffers[s.key]))
+            tiers, below, moving = self.tiers, self._below_dram, self._move_handles
+            ops = [CopyOp(s.key, Endpoint(tiers[s.tier], s.slot), buffers[s.key],
+                          self._expected(s.key, s.tier, s.checksums) if below[s.tier] else None, False,
+                          moving.get(s.after_move) if s.after_move is not None else None,
+                          self._fallback_op(s.key, s.fallback, buffers[s.key]) if s.fallback is not None else None)
                    for s in plan.sources]
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
