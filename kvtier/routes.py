@@ -16,7 +16,7 @@ and moves it with as few calls as the media allow (see `Route` for the contract)
   `copy_` on the engine's CUDA stream, or a read into a staging buffer written on), through
   `Route.per_block`.
 
-Addresses come from the tiers' own memory (`Tier.host_rows`) and the caller's tensors, which the
+Addresses come from the tiers' own memory (`Tier.memory_rows`) and the caller's tensors, which the
 batch holds for the call's duration; a slot out of its tier's range is that block's failure
 (`IndexError`), never an address computed past the end. An end with no host address (a closed
 tier, a buffer that is not a contiguous CPU tensor of the block) goes through the block-by-block
@@ -25,7 +25,6 @@ path, which raises as it always did.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -44,18 +43,19 @@ _NO_SUMS: tuple[int, ...] = ()
 _OUT_OF_RANGE = -1
 
 
-class HostAddresses:
-    """Host addresses of copy ends for one batch, holding the memory they lie in until dropped.
+class Addresses:
+    """Addresses of copy ends for one batch, holding the memory they lie in until dropped.
 
     `of(end, offset)` is the address of byte `offset` of the block at `end`: None where the end is
-    not host memory this can address (device memory, a closed tier, a buffer that is not a
-    contiguous CPU tensor of at least the span), `_OUT_OF_RANGE` for a slot or row outside its
-    memory. `column(ends, offset)` is every end's address at once, as an array, where all lie in
-    one piece of memory (one tier's slab, one 2-D buffer), else None.
+    not memory this can address (with `host_only`, device memory too; a closed tier, a buffer that
+    is not a contiguous uint8 tensor of at least the span), `_OUT_OF_RANGE` for a slot or row
+    outside its memory. `column(ends, offset)` is every end's address at once, as an array, where
+    all lie in one piece of memory (one tier's slab, one 2-D buffer), else None.
     """
 
-    def __init__(self, span_end: int) -> None:
+    def __init__(self, span_end: int, host_only: bool = True) -> None:
         self._span_end = span_end  # offset + length: how much of a block the batch touches
+        self._host_only = host_only
         self._memory: dict[int, tuple[int, int, int] | None] = {}  # id(tier or buffer) -> base, row bytes, rows
         self._held: list[object] = []
 
@@ -96,13 +96,13 @@ class HostAddresses:
 
     def _find(self, end: Endpoint) -> tuple[int, int, int] | None:
         if end.tier is not None:
-            rows = end.tier.host_rows()
-            if rows is None or rows.shape[1] < self._span_end:
+            rows = end.tier.memory_rows()
+            if rows is None or (self._host_only and not rows.is_cpu) or rows.shape[1] < self._span_end:
                 return None
-            self._held.append(rows)  # the slab stays mapped while this batch copies into it
-            return _address(rows), rows.strides[0], rows.shape[0]
+            self._held.append(rows)  # the slab stays allocated while this batch copies into it
+            return rows.data_ptr(), rows.stride(0), rows.shape[0]
         buffer = end.buffer
-        if not buffer.is_cpu or buffer.dtype != torch.uint8:
+        if (self._host_only and not buffer.is_cpu) or buffer.dtype != torch.uint8:
             return None
         if end.slot >= 0:  # row `slot` of a [num_blocks, block_bytes] tensor
             if buffer.dim() != 2 or buffer.shape[1] < self._span_end or (buffer.shape[1] > 1 and buffer.stride(1) != 1):
@@ -111,20 +111,6 @@ class HostAddresses:
         if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < self._span_end:
             return None
         return buffer.data_ptr(), 0, 0
-
-
-_ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}  # id(array) -> (the array, its address)
-
-
-def _address(rows: np.ndarray) -> int:
-    """The address of a tier's host rows, remembered per array while it lives (asking NumPy
-    costs µs a batch; the cache holds no array alive, so a closed tier's slab is still freed)."""
-    known = _ADDRESSES.get(id(rows))
-    if known is not None and known[0]() is rows:
-        return known[1]
-    address = rows.__array_interface__["data"][0]
-    _ADDRESSES[id(rows)] = (weakref.ref(rows, lambda _, key=id(rows): _ADDRESSES.pop(key, None)), address)
-    return address
 
 
 class BuiltinRoutes:
@@ -146,7 +132,7 @@ class BuiltinRoutes:
     def move_host(self, batch: SpanBatch) -> None:
         """host ↔ host: one native copy of every block's span (checksummed ones layer by layer)."""
         offset, length, ops = batch.offset, batch.length, batch.ops
-        addresses = HostAddresses(offset + length)
+        addresses = Addresses(offset + length)
         if not any(op.checksum or op.verify is not None for op in ops):  # the usual batch: one column each way
             src = addresses.column([op.src for op in ops], offset)
             dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
@@ -187,7 +173,7 @@ class BuiltinRoutes:
         """disk/remote → memory: one `read_spans` per source tier straight into the destinations,
         then one native pass checking every layer read; a device destination block by block."""
         offset, length = batch.offset, batch.length
-        addresses = HostAddresses(offset + length)
+        addresses = Addresses(offset + length)
         for tier, indices in _by_tier(batch.ops, lambda op: op.src.tier):
             direct: list[tuple[int, int]] = []
             for i in indices:
@@ -204,7 +190,7 @@ class BuiltinRoutes:
         """memory → disk/remote: one native pass computing (and checking) the checksums, then one
         `write_spans` per destination tier from the sources; a device source block by block."""
         offset, length = batch.offset, batch.length
-        addresses = HostAddresses(offset + length)
+        addresses = Addresses(offset + length)
         for tier, indices in _by_tier(batch.ops, lambda op: op.dst.tier):
             direct: list[tuple[int, int, int]] = []
             for i in indices:

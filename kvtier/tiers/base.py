@@ -102,11 +102,11 @@ class Tier(ABC):
         """A zero-copy uint8 tensor over a slot range, or None where the medium has no such view."""
         return None
 
-    def host_rows(self) -> np.ndarray | None:
-        """The slots as a `[num_slots, slot_bytes]` uint8 NumPy array over the tier's own host
-        memory, for copies of whole blocks without building a tensor view per copy (a view costs
-        several µs, more than a small block's memcpy); None (the default) where the slots are
-        not host memory. Valid until `close()`."""
+    def memory_rows(self) -> torch.Tensor | None:
+        """The slots as one `[num_slots, slot_bytes]` uint8 tensor over the tier's own memory (host
+        or device), which routes address directly (slot `s` at `data_ptr() + s * stride(0)`)
+        instead of building a view per block (a view costs several µs, more than a small block's
+        copy); None (the default) where the slots are not memory, or once closed."""
         return None
 
     def host_memory(self) -> torch.Tensor | None:

@@ -54,7 +54,6 @@ class DRAMTier(SlabTier):
         # unregistered at close, or when the tier is collected (before its slab is unmapped)
         self._unregister = weakref.finalize(self, *_register(flat, total_bytes)) if self._pinned else None
         self._slab = flat.view(self.num_slots, slot_bytes)
-        self._rows = self._slab.numpy()
 
     @property
     def pinned(self) -> bool:
@@ -83,10 +82,6 @@ class DRAMTier(SlabTier):
         dst = as_byte_buffer(dst, "DRAM read destination")
         view = self.view(slot, offset, dst.numel())
         dst.copy_(view) if dst.is_cuda else copy_bytes(dst, view)
-
-    def host_rows(self):
-        """The slab as a NumPy array (see `Tier.host_rows`); None once closed."""
-        return None if self._slab is None else self._rows
 
     def host_memory(self) -> torch.Tensor | None:
         """The whole slab (None once closed): every `view` lies in it."""

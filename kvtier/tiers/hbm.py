@@ -48,12 +48,6 @@ class HBMTier(SlabTier):
     def device(self) -> torch.device:
         return self._device
 
-    def host_rows(self):
-        """The slab as a NumPy array when a CPU tensor stands in for HBM (see `Tier.host_rows`)."""
-        if self._slab is None or self._device.type != "cpu":
-            return None
-        return self._slab.numpy()
-
     @property
     def is_stand_in(self) -> bool:
         """True when a CPU tensor stands in for GPU memory."""

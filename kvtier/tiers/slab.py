@@ -40,6 +40,10 @@ class SlabTier(Tier):
         self._check_range(slot, offset, length)
         return self._open_slab()[slot, offset : offset + length]
 
+    def memory_rows(self) -> torch.Tensor | None:
+        """The slab itself (see `Tier.memory_rows`); None once closed."""
+        return self._slab
+
     def close(self) -> None:
         """Drops the slab; its memory is freed (or, on a GPU, returns to torch's caching allocator)
         once no caller's view refers to it. Idempotent."""
