@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from kvtier import _movers
-from kvtier.errors import IntegrityError
+from kvtier.errors import IntegrityError, TransferError
 from kvtier.handle import Stage
 from kvtier.layout import BlockLayout
 from kvtier.tiers.base import SpanIO, Tier, copy_bytes
@@ -41,6 +41,9 @@ from kvtier.copies import CopyOp, Endpoint, SpanBatch, StageError, block_seed
 _U64 = (1 << 64) - 1
 _NO_SUMS: tuple[int, ...] = ()
 _OUT_OF_RANGE = -1
+# The stream handle a batched device copier is given where no CUDA runtime is loaded: its stand-in
+# driver (native/fake_cuda.c, in tests) has one queue for every nonzero handle.
+STAND_IN_STREAM = 0x5EED
 
 
 class Addresses:
@@ -58,6 +61,7 @@ class Addresses:
         self._host_only = host_only
         self._memory: dict[int, tuple[int, int, int] | None] = {}  # id(tier or buffer) -> base, row bytes, rows
         self._held: list[object] = []
+        self.device_index = 0  # the CUDA device of the last device memory found (0: none found)
 
     def of(self, end: Endpoint, offset: int) -> int | None:
         memory = self._memory_of(end)
@@ -87,6 +91,10 @@ class Addresses:
         start = base + offset
         return np.array([start + slot * row_bytes for slot in slots], np.uint64)
 
+    def _note_device(self, t: torch.Tensor) -> None:
+        if t.is_cuda:
+            self.device_index = t.device.index or 0
+
     def _memory_of(self, end: Endpoint) -> tuple[int, int, int] | None:
         owner = end.tier if end.tier is not None else end.buffer
         memory = self._memory.get(id(owner), False)
@@ -100,8 +108,10 @@ class Addresses:
             if rows is None or (self._host_only and not rows.is_cpu) or rows.shape[1] < self._span_end:
                 return None
             self._held.append(rows)  # the slab stays allocated while this batch copies into it
+            self._note_device(rows)
             return rows.data_ptr(), rows.stride(0), rows.shape[0]
         buffer = end.buffer
+        self._note_device(buffer)
         if (self._host_only and not buffer.is_cpu) or buffer.dtype != torch.uint8:
             return None
         if end.slot >= 0:  # row `slot` of a [num_blocks, block_bytes] tensor
@@ -118,14 +128,19 @@ class BuiltinRoutes:
 
     Args:
         layout: the block layout every copy follows.
-        cuda: the engine's CUDA copier (None without CUDA).
+        cuda: the engine's CUDA stream copier (None without CUDA).
         staging: `staging(length, which)`, a per-thread host buffer of at least `length` bytes.
+        device_copier: `device_copier(device_index)`, the batched device copier of that device
+            (`kvtier.cuda_copy.CudaCopier`), or None where there is none (no CUDA, or it could
+            not be built: then copies with a device end go block by block on the CUDA stream).
     """
 
-    def __init__(self, layout: BlockLayout, cuda, staging: Callable[[int, int], torch.Tensor]) -> None:
+    def __init__(self, layout: BlockLayout, cuda, staging: Callable[[int, int], torch.Tensor],
+                 device_copier: Callable[[int], object | None] | None = None) -> None:
         self.layout = layout
         self._cuda = cuda
         self._staging = staging
+        self._device_copier = device_copier
 
     # ---- memory ↔ memory ----------------------------------------------------------------------
 
@@ -160,12 +175,38 @@ class BuiltinRoutes:
             self._summed(batch, summed, copy=True)
 
     def move_memory(self, batch: SpanBatch) -> None:
-        """memory ↔ memory with a device end: as host memory where no CUDA is present (a CPU
-        tensor stands in for HBM); else block by block on the engine's CUDA stream."""
+        """memory ↔ memory with a device end: one submission of the whole batch to the device's
+        batched copier (`cuMemcpyBatchAsync`, blocks adjacent on both sides merged), waited for;
+        as host memory where no CUDA is present (a CPU tensor stands in for HBM); block by block
+        on the engine's CUDA stream where there is no batched copier, or for copies that carry
+        checksums (computed in host memory)."""
+        if self._device_copier is not None and self._batched_device_copy(batch):
+            return
         if self._cuda is None:
             return self.move_host(batch)
         for i in range(len(batch.ops)):
             self._one(batch, i, self.copy_device)
+
+    def _batched_device_copy(self, batch: SpanBatch) -> bool:
+        """The whole batch through the device copier, where every end is addressable memory and no
+        copy carries checksums; False (nothing copied) otherwise. A failed submission fails every
+        block of the batch (the driver reports a batch, not a block)."""
+        ops, offset, length = batch.ops, batch.offset, batch.length
+        if any(op.checksum or op.verify is not None for op in ops):
+            return False
+        addresses = Addresses(offset + length, host_only=False)
+        src = addresses.column([op.src for op in ops], offset)
+        dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
+        copier = self._device_copier(addresses.device_index) if dst is not None else None
+        if copier is None:
+            return False
+        stream = self._cuda.stream() if self._cuda is not None else STAND_IN_STREAM
+        try:
+            copier.submit(dst, src, length, stream, after_event=batch.ready).wait()
+        except TransferError as e:
+            for i in range(len(ops)):
+                batch.fail(i, StageError(Stage.WRITE, e))
+        return True
 
     # ---- disk/remote ↔ memory -------------------------------------------------------------------
 

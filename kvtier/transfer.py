@@ -84,6 +84,10 @@ class TransferEngine:
             the time the engine leaves, instead of slowing its forward passes (0: same priority).
         cpus: the CPUs every worker thread is bound to (None: those of the submitting thread,
             which a CPU engine may have bound to its compute cores; see `kvtier.cpus`).
+        device_copier: `device_copier(device_index)`, the batched GPU copier to use for copies
+            with a device end (tests give a stand-in); default, where CUDA is present, a
+            `kvtier.cuda_copy.CudaCopier` per device, built on first use (where it cannot be built,
+            one warning, and such copies go block by block on the CUDA stream).
 
     Foreground batches (the engine's stores and loads) and background ones run on separate
     workers, so a load never queues behind a burst of demotions. The route table starts with
@@ -93,7 +97,8 @@ class TransferEngine:
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
                  chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None,
-                 background_nice: int = 0, cpus: Sequence[int] | None = None) -> None:
+                 background_nice: int = 0, cpus: Sequence[int] | None = None,
+                 device_copier: Callable[[int], object | None] | None = None) -> None:
         self.layout = layout
         self.chunk_bytes = chunk_bytes
         self.inline_bytes = inline_bytes
@@ -104,7 +109,9 @@ class TransferEngine:
         self._whole = [(0, layout.num_layers - 1)]
         self._local = threading.local()
         self._cuda = _CudaCopier() if torch.cuda.is_available() else None
-        self._builtin = BuiltinRoutes(layout, self._cuda, self._staging)
+        self._copiers = _DeviceCopiers() if device_copier is None and self._cuda is not None else None
+        self._builtin = BuiltinRoutes(layout, self._cuda, self._staging,
+                                      device_copier or (self._copiers.get if self._copiers else None))
         self._routes: dict[tuple[enum.Enum, enum.Enum], Route] = {}
         # The same entries keyed by the media's ids, which each copy looks up: an Enum member's
         # hash is a Python call (~250 ns a medium on this host), its id a C one, and members are
@@ -250,6 +257,8 @@ class TransferEngine:
             self._closed = True
             for lane in self._lanes:
                 lane.close()
+            if self._copiers is not None:
+                self._copiers.close()
 
     # ---- execution -----------------------------------------------------------------------
 
@@ -467,6 +476,10 @@ class _CudaCopier:
     def __init__(self) -> None:
         self._local = threading.local()
 
+    def stream(self) -> torch.cuda.Stream:
+        """This thread's stream (made on first use)."""
+        return self._stream()
+
     def _stream(self) -> torch.cuda.Stream:
         s = getattr(self._local, "stream", None)
         if s is None:
@@ -496,6 +509,44 @@ class _CudaCopier:
             event = torch.cuda.Event()
             event.record(stream)
             event.synchronize()
+
+
+class _DeviceCopiers:
+    """One `kvtier.cuda_copy.CudaCopier` per CUDA device, built on first use; a device whose
+    copier cannot be built (no nvcc, a driver that refuses) is said once and left to the
+    block-by-block path."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, object | None] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device_index: int):
+        copier = self._made.get(device_index, False)
+        if copier is not False:
+            return copier
+        with self._lock:
+            if device_index not in self._made:
+                self._made[device_index] = self._build(device_index)
+            return self._made[device_index]
+
+    @staticmethod
+    def _build(device_index: int):
+        from kvtier.cuda_copy import CudaCopier
+        from kvtier.errors import KVTierError
+
+        try:
+            return CudaCopier(device_index)
+        except KVTierError as e:
+            log.warning("kvtier: no batched GPU copier on device %d (%s); copies with a device end go "
+                        "block by block on a CUDA stream", device_index, e)
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            for copier in self._made.values():
+                if copier is not None:
+                    copier.close()
+            self._made.clear()
 
 
 __all__ = ["BlockCopy", "CopyOp", "Endpoint", "Failure", "Route", "SpanBatch", "Stage", "StageError", "TransferEngine",

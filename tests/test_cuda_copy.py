@@ -360,3 +360,63 @@ def test_gpu_copies_to_and_from_the_registered_dram_slab(mode):
         assert torch.equal(dram.view(int(slots[1]), 0, block), device[block:2 * block].cpu())
     finally:
         dram.close()
+
+
+# ---- the transfer engine's device route on the stand-in: one submission per layer span -------------------
+
+@needs_nvcc
+@pytest.mark.parametrize("chunk_bytes", [0, 1 << 30])
+def test_the_transfer_engine_moves_a_device_batch_in_one_submission_per_span(driver_paths, chunk_bytes):
+    """Blocks between a caller's rows and an HBM tier (a CPU tensor stands in for device memory; the
+    stand-in driver copies host memory): every span of a store or a load is one submission of the
+    whole batch, and every byte lands where it belongs."""
+    from kvtier.layout import BlockLayout
+    from kvtier.tiers.hbm import HBMTier
+    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+
+    layout = BlockLayout.uniform(16, 4, 16 * 1024)
+    num_spans = 4 if chunk_bytes == 0 else 1
+    with stand_in(driver_paths) as copier:
+        engine = TransferEngine(layout, chunk_bytes=chunk_bytes, device_copier=lambda device: copier)
+        hbm = HBMTier(16 * layout.block_bytes, layout.block_bytes, device="cpu")
+        try:
+            blocks = torch.randint(0, 256, (8, layout.block_bytes), dtype=torch.uint8)
+            slots = [9, 2, 15, 0, 4, 11, 6, 13]
+            before = copier.stats()["jobs"]
+            stored = engine.submit([CopyOp(k, Endpoint(buffer=blocks, slot=k), Endpoint(hbm, s))
+                                    for k, s in enumerate(slots)], inline=False)
+            assert stored.wait(60) and copier.stats()["jobs"] - before == num_spans
+            assert all(torch.equal(hbm.view(s, 0, layout.block_bytes), blocks[k]) for k, s in enumerate(slots))
+            out = torch.zeros_like(blocks)
+            loaded = engine.submit([CopyOp(k, Endpoint(hbm, s), Endpoint(buffer=out, slot=k))
+                                    for k, s in enumerate(slots)], inline=False)
+            assert loaded.wait(60) and torch.equal(out, blocks)
+            assert copier.stats()["jobs"] - before == 2 * num_spans
+        finally:
+            engine.close()
+            hbm.close()
+
+
+@needs_nvcc
+def test_a_failed_device_batch_fails_each_of_its_blocks(driver_paths):
+    """The driver reports a failed batch, not a block: every block of it is failed (a miss), none
+    is reported as landed."""
+    from kvtier.layout import BlockLayout
+    from kvtier.tiers.hbm import HBMTier
+    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+
+    layout = BlockLayout.uniform(16, 2, 8 * 1024)
+    fake = FakeDriver(driver_paths[DriverVariant.CUDA13])
+    with stand_in(driver_paths) as copier:
+        engine = TransferEngine(layout, device_copier=lambda device: copier)
+        hbm = HBMTier(4 * layout.block_bytes, layout.block_bytes, device="cpu")
+        try:
+            blocks = torch.randint(0, 256, (3, layout.block_bytes), dtype=torch.uint8)
+            fake.fail_next(FailKind.BATCH, CUDA_ERROR_ILLEGAL_ADDRESS)
+            handle = engine.submit([CopyOp(k, Endpoint(buffer=blocks, slot=k), Endpoint(hbm, k)) for k in range(3)],
+                                   inline=False)
+            assert not handle.wait(60) and set(handle.failed) == {0, 1, 2}
+            assert all(f.stage == "write" for f in handle.failed.values())
+        finally:
+            engine.close()
+            hbm.close()
