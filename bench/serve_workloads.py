@@ -8,6 +8,8 @@ time to first token is from sending the request to the first streamed chunk that
     answer); turn t of every conversation runs before turn t+1 of any, so the other conversations'
     prefill pushes a conversation's prefix out of vLLM's own cache before its next turn.
   * miss probes: one at a time, prompts nobody has sent (fresh random tokens): what a miss costs.
+  * `distinct_random_seed`: a seed for `vllm bench serve --dataset-name random` whose prompts share
+    no block, so that nothing of that workload can hit (see its docstring for why one must look).
   * `bench_result`: what the bench keeps of a `vllm bench serve --save-result --save-detailed` file.
 """
 
@@ -150,6 +152,63 @@ def bench_result(doc: dict) -> dict:
             "texts": list(doc["generated_texts"]), "input_lens": list(doc.get("input_lens", []))}
 
 
+def first_blocks_distinct(prompts: Sequence[Sequence[int]], block_tokens: int) -> bool:
+    """True when no two prompts begin with the same `block_tokens` tokens.
+
+    Prefix caches (vLLM's and kvtier's) key a block on every token before it, so prompts whose
+    first blocks differ share no cached block at all.
+    """
+    firsts = [tuple(p[:block_tokens]) for p in prompts]
+    return len(set(firsts)) == len(firsts)
+
+
+def distinct_random_seed(tokenizer, first_seed: int, num_prompts: int, input_tokens: int, output_tokens: int,
+                         block_tokens: int, max_tries: int = 500) -> int:
+    """The first seed from `first_seed` on for which `vllm bench serve --dataset-name random
+    --random-range-ratio 0 --random-prefix-len 0` sends prompts that share no block.
+
+    vLLM's random prompts are runs of consecutive token ids from a random start, decoded to text
+    and re-encoded. With a small byte-level vocabulary (the bench's has 512 ids) every start among
+    the 256 byte ids decodes to the same replacement characters, so many prompts come out
+    identical: with seed 1000, 24 prompts of 1,700 tokens have 19 distinct first blocks, and 12
+    prompts are all distinct for about one seed in ten. Identical prompts would hit vLLM's prefix
+    cache and kvtier. This draws the prompts with vLLM's own sampler and tokenizes them as the
+    server does (with its special tokens), so the seed it returns is checked, not hoped for.
+
+    Args:
+        tokenizer: the served model's tokenizer, as `vllm.tokenizers.get_tokenizer` loads it.
+        first_seed: the first seed tried.
+        num_prompts, input_tokens, output_tokens: `--num-prompts`, `--random-input-len`,
+            `--random-output-len` of the benchmark.
+        block_tokens: the engine's block size.
+        max_tries: seeds tried before giving up.
+
+    Returns:
+        The seed.
+
+    Raises:
+        ValueError: no seed of `max_tries` gives distinct prompts (ask for fewer prompts).
+    """
+    import logging
+
+    from vllm.benchmarks.datasets.datasets import RandomDataset
+
+    quiet = logging.getLogger("vllm.benchmarks")  # a warning per draw about re-encoded lengths
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for seed in range(first_seed, first_seed + max_tries):
+            requests = RandomDataset(random_seed=seed).sample(
+                tokenizer=tokenizer, num_requests=num_prompts, input_len=input_tokens, output_len=output_tokens,
+                range_ratio=0.0, prefix_len=0)
+            if first_blocks_distinct([tokenizer(r.prompt).input_ids for r in requests], block_tokens):
+                return seed
+    finally:
+        quiet.setLevel(level)
+    raise ValueError(f"no seed in {first_seed}..{first_seed + max_tries - 1} gives {num_prompts} random prompts "
+                     f"of {input_tokens} tokens that share no block: lower --random-prompts")
+
+
 def compare_outputs(reference: dict[str, object], candidate: dict[str, object]) -> dict:
     """Compares two {request: output} maps on the requests both have.
 
@@ -174,4 +233,6 @@ def outputs_of(run: dict) -> dict[str, object]:
         out[f"chat-{key}"] = tokens
     for i, tokens in enumerate(run.get("miss_tokens", [])):
         out[f"miss{i}"] = tokens
+    for i, text in enumerate(run.get("random", {}).get("texts", [])):
+        out[f"random{i}"] = text
     return out
