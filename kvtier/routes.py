@@ -12,9 +12,11 @@ and moves it with as few calls as the media allow (see `Route` for the contract)
   layer read against its checksums;
 - host memory → a disk or remote tier: one native pass computing the checksums, then one
   `Tier.write_spans` per tier;
-- anything with a CUDA end, and a copy between two disk/remote tiers: block by block (each a
-  `copy_` on the engine's CUDA stream, or a read into a staging buffer written on), through
-  `Route.per_block`.
+- a disk or remote tier → another: one `read_spans` into a host staging area, one native check,
+  one `write_spans` from it;
+- memory ↔ memory with a CUDA end: one submission of the batch to the device's batched copier
+  (`kvtier.cuda_copy`); block by block (`copy_` on the engine's CUDA stream) where there is none
+  or a copy carries checksums.
 
 Addresses come from the tiers' own memory (`Tier.memory_rows`) and the caller's tensors, which the
 batch holds for the call's duration; a slot out of its tier's range is that block's failure
@@ -44,6 +46,7 @@ _OUT_OF_RANGE = -1
 # The stream handle a batched device copier is given where no CUDA runtime is loaded: its stand-in
 # driver (native/fake_cuda.c, in tests) has one queue for every nonzero handle.
 STAND_IN_STREAM = 0x5EED
+RELAY_STAGING_BYTES = 64 << 20  # the most host memory one relay (disk/remote → disk/remote) stages at once
 
 
 class Addresses:
@@ -250,6 +253,35 @@ class BuiltinRoutes:
                 for j, error in tier.write_spans(io).items():
                     batch.fail(ready[j][0], StageError(Stage.WRITE, error))
 
+    def relay(self, batch: SpanBatch) -> None:
+        """disk/remote → disk/remote: the batch read into a host staging area (one `read_spans` per
+        source tier), checked in one native pass (the checksums computed where asked), then
+        written from there (one `write_spans` per destination tier); in chunks of at most
+        `RELAY_STAGING_BYTES`, so a large demotion does not hold a buffer of its whole size."""
+        per_chunk = max(1, RELAY_STAGING_BYTES // max(batch.length, 1))
+        for start in range(0, len(batch.ops), per_chunk):
+            part = SpanBatch(batch.ops[start:start + per_chunk], batch.first, batch.last, batch.offset, batch.length,
+                             batch.ready, batch.workers)
+            self._relay_part(part)
+            for j, error in part.failed.items():
+                batch.fail(start + j, error)
+            for j, sums in part.checksums.items():
+                batch.checksums[start + j] = sums
+
+    def _relay_part(self, batch: SpanBatch) -> None:
+        length, ops = batch.length, batch.ops
+        staging = self._staging(len(ops) * length, 0)
+        base = staging.data_ptr()
+        for tier, indices in _by_tier(ops, lambda op: op.src.tier):
+            self._read_direct(batch, tier, [(i, base + i * length) for i in indices])
+        for tier, indices in _by_tier(ops, lambda op: op.dst.tier):
+            ready = [i for i in indices if i not in batch.failed]
+            if ready:
+                io = SpanIO([ops[i].dst.slot for i in ready], batch.offset, length, [base + i * length for i in ready],
+                            [ops[i].key for i in ready])
+                for j, error in tier.write_spans(io).items():
+                    batch.fail(ready[j], StageError(Stage.WRITE, error))
+
     def _read_direct(self, batch: SpanBatch, tier: Tier, direct: list[tuple[int, int]]) -> None:
         if not direct:
             return
@@ -353,15 +385,6 @@ class BuiltinRoutes:
         buffer (after the caller's work, waited for), then as from host memory."""
         offset, length = self._range(first, last)
         host = self._on_host(op.src.view(offset, length), length, ready)
-        checksums = self.check(op, host, first, last)
-        _write(op, host, offset)
-        return checksums
-
-    def relay(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
-        """disk/remote → disk/remote: read into a host staging buffer, checked, written from it."""
-        offset, length = self._range(first, last)
-        host = self._staging(length, 0)
-        _read(op, host, offset)
         checksums = self.check(op, host, first, last)
         _write(op, host, offset)
         return checksums

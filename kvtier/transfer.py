@@ -16,7 +16,7 @@ submitted. The built-in entries (`kvtier.routes`):
 - disk/remote → memory: the tier's `read_spans` straight into the destinations (into a host
   staging buffer, then up, for device memory); memory → disk/remote: the tier's `write_spans`
   from the sources (down into a staging buffer first from device memory); disk/remote →
-  disk/remote: block by block through a staging buffer.
+  disk/remote: `read_spans` into a host staging area, `write_spans` from it.
 
 Spans: layers are copied in runs of at least `chunk_bytes`, each reported as it lands, so that
 `wait_layer(l)` returns before later layers land; a batch nobody can watch (run in the caller's
@@ -164,7 +164,7 @@ class TransferEngine:
         memory = Route(routes.move_memory)
         table = {(host, host): Route(routes.move_host),
                  (host, device): memory, (device, host): memory, (device, device): memory}
-        relay = Route.per_block(routes.relay, io=True)
+        relay = Route(routes.relay, io=True)
         for slow in _SLOW:
             table[slow, host] = table[slow, device] = Route(routes.read, io=True)
             table[host, slow] = table[device, slow] = Route(routes.write, io=True)

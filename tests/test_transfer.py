@@ -224,3 +224,37 @@ def test_a_block_whose_fallback_fails_too_is_failed(engine):
     fallback = CopyOp(5, Endpoint(other, 0), Endpoint(buffer=out), verify=sums)
     handle = engine.submit([CopyOp(5, Endpoint(source, 0), Endpoint(buffer=out), verify=sums, fallback=fallback)])
     assert not handle.wait(WAIT_S) and handle.failed[5].stage == Stage.VERIFY and 5 in handle.fell_back
+
+
+def test_a_relay_between_two_disks_is_checked_and_keeps_going_past_a_bad_block(engine, tmp_path):
+    """Disk → disk (a demotion from the pool to the SSD takes the same route): every block read
+    into staging in one batch, checked, and written to the other disk in one batch; a block whose
+    bytes fail their check is failed (VERIFY, naming the layer) and not written, the others land
+    with their checksums."""
+    from kvtier.tiers.ssd import SSDTier
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    src = SSDTier(tmp_path / "a", 4 * BLOCK, BLOCK, num_files=2)
+    dst = SSDTier(tmp_path / "b", 4 * BLOCK, BLOCK, num_files=2)
+    try:
+        data = blocks([0, 1, 2])
+        for k in range(3):
+            src.write(k, data[k])
+        sums = {k: tuple(_sums(k, data[k])) for k in range(3)}
+        bad = list(sums[1])
+        bad[2] ^= 1
+        ops = [CopyOp(k, Endpoint(src, k), Endpoint(dst, 3 - k), verify=sums[k] if k != 1 else tuple(bad),
+                      checksum=True) for k in range(3)]
+        handle = engine.submit(ops)
+        assert not handle.wait(WAIT_S)
+        assert set(handle.failed) == {1} and handle.failed[1].stage == Stage.VERIFY and "layer 2" in handle.failed[1].error
+        out = torch.empty(BLOCK, dtype=torch.uint8)
+        for k in (0, 2):
+            dst.read(3 - k, out)
+            assert torch.equal(out, data[k]) and tuple(handle.checksums[k]) == sums[k]
+        dst.read(2, out)
+        assert not out[LAYOUT.offsets[2]:].any(), "from the layer that failed its check on, nothing was written"
+    finally:
+        src.close()
+        dst.close()
