@@ -2,7 +2,9 @@
 
 Figures pool every round: req/s is all completed requests over all benchmark durations; TTFT
 percentiles are over every request of every round. A configuration's outputs are identical when
-every output of every round equals plain vLLM's of that round.
+every output of every round equals plain vLLM's of that round. The random workload (nothing can
+hit) has figures of its own (`random_*`), and `random_hit_tokens` says whether it kept its word:
+the prompt tokens that vLLM's cache or kvtier served during it, 0 when nothing hit.
 """
 
 from __future__ import annotations
@@ -16,12 +18,30 @@ from pathlib import Path
 from serve_procs import REPO_ROOT
 from serve_workloads import compare_outputs, outputs_of, percentile, ratio
 
-GOALS = {"throughput_ratio_min": 1.0, "miss_ttft_ratio_max": 1.05, "throughput_ratio_min_dram_and_pool": 1.3}
+GOALS = {"throughput_ratio_min": 1.0, "miss_ttft_ratio_max": 1.05, "throughput_ratio_min_dram_and_pool": 1.3,
+         "random_throughput_ratio_min": 0.98}
 STRONG = ("dram", "dram+pool")  # the configurations held to the higher throughput goal
+
+
+def random_hit_tokens(counters: dict[str, float]) -> float:
+    """Prompt tokens that vLLM's own prefix cache or the connector (kvtier) served, of a counter delta."""
+    return counters.get("prefix_cache_hits_total", 0.0) + counters.get("external_prefix_cache_hits_total", 0.0)
 
 
 def summarize(runs: list[dict]) -> dict:
     """One configuration's figures over its runs (those of a failed run count as far as it got)."""
+    out = {"num_runs": len(runs), "num_failed_runs": sum(1 for r in runs if r.get("error")),
+           **_summarize_prefix_chat_misses(runs), **_summarize_random(runs),
+           "startup_s": [round(r["startup_s"], 1) for r in runs if "startup_s" in r],
+           "engine": _sum_counters(r.get("engine", {}) for r in runs)}
+    errors = [{"round": r["round"], "error": r["error"], "log_tail": r.get("log_tail", "")}
+              for r in runs if r.get("error")]
+    if errors:
+        out["errors"] = errors
+    return out
+
+
+def _summarize_prefix_chat_misses(runs: list[dict]) -> dict:
     prefix = [r["prefix"] for r in runs if "prefix" in r]
     chat = [r["chat"] for r in runs if "chat" in r]
     ttfts = [t for p in prefix for t in p["ttfts_ms"]]
@@ -30,20 +50,24 @@ def summarize(runs: list[dict]) -> dict:
     later = [t for c in chat for t in c["later_turn_ttfts_ms"]]
     duration = sum(p["duration_s"] for p in prefix)
     chat_s = sum(c["duration_s"] for c in chat)
-    out = {"num_runs": len(runs), "num_failed_runs": sum(1 for r in runs if r.get("error")),
-           "req_per_s": sum(p["completed"] for p in prefix) / duration if duration else None,
-           "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
-           "miss_ttft_p50_ms": percentile(misses, 50), "miss_ttft_p99_ms": percentile(misses, 99),
-           "chat_req_per_s": sum(c["num_requests"] for c in chat) / chat_s if chat_s else None,
-           "chat_ttft_p50_ms": percentile(chat_ttfts, 50), "chat_ttft_p99_ms": percentile(chat_ttfts, 99),
-           "chat_later_turn_ttft_p50_ms": percentile(later, 50),
-           "startup_s": [round(r["startup_s"], 1) for r in runs if "startup_s" in r],
-           "engine": _sum_counters(r.get("engine", {}) for r in runs)}
-    errors = [{"round": r["round"], "error": r["error"], "log_tail": r.get("log_tail", "")}
-              for r in runs if r.get("error")]
-    if errors:
-        out["errors"] = errors
-    return out
+    return {"req_per_s": sum(p["completed"] for p in prefix) / duration if duration else None,
+            "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+            "miss_ttft_p50_ms": percentile(misses, 50), "miss_ttft_p99_ms": percentile(misses, 99),
+            "chat_req_per_s": sum(c["num_requests"] for c in chat) / chat_s if chat_s else None,
+            "chat_ttft_p50_ms": percentile(chat_ttfts, 50), "chat_ttft_p99_ms": percentile(chat_ttfts, 99),
+            "chat_later_turn_ttft_p50_ms": percentile(later, 50)}
+
+
+def _summarize_random(runs: list[dict]) -> dict:
+    """The random workload's figures; `random_hit_tokens` is None where no run measured it."""
+    done = [r for r in runs if "random" in r]
+    ttfts = [t for r in done for t in r["random"]["ttfts_ms"]]
+    duration = sum(r["random"]["duration_s"] for r in done)
+    counted = [r["random_engine"] for r in done if "random_engine" in r]
+    return {"random_req_per_s": sum(r["random"]["completed"] for r in done) / duration if duration else None,
+            "random_ttft_p50_ms": percentile(ttfts, 50), "random_ttft_p99_ms": percentile(ttfts, 99),
+            "random_failed": sum(r["random"].get("failed", 0) for r in done),
+            "random_hit_tokens": sum(random_hit_tokens(c) for c in counted) if counted else None}
 
 
 def _sum_counters(dicts) -> dict[str, float]:
@@ -60,14 +84,18 @@ def with_ratios(figures: dict, plain: dict) -> dict:
     figures["miss_ttft_ratio"] = ratio(figures["miss_ttft_p50_ms"], plain.get("miss_ttft_p50_ms"))
     figures["chat_throughput_ratio"] = ratio(figures["chat_req_per_s"], plain.get("chat_req_per_s"))
     figures["ttft_p50_ratio"] = ratio(figures["ttft_p50_ms"], plain.get("ttft_p50_ms"))
+    figures["random_throughput_ratio"] = ratio(figures["random_req_per_s"], plain.get("random_req_per_s"))
+    figures["random_ttft_ratio"] = ratio(figures["random_ttft_p50_ms"], plain.get("random_ttft_p50_ms"))
     return figures
 
 
 def goals_met(name: str, figures: dict) -> dict[str, bool | None]:
     need = GOALS["throughput_ratio_min_dram_and_pool"] if name in STRONG else GOALS["throughput_ratio_min"]
-    t, m = figures["throughput_ratio"], figures["miss_ttft_ratio"]
+    t, m, r = figures["throughput_ratio"], figures["miss_ttft_ratio"], figures["random_throughput_ratio"]
+    low = GOALS["random_throughput_ratio_min"]
     return {f"throughput_ratio>={need}": None if t is None else t >= need,
-            f"miss_ttft_ratio<={GOALS['miss_ttft_ratio_max']}": None if m is None else m <= GOALS["miss_ttft_ratio_max"]}
+            f"miss_ttft_ratio<={GOALS['miss_ttft_ratio_max']}": None if m is None else m <= GOALS["miss_ttft_ratio_max"],
+            f"random_throughput_ratio>={low}": None if r is None else r >= low}
 
 
 def compare_rounds(runs: list[dict], plain_runs: list[dict]) -> dict:
@@ -131,7 +159,8 @@ def print_table(result: dict, labels: dict[str, str]) -> None:
 
     table = Table(title="vllm serve with and without kvtier (ratios to plain vLLM, same run)")
     for col in ("configuration", "req/s", "x plain", "TTFT p50 / p99 ms", "miss TTFT p50 ms", "x plain",
-                "chat req/s", "x plain", "chat TTFT p50 ms", "kvtier hit tok", "identical", "notes"):
+                "chat req/s", "x plain", "chat TTFT p50 ms", "random req/s", "x plain", "random TTFT p50",
+                "kvtier hit tok", "identical", "notes"):
         table.add_column(col, justify="left" if col in ("configuration", "notes") else "right")
     for name, f in result["configs"].items():
         engine = f.get("engine", {})
@@ -139,16 +168,20 @@ def print_table(result: dict, labels: dict[str, str]) -> None:
         queries = engine.get("external_prefix_cache_queries_total")
         notes = [f"{len(f['errors'])} run(s) failed"] if f.get("errors") else []
         notes += [f"missed {goal}" for goal, ok in f.get("goals_met", {}).items() if ok is False]
+        if f.get("random_hit_tokens"):
+            notes.append(f"random workload hit {f['random_hit_tokens']:.0f} tokens")
         table.add_row(labels[name], _fmt(f["req_per_s"], ".2f"), _fmt(f["throughput_ratio"], ".2f"),
                       f"{_fmt(f['ttft_p50_ms'])} / {_fmt(f['ttft_p99_ms'])}", _fmt(f["miss_ttft_p50_ms"]),
                       _fmt(f["miss_ttft_ratio"], ".2f"), _fmt(f["chat_req_per_s"], ".2f"),
                       _fmt(f["chat_throughput_ratio"], ".2f"), _fmt(f["chat_ttft_p50_ms"]),
+                      _fmt(f["random_req_per_s"], ".2f"), _fmt(f["random_throughput_ratio"], ".2f"),
+                      _fmt(f["random_ttft_p50_ms"]),
                       _fmt(ratio(hits, queries) if queries else None, ".0%"),
                       {True: "yes", False: "NO", None: "-"}[f["outputs_identical"]],
                       "; ".join(notes))
     console = Console()
     if not console.is_terminal:
-        console = Console(width=200)  # a file or a pipe: no wrapping of the columns
+        console = Console(width=240)  # a file or a pipe: no wrapping of the columns
     console.print(table)
 
 
@@ -161,9 +194,9 @@ def write_png(result: dict, labels: dict[str, str], path: Path) -> None:
     figs = [result["configs"][n] for n in names]
     x = range(len(names))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, key, title in ((axes[0], "req_per_s", "prefix_repetition"), (axes[0], "chat_req_per_s", "chat")):
-        offset = -0.2 if key == "req_per_s" else 0.2
-        ax.bar([i + offset for i in x], [f[key] or 0 for f in figs], 0.4, label=title)
+    for offset, key, title in ((-0.27, "req_per_s", "prefix_repetition"), (0.0, "chat_req_per_s", "chat"),
+                               (0.27, "random_req_per_s", "random (nothing hits)")):
+        axes[0].bar([i + offset for i in x], [f.get(key) or 0 for f in figs], 0.27, label=title)
     axes[0].set_title("throughput (req/s, higher is better)")
     axes[0].legend()
     for ax, (p50, p99, title) in zip(axes[1:], (("ttft_p50_ms", "ttft_p99_ms", "TTFT, prefix_repetition (ms)"),
