@@ -22,15 +22,28 @@ configuration sees what another computed. Against each server, in order:
   2. `vllm bench serve --dataset-name prefix_repetition` (random prefixes shared by several prompts,
      shuffled; 16 output tokens, greedy, `--ignore-eos`): req/s and TTFT;
   3. a multi-turn chat: conversations whose prefixes together exceed vLLM's cache, turn by turn;
-  4. the other half of the miss probes (with kvtier's tiers now full).
+  4. the other half of the miss probes (with kvtier's tiers now full);
+  5. `vllm bench serve --dataset-name random`: `--random-prompts` prompts of `--prefix-tokens +
+     --suffix-tokens` tokens that nobody sent before and that share no block with one another
+     (`--random-prefix-len 0`, `--random-range-ratio 0`, and a seed per round checked for that:
+     see `serve_workloads.distinct_random_seed`), `--output-tokens` out, greedy, `--ignore-eos`,
+     `--concurrency` at a time: a workload where NOTHING can hit, neither vLLM's own cache nor
+     kvtier, so its req/s against plain vLLM's is what kvtier costs a server that only misses
+     (storing every computed block). vLLM's prefix-cache counters are read before and after it:
+     the hit tokens of both caches during it are reported (`random_hit_tokens`, 0 when it was
+     what it claims to be). It runs last so that it measures misses in a server whose tiers are
+     full (every block it stores evicts or demotes another, as on a server that has been up a
+     while; an empty kvtier would flatter it), and so that workloads 1-4 run exactly as before it
+     existed and stay comparable with earlier runs (run first, its ~20 MB per prompt would have
+     filled kvtier's DRAM before the prefix workload).
 
 A round runs every configuration once, in an order rotated by one each round, so that drift in the
 machine's load spreads over all of them; every configuration sees the same prompts in a round, and
 its outputs (greedy) are compared with plain vLLM's of that round. Ratios are to plain vLLM in the
 same run. Servers run with `--enforce-eager`: on this CPU, compiling costs ~30 s per start-up and
 served no faster. The whole run's figures, per-run details and server log tails of failures go to
-the JSON; a table to stdout; progress to stderr. `--quick` (one round, fewer prompts) takes ~6-8
-minutes on 2 busy cores, nearly half of it server start-ups; the default (3 rounds) ~25 minutes.
+the JSON; a table to stdout; progress to stderr. `--quick` (one round, fewer prompts) takes ~8-10
+minutes on 2 busy cores, nearly half of it server start-ups; the default (3 rounds) ~28 minutes.
 """
 
 from __future__ import annotations
@@ -42,7 +55,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,12 +79,14 @@ from serve_workloads import (  # noqa: E402
     ChatSpec,
     bench_result,
     complete,
+    distinct_random_seed,
+    engine_counters,
     miss_prompts,
     random_tokens,
     run_chat,
     run_miss_probes,
 )
-from serve_report import machine_info, print_table, summarize_all, write_png  # noqa: E402
+from serve_report import machine_info, print_table, random_hit_tokens, summarize_all, write_png  # noqa: E402
 
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 CONFIGS = {"plain": "plain vLLM", "dram": "kvtier DRAM", "dram+ssd": "DRAM + SSD (persist)",
@@ -90,6 +104,7 @@ class Params:
     concurrency: int
     chat: ChatSpec
     num_miss_probes: int
+    num_random_prompts: int
     gpu_blocks: int
     max_model_len: int
     dram: str
@@ -103,7 +118,7 @@ class Params:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one round, fewer prompts (~6-8 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="one round, fewer prompts (~8-10 min on 2 cores)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     p.add_argument("--png", metavar="FILE", help="plot req/s and TTFT per configuration here")
     p.add_argument("--configs", default=",".join(CONFIGS),
@@ -119,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-turns", type=int, help="default 4, --quick 3")
     p.add_argument("--chat-context-tokens", type=int, default=1500)
     p.add_argument("--miss-probes", type=int, help="default 8, --quick 4")
+    p.add_argument("--random-prompts", type=int, default=12,
+                   help="prompts of the random (nothing hits) workload per server; 0 skips it (default 12: more "
+                        "rarely share no block with this model's small vocabulary)")
     p.add_argument("--gpu-blocks", type=int, default=160, help="vLLM's own cache, in 32-token blocks")
     p.add_argument("--max-model-len", type=int, default=4096,
                    help="vLLM's --max-model-len; vLLM's own cache must hold one such request")
@@ -134,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.configs = tuple(n for n in CONFIGS if n in names or n == "plain")
     if args.num_prompts is None:
         args.num_prompts = 18 if args.quick else 36
+    if args.random_prompts < 0:
+        p.error(f"--random-prompts {args.random_prompts} is negative")
     if args.num_prompts < args.num_prefixes:
         p.error(f"--num-prompts {args.num_prompts} is below --num-prefixes {args.num_prefixes}: "
                 "vllm bench serve's prefix_repetition needs at least one prompt per prefix")
@@ -153,7 +173,8 @@ def params_from(args: argparse.Namespace) -> Params:
     return Params(rounds=pick(args.rounds, 3, 1), num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens,
                   suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens,
                   num_prompts=args.num_prompts, concurrency=args.concurrency, chat=chat,
-                  num_miss_probes=pick(args.miss_probes, 8, 4), gpu_blocks=args.gpu_blocks,
+                  num_miss_probes=pick(args.miss_probes, 8, 4), num_random_prompts=args.random_prompts,
+                  gpu_blocks=args.gpu_blocks,
                   max_model_len=args.max_model_len,
                   dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs)
 
@@ -178,6 +199,7 @@ class Bench:
     vocab_size: int
     procs: Procs
     log: Log
+    random_seeds: tuple[int, ...] = ()  # one per round: see `random_seeds`
 
     def tiers(self, name: str, run_dir: Path, pool_address: str | None) -> dict:
         tiers: dict = {"dram": {"capacity": self.params.dram}}
@@ -196,18 +218,46 @@ class Bench:
                "--seed", "0", "--enforce-eager", "--uvicorn-log-level", "warning"]
         return cmd + (["--kv-transfer-config", kv_transfer_config(kvtier_yaml)] if kvtier_yaml else [])
 
-    def bench_cmd(self, port: int, seed: int, out: Path) -> list[str]:
+    def prefix_dataset(self) -> list[str]:
         p = self.params
-        return [vllm_executable(), "bench", "serve", "--backend", "vllm", "--host", HOST, "--port", str(port),
-                "--model", str(self.model), "--dataset-name", "prefix_repetition",
-                "--prefix-repetition-prefix-len", str(p.prefix_tokens),
+        return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(p.prefix_tokens),
                 "--prefix-repetition-suffix-len", str(p.suffix_tokens),
                 "--prefix-repetition-num-prefixes", str(p.num_prefixes),
-                "--prefix-repetition-output-len", str(p.output_tokens), "--num-prompts", str(p.num_prompts),
+                "--prefix-repetition-output-len", str(p.output_tokens), "--num-prompts", str(p.num_prompts)]
+
+    def random_dataset(self) -> list[str]:
+        """Prompts that share no block (with the seed `random_seeds` found for the round)."""
+        p = self.params
+        return ["--dataset-name", "random", "--random-input-len", str(p.prefix_tokens + p.suffix_tokens),
+                "--random-output-len", str(p.output_tokens), "--random-range-ratio", "0",
+                "--random-prefix-len", "0", "--num-prompts", str(p.num_random_prompts)]
+
+    def bench_cmd(self, port: int, seed: int, out: Path, dataset: list[str]) -> list[str]:
+        """`vllm bench serve` of `dataset`'s arguments. No ready-check request and no warm-ups (vLLM's
+        defaults, stated): either would send the first prompt twice, and the second would hit."""
+        p = self.params
+        return [vllm_executable(), "bench", "serve", "--backend", "vllm", "--host", HOST, "--port", str(port),
+                "--model", str(self.model), *dataset,
                 "--max-concurrency", str(p.concurrency), "--temperature", "0", "--ignore-eos",
+                "--ready-check-timeout-sec", "0", "--num-warmups", "0",
                 "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir", str(out.parent),
                 "--result-filename", out.name, "--percentile-metrics", "ttft,e2el",
                 "--metric-percentiles", "50,99", "--disable-tqdm"]
+
+    def bench_serve(self, port: int, seed: int, run_dir: Path, name: str, dataset: list[str]) -> dict:
+        """Runs `vllm bench serve` to completion; returns `bench_result` of what it saved.
+
+        Raises:
+            RuntimeError: it exited with an error (its log's last lines in the message).
+        """
+        out = run_dir / f"{name}.json"
+        bench = self.procs.start(f"vllm bench serve ({name})", self.bench_cmd(port, seed, out, dataset),
+                                 run_dir / f"{name}.log", child_env())
+        status = bench.wait(600)
+        if status != 0:
+            raise RuntimeError(f"vllm bench serve ({name}) exited with {status}: {bench.log_tail(15)}")
+        self.procs.stop(bench)
+        return bench_result(json.loads(out.read_text()))
 
     def run(self, name: str, round_index: int) -> dict:
         """One fresh server of configuration `name` through every workload of round `round_index`.
@@ -231,7 +281,7 @@ class Bench:
             port, record["startup_s"] = wait_http_ready(server, "/health", self.params.start_timeout_s)
             self.log(f"  {CONFIGS[name]}: ready in {record['startup_s']:.0f} s")
             self.workloads(record, port, round_index, run_dir, server)
-            record["engine"] = engine_counters(port)
+            record["engine"] = engine_counters(HOST, port)
         except StartError as e:
             record.update(error=str(e), log_tail=e.log_tail)
         except Exception as e:  # a workload that failed: keep what was measured, and why
@@ -254,13 +304,7 @@ class Bench:
         probes = miss_prompts(seed, p.num_miss_probes, p.prefix_tokens + p.suffix_tokens, self.vocab_size)
         half = len(probes) // 2
         misses = run_miss_probes(HOST, port, model, probes[:half], p.output_tokens)
-        out = run_dir / "bench.json"
-        bench = self.procs.start("vllm bench serve", self.bench_cmd(port, seed, out), run_dir / "bench.log", child_env())
-        status = bench.wait(600)
-        if status != 0:
-            raise RuntimeError(f"vllm bench serve exited with {status}: {bench.log_tail(15)}")
-        self.procs.stop(bench)
-        record["prefix"] = bench_result(json.loads(out.read_text()))
+        record["prefix"] = self.bench_serve(port, seed, run_dir, "prefix", self.prefix_dataset())
         self.log(f"  prefix_repetition: {record['prefix']['req_per_s']:.2f} req/s, "
                  f"TTFT p50 {record['prefix']['ttft_p50_ms']:.0f} ms")
         chat = run_chat(HOST, port, model, p.chat, seed, self.vocab_size)
@@ -271,29 +315,34 @@ class Bench:
         misses += run_miss_probes(HOST, port, model, probes[half:], p.output_tokens)
         record["miss_ttfts_ms"] = [m.ttft_s * 1e3 for m in misses]
         record["miss_tokens"] = [list(m.token_ids) for m in misses]
+        if p.num_random_prompts:
+            self.random_workload(record, port, round_index, run_dir)
+
+    def random_workload(self, record: dict, port: int, round_index: int, run_dir: Path) -> None:
+        """Workload 5 (nothing can hit), with what both prefix caches counted during it."""
+        before = engine_counters(HOST, port)
+        record["random_seed"] = seed = self.random_seeds[round_index]
+        record["random"] = self.bench_serve(port, seed, run_dir, "random", self.random_dataset())
+        after = engine_counters(HOST, port)
+        record["random_engine"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        hits, got = random_hit_tokens(record["random_engine"]), record["random"]
+        self.log(f"  random (nothing can hit): {got['req_per_s']:.2f} req/s, TTFT p50 {got['ttft_p50_ms']:.0f} ms"
+                 + (f", [red]yet {hits:.0f} prompt tokens hit[/red]" if hits else ""))
 
 
-def engine_counters(port: int) -> dict[str, float]:
-    """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's)."""
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
-        return prefix_counters(r.read().decode())
+def random_seeds(model: Path, params: Params) -> tuple[int, ...]:
+    """A seed per round for the random workload whose prompts share no block; each round's differs
+    (each round gets prompts of its own). Loads vLLM's benchmark code (a few seconds)."""
+    if not params.num_random_prompts:
+        return ()
+    from vllm.tokenizers import get_tokenizer
 
-
-def prefix_counters(text: str) -> dict[str, float]:
-    """The `*_total` prefix-cache and prompt-token counters of a Prometheus text page, summed over
-    every label but `source` (which is kept as `name[source]`)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            base = sample.name.removeprefix("vllm:")
-            if not base.endswith("_total") or not ("prefix_cache" in base or "prompt_tokens" in base):
-                continue
-            source = sample.labels.get("source")
-            key = base + (f"[{source}]" if source else "")
-            counters[key] = counters.get(key, 0.0) + float(sample.value)
-    return counters
+    tokenizer, seeds = get_tokenizer(str(model)), [999]
+    for _ in range(params.rounds):
+        seeds.append(distinct_random_seed(tokenizer, seeds[-1] + 1, params.num_random_prompts,
+                                          params.prefix_tokens + params.suffix_tokens, params.output_tokens,
+                                          BLOCK_TOKENS))
+    return tuple(seeds[1:])
 
 
 def kvtier_lines(log_path: Path, limit: int = 12) -> list[str]:
@@ -320,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         model, num_params = build_model(workdir / "model", params.model)
         from transformers import AutoTokenizer
         vocab_size = len(AutoTokenizer.from_pretrained(model))
+        seeds = random_seeds(model, params)
+        if seeds:
+            log(f"random workload: seeds {', '.join(map(str, seeds))} (their prompts share no block)")
         with Procs() as procs:
-            bench = Bench(params, workdir, model, vocab_size, procs, log)
+            bench = Bench(params, workdir, model, vocab_size, procs, log, seeds)
             for r in range(params.rounds):
                 order = params.configs[r % len(params.configs):] + params.configs[:r % len(params.configs)]
                 for i, name in enumerate(order):
@@ -349,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 def strip(runs: list[dict]) -> list[dict]:
     """The runs without their generated outputs (the comparison is in the summary)."""
     drop = {"chat_tokens", "miss_tokens"}
-    return [{k: ({kk: vv for kk, vv in v.items() if kk != "texts"} if k == "prefix" else v)
+    return [{k: ({kk: vv for kk, vv in v.items() if kk != "texts"} if k in ("prefix", "random") else v)
              for k, v in r.items() if k not in drop} for r in runs]
 
 

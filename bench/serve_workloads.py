@@ -10,6 +10,7 @@ time to first token is from sending the request to the first streamed chunk that
   * miss probes: one at a time, prompts nobody has sent (fresh random tokens): what a miss costs.
   * `distinct_random_seed`: a seed for `vllm bench serve --dataset-name random` whose prompts share
     no block, so that nothing of that workload can hit (see its docstring for why one must look).
+  * `engine_counters`: vLLM's prefix-cache counters (its own cache's and the connector's hits).
   * `bench_result`: what the bench keeps of a `vllm bench serve --save-result --save-detailed` file.
 """
 
@@ -20,6 +21,7 @@ import json
 import math
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,6 +134,29 @@ def run_chat(host: str, port: int, model: str, spec: ChatSpec, seed: int, vocab_
                 history.extend(result.token_ids)
             on_turn(turn)
     return ChatResult(done, time.perf_counter() - start)
+
+
+def engine_counters(host: str, port: int) -> dict[str, float]:
+    """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's)."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        return prefix_counters(r.read().decode())
+
+
+def prefix_counters(text: str) -> dict[str, float]:
+    """The `*_total` prefix-cache and prompt-token counters of a Prometheus text page, summed over
+    every label but `source` (which is kept as `name[source]`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            base = sample.name.removeprefix("vllm:")
+            if not base.endswith("_total") or not ("prefix_cache" in base or "prompt_tokens" in base):
+                continue
+            source = sample.labels.get("source")
+            key = base + (f"[{source}]" if source else "")
+            counters[key] = counters.get(key, 0.0) + float(sample.value)
+    return counters
 
 
 def bench_result(doc: dict) -> dict:

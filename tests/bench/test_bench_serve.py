@@ -59,6 +59,65 @@ def test_fewer_prompts_than_prefixes_is_refused_before_any_server_starts(capsys)
     assert e.value.code == 2 and "--num-prompts 4 is below --num-prefixes 6" in capsys.readouterr().err
 
 
+def test_a_negative_number_of_random_prompts_is_refused_and_zero_skips_the_workload(capsys):
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--random-prompts", "-1"])
+    assert "--random-prompts -1 is negative" in capsys.readouterr().err
+    params = bench_serve.params_from(bench_serve.parse_args(["--random-prompts", "0"]))
+    assert params.num_random_prompts == 0 and bench_serve.random_seeds(Path("/nonexistent"), params) == ()
+
+
+def test_the_random_workload_is_vllms_random_dataset_of_prompts_that_cannot_hit(tmp_path):
+    """Fixed lengths, no shared prefix, no request sent twice (no ready check, no warm-up), the
+    round's seed; the prefix workload keeps its arguments."""
+    params = bench_serve.params_from(bench_serve.parse_args(["--quick", "--prefix-tokens", "1000",
+                                                             "--suffix-tokens", "100", "--output-tokens", "8"]))
+    b = bench_serve.Bench(params, tmp_path, tmp_path / "model", 512, None, print, (1005,))
+    cmd = b.bench_cmd(8000, 1005, tmp_path / "random.json", b.random_dataset())
+
+    def arg(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert arg("--dataset-name") == "random" and arg("--random-input-len") == "1100"
+    assert (arg("--random-output-len"), arg("--random-range-ratio"), arg("--random-prefix-len")) == ("8", "0", "0")
+    assert (arg("--num-prompts"), arg("--seed"), arg("--max-concurrency")) == ("12", "1005", "2")
+    assert (arg("--ready-check-timeout-sec"), arg("--num-warmups"), arg("--temperature")) == ("0", "0", "0")
+    assert "--ignore-eos" in cmd and arg("--result-filename") == "random.json"
+    prefix = b.bench_cmd(8000, 1000, tmp_path / "prefix.json", b.prefix_dataset())
+    assert prefix[prefix.index("--dataset-name") + 1] == "prefix_repetition"
+    assert prefix[prefix.index("--num-prompts") + 1] == "18" and "--random-input-len" not in prefix
+
+
+def test_prompts_share_a_block_only_when_their_first_blocks_are_equal():
+    assert wl.first_blocks_distinct([[1, 2, 3, 4], [1, 2, 3, 5], [2, 2, 3, 4]], 4)
+    assert not wl.first_blocks_distinct([[1, 2, 3, 4, 9], [1, 2, 3, 4, 8]], 4)
+    assert wl.first_blocks_distinct([], 32)
+
+
+@pytest.mark.slow
+def test_the_random_seed_found_gives_prompts_that_share_no_block_where_others_do(tmp_path):
+    """With vLLM's own sampler and the bench's 512-id tokenizer, as the server tokenizes (~10 s:
+    vLLM's import and a tokenizer trained here)."""
+    from vllm.benchmarks.datasets.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    from kvtier.integrations.hf.tiny_model import build_tokenizer
+
+    build_tokenizer(tmp_path, vocab_size=512)
+    tokenizer = get_tokenizer(str(tmp_path))
+
+    def first_blocks(seed, n):
+        drawn = RandomDataset(random_seed=seed).sample(tokenizer=tokenizer, num_requests=n, input_len=1700,
+                                                       output_len=16, range_ratio=0.0, prefix_len=0)
+        return [tokenizer(r.prompt).input_ids for r in drawn]
+
+    assert not wl.first_blocks_distinct(first_blocks(1000, 24), 32)  # why the bench must look
+    seed = wl.distinct_random_seed(tokenizer, 1000, 12, 1700, 16, 32)
+    assert wl.first_blocks_distinct(first_blocks(seed, 12), 32)
+    with pytest.raises(ValueError, match="no seed in 1000..1002 gives 24 random prompts.*lower --random-prompts"):
+        wl.distinct_random_seed(tokenizer, 1000, 24, 1700, 16, 32, max_tries=3)
+
+
 def test_a_cache_too_small_for_one_request_is_refused_before_any_server_starts(capsys):
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--gpu-blocks", "40"])
@@ -77,8 +136,8 @@ def test_every_server_gets_the_same_cpu_reservation(monkeypatch):
 def test_quick_shrinks_the_run_and_explicit_values_win():
     quick = bench_serve.params_from(bench_serve.parse_args(["--quick"]))
     full = bench_serve.params_from(bench_serve.parse_args([]))
-    assert (quick.rounds, quick.num_prompts, quick.num_miss_probes) == (1, 18, 4)
-    assert (full.rounds, full.num_prompts, full.num_miss_probes) == (3, 36, 8)
+    assert (quick.rounds, quick.num_prompts, quick.num_miss_probes, quick.num_random_prompts) == (1, 18, 4, 12)
+    assert (full.rounds, full.num_prompts, full.num_miss_probes, full.num_random_prompts) == (3, 36, 8, 12)
     mine = bench_serve.params_from(bench_serve.parse_args(["--quick", "--rounds", "2", "--num-prompts", "8"]))
     assert (mine.rounds, mine.num_prompts) == (2, 8)
 
@@ -116,8 +175,15 @@ def test_prefix_counters_sum_over_engines_and_keep_the_source():
             'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 32.0\n'
             "# TYPE vllm:num_requests_running gauge\n"
             'vllm:num_requests_running{engine="0"} 1.0\n')
-    assert bench_serve.prefix_counters(text) == {"prefix_cache_hits_total": 10.0,
-                                                 "prompt_tokens_by_source_total[external_kv_transfer]": 32.0}
+    assert wl.prefix_counters(text) == {"prefix_cache_hits_total": 10.0,
+                                        "prompt_tokens_by_source_total[external_kv_transfer]": 32.0}
+
+
+def test_random_hit_tokens_count_both_caches():
+    delta = {"prefix_cache_hits_total": 64.0, "external_prefix_cache_hits_total": 32.0,
+             "prefix_cache_queries_total": 5000.0}
+    assert serve_report.random_hit_tokens(delta) == 96.0
+    assert serve_report.random_hit_tokens({"prefix_cache_queries_total": 5000.0}) == 0.0
 
 
 # ---- outputs and the summary --------------------------------------------------------------------
@@ -133,8 +199,12 @@ def test_outputs_compare_on_common_requests_and_a_missing_one_is_a_difference():
     assert wl.compare_outputs(ref, {})["identical"] is None
 
 
-def run_record(config: str, round_index: int, req_per_s: float, miss_ms: float, texts=("x", "y")) -> dict:
+def run_record(config: str, round_index: int, req_per_s: float, miss_ms: float, texts=("x", "y"),
+               random_req_per_s: float = 1.0, random_hits: float = 0.0) -> dict:
     return {"config": config, "round": round_index, "startup_s": 50.0,
+            "random": {"completed": 12, "failed": 0, "duration_s": 12 / random_req_per_s,
+                       "req_per_s": random_req_per_s, "ttfts_ms": [900.0, 1000.0, 1100.0], "texts": ["r0", "r1"]},
+            "random_engine": {"prefix_cache_hits_total": random_hits, "prefix_cache_queries_total": 20400.0},
             "prefix": {"completed": 10, "duration_s": 10 / req_per_s, "req_per_s": req_per_s,
                        "ttfts_ms": [100.0, 200.0], "texts": list(texts)},
             "chat": {"duration_s": 10.0, "num_requests": 5, "ttfts_ms": [50.0], "later_turn_ttfts_ms": [40.0]},
@@ -143,17 +213,45 @@ def run_record(config: str, round_index: int, req_per_s: float, miss_ms: float, 
 
 
 def test_summary_ratios_goals_and_output_comparison_per_round():
-    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.5, 1000.0),
-            run_record("dram+ssd", 0, 0.9, 1100.0, texts=("x", "WRONG")),
-            run_record("plain", 1, 1.0, 1000.0, texts=("p", "q")), run_record("dram", 1, 1.5, 1000.0, texts=("p", "q"))]
+    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.5, 1000.0, random_req_per_s=0.99),
+            run_record("dram+ssd", 0, 0.9, 1100.0, texts=("x", "WRONG"), random_req_per_s=0.97),
+            run_record("plain", 1, 1.0, 1000.0, texts=("p", "q")),
+            run_record("dram", 1, 1.5, 1000.0, texts=("p", "q"), random_req_per_s=0.98)]
     out = serve_report.summarize_all(runs, ("plain", "dram", "dram+ssd"))
     dram, ssd = out["dram"], out["dram+ssd"]
     assert dram["req_per_s"] == pytest.approx(1.5) and dram["throughput_ratio"] == pytest.approx(1.5)
-    assert dram["outputs_identical"] is True and dram["outputs_compared"] == 10
+    assert dram["outputs_identical"] is True and dram["outputs_compared"] == 2 * 7  # per round: prefix 2, chat 1, misses 2, random 2
     assert all(dram["goals_met"].values())
     assert ssd["outputs_identical"] is False and ssd["outputs_first_different"] == ["prefix1"]
-    assert ssd["goals_met"] == {"throughput_ratio>=1.0": False, "miss_ttft_ratio<=1.05": False}
+    assert ssd["goals_met"] == {"throughput_ratio>=1.0": False, "miss_ttft_ratio<=1.05": False,
+                                "random_throughput_ratio>=0.98": False}
     assert out["plain"]["throughput_ratio"] == 1.0
+
+
+def test_the_random_workload_has_figures_of_its_own_pooled_over_rounds():
+    runs = [run_record("plain", 0, 1.0, 1000.0, random_req_per_s=1.0),
+            run_record("plain", 1, 1.0, 1000.0, random_req_per_s=0.5),
+            run_record("dram", 0, 1.5, 1000.0, random_req_per_s=0.9),
+            run_record("dram", 1, 1.5, 1000.0, random_req_per_s=0.5, random_hits=32.0)]
+    out = serve_report.summarize_all(runs, ("plain", "dram"))
+    plain, dram = out["plain"], out["dram"]
+    assert plain["random_req_per_s"] == pytest.approx(24 / 36)  # every request over every duration
+    assert dram["random_req_per_s"] == pytest.approx(24 / (12 / 0.9 + 24))
+    assert dram["random_throughput_ratio"] == pytest.approx(dram["random_req_per_s"] / plain["random_req_per_s"])
+    assert dram["random_ttft_p50_ms"] == 1000.0 and dram["random_ttft_ratio"] == pytest.approx(1.0)
+    assert dram["random_ttft_p99_ms"] == pytest.approx(wl.percentile([900.0, 1000.0, 1100.0] * 2, 99))
+    assert (plain["random_hit_tokens"], dram["random_hit_tokens"], dram["random_failed"]) == (0.0, 32.0, 0)
+    assert dram["goals_met"]["random_throughput_ratio>=0.98"] is False
+    assert dram["outputs_identical"] is True and dram["outputs_compared"] == 2 * 7
+
+
+def test_a_run_without_the_random_workload_has_no_random_figures_and_no_random_goal_verdict():
+    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.5, 1000.0)]
+    for r in runs:
+        del r["random"], r["random_engine"]
+    dram = serve_report.summarize_all(runs, ("plain", "dram"))["dram"]
+    assert dram["random_req_per_s"] is None and dram["random_throughput_ratio"] is None
+    assert dram["random_hit_tokens"] is None and dram["goals_met"]["random_throughput_ratio>=0.98"] is None
 
 
 def test_a_failed_run_counts_as_far_as_it_got_and_reports_why():
@@ -161,16 +259,20 @@ def test_a_failed_run_counts_as_far_as_it_got_and_reports_why():
     out = serve_report.summarize_all([run_record("plain", 0, 1.0, 1000.0), failed], ("plain", "dram"))
     assert out["dram"]["num_failed_runs"] == 1 and out["dram"]["req_per_s"] is None
     assert out["dram"]["errors"][0]["log_tail"] == "Traceback"
-    assert out["dram"]["goals_met"] == {"throughput_ratio>=1.3": None, "miss_ttft_ratio<=1.05": None}
+    assert out["dram"]["goals_met"] == {"throughput_ratio>=1.3": None, "miss_ttft_ratio<=1.05": None,
+                                        "random_throughput_ratio>=0.98": None}
 
 
 def test_the_table_and_the_plot_come_out(tmp_path, capsys):
-    runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.4, 900.0)]
+    runs = [run_record("plain", 0, 1.0, 1000.0, random_req_per_s=0.80),
+            run_record("dram", 0, 1.4, 900.0, random_req_per_s=0.76, random_hits=64.0)]
     result = {"configs": serve_report.summarize_all(runs, ("plain", "dram")),
               "machine": {"vllm": "0.32.0", "kvtier_commit": "abc", "num_cpus": 2}}
     serve_report.print_table(result, bench_serve.CONFIGS)
     table = capsys.readouterr().out
     assert "kvtier DRAM" in table and "1.40" in table and "75%" in table
+    assert "random req/s" in table and "0.76" in table and "0.95" in table  # 0.76 req/s, 0.95x plain
+    assert "random_throughput_ratio>=0.98" in table and "hit 64 tokens" in table  # in the notes
     png = tmp_path / "serve.png"
     serve_report.write_png(result, bench_serve.CONFIGS, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -275,16 +377,20 @@ def test_a_tiny_run_end_to_end(tmp_path, request):
     cmd = [sys.executable, str(BENCH / "bench_serve.py"), "--quick", "--configs", "dram+pool+ssd",
            "--num-prompts", "6", "--num-prefixes", "2", "--prefix-tokens", "600", "--suffix-tokens", "64",
            "--output-tokens", "4", "--chat-conversations", "3", "--chat-turns", "2", "--chat-context-tokens", "500",
-           "--miss-probes", "2", "--gpu-blocks", "40", "--max-model-len", "1024", "--json", str(out), "--png", str(tmp_path / "serve.png")]
+           "--miss-probes", "2", "--random-prompts", "4", "--gpu-blocks", "40", "--max-model-len", "1024", "--json", str(out), "--png", str(tmp_path / "serve.png")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env={**os.environ, "TMPDIR": str(tmp)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round 1/1, 2/2: DRAM + pool + SSD" in done.stderr  # progress
     assert "DRAM + pool + SSD" in done.stdout  # the table
     result = json.loads(out.read_text())
     kv = result["configs"]["dram+pool+ssd"]
-    for key in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "miss_ttft_p50_ms", "throughput_ratio", "miss_ttft_ratio"):
+    for key in ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "miss_ttft_p50_ms", "throughput_ratio", "miss_ttft_ratio",
+                "random_req_per_s", "random_ttft_p50_ms", "random_throughput_ratio"):
         assert isinstance(kv[key], float) and kv[key] > 0, key
-    assert kv["outputs_identical"] is True and kv["outputs_compared"] >= 6 + 6 + 2
+    assert kv["outputs_identical"] is True and kv["outputs_compared"] >= 6 + 6 + 2 + 4
+    # The random workload is what it claims: neither vLLM's cache nor kvtier served a token of it.
+    assert kv["random_hit_tokens"] == 0 and result["configs"]["plain"]["random_hit_tokens"] == 0
+    assert "random_throughput_ratio>=0.98" in kv["goals_met"]
     # Three conversations of ~600 tokens (19 blocks each) cannot all stay in vLLM's 40 blocks: a second
     # turn finds part of its history evicted there, whatever order the prefix prompts ran in, and kvtier
     # has it. (With two conversations everything fitted, and hits depended on the prefix prompts' timing.)
