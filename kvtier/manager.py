@@ -34,7 +34,8 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
-from kvtier.plans import Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StorePlan, TierSlots
+from kvtier.plans import (Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StoreOutcome, StorePlan,
+                          TierSlots)
 from kvtier.policy.admission import AdmissionKind
 from kvtier.policy.base import EvictionPolicy
 from kvtier.stats import DropReason, Stats
@@ -461,11 +462,21 @@ class TierManager:
     def prepare_store(self, keys: Iterable[Hashable], target: TierKind | None = None) -> StorePlan:
         """Chooses where new blocks go: `target` (default the top tier) or, if full, the next below.
 
-        Inclusive mode adds a write-through placement in every lower tier that admits the block.
+        Inclusive mode (and a tier's `write_through`) adds a further copy in every lower tier that
+        admits the block: the plan's `through`, one plan per tier, each finished apart.
         """
         placed, present, rejected = self._place(keys, target)
-        placements = tuple([Placement(key, tier, slot) for _, tier, slot, key in placed])
-        return StorePlan(placements, tuple(present), tuple(rejected), self._drain())
+        first: list[Placement] = []
+        more: dict[TierKind, list[Placement]] = {}
+        seen: set[Hashable] = set()
+        for _, tier, slot, key in placed:
+            if key in seen:
+                more.setdefault(tier, []).append(Placement(key, tier, slot))
+            else:
+                first.append(Placement(key, tier, slot))
+                seen.add(key)
+        through = tuple(StorePlan(tuple(ps), (), (), ()) for _, ps in sorted(more.items()))
+        return StorePlan(tuple(first), tuple(present), tuple(rejected), self._drain(), through)
 
     def _place(self, keys: Iterable[Hashable], target: TierKind | None) -> tuple[list, list, list]:
         """`prepare_store`'s decisions: the (block, tier, slot, key) claimed, the keys present, those rejected."""
@@ -488,7 +499,9 @@ class TierManager:
     def complete_store(self, plan: StorePlan, failed: Iterable[tuple[Hashable, TierKind]] = (),
                        checksums: dict[Hashable, tuple[int, ...]] | None = None,
                        retrying: Collection[Hashable] = ()) -> tuple[Move, ...]:
-        """Applies a finished store: written copies become READY, failed ones are freed.
+        """Applies a finished store: written copies become READY, failed ones are freed. Every
+        copy of the plan, its write-through ones included (a caller that writes them apart
+        completes each group apart: `StorePlan.first_copies`, `StorePlan.through`).
 
         Args:
             failed: the (key, tier) placements whose write failed.
@@ -500,7 +513,7 @@ class TierManager:
         """
         failed = set(failed)
         ids, stores, known = self._ids, self.stats.stores, self._checksums
-        for p in plan.placements:
+        for p in plan.all_placements:
             block = ids[p.key]
             if failed and (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
@@ -512,6 +525,39 @@ class TierManager:
                 known[block] = checksums[p.key]
         self._rebalance()
         return self._drain()
+
+    def finish_store(self, plan: StorePlan, failed: Iterable[tuple[Hashable, TierKind]] = (),
+                     checksums: dict[Hashable, tuple[int, ...]] | None = None) -> StoreOutcome:
+        """`complete_store`, and the retry of what failed: a block whose write failed in a tier,
+        with no other copy, is planned again in the next tier in service below that one (a tier
+        that failed as a whole has left the cascade by then), so that a drop is counted only when
+        no tier below could take it. `plan` is one group of copies (the plan's first copies, or
+        one of its `through` plans, or a retry), whose copies were all written: its `through`
+        plans, if any, are finished apart (pass `plan.first_copies()` then each of them)."""
+        failed = list(failed)
+        failed_in: dict[Hashable, list[TierKind]] = {}
+        for key, tier in failed:
+            failed_in.setdefault(key, []).append(tier)
+        again = {key: tiers[0] for key, tiers in failed_in.items()
+                 if self.below(tiers[0]) and not self.held_elsewhere(key, tiers)}
+        moves = self.complete_store(plan, failed, checksums, retrying=again)
+        if not again:
+            return StoreOutcome(moves)
+        by_target: dict[TierKind, list[Hashable]] = {}
+        for key, tier in again.items():
+            by_target.setdefault(self.below(tier)[0], []).append(key)
+        placements: list[Placement] = []
+        present: list[Hashable] = []
+        rejected: list[Hashable] = []
+        for target, keys in by_target.items():
+            retry = self.prepare_store(keys, target)
+            placements += retry.all_placements
+            present += retry.present
+            rejected += retry.rejected
+            moves += retry.moves
+        self.stats.store_retries += len(placements)
+        retry = StorePlan(tuple(placements), (), tuple(rejected), ()) if placements or rejected else None
+        return StoreOutcome(moves, retry, tuple(present))
 
     # ---- load ----------------------------------------------------------------------------
 

@@ -110,10 +110,42 @@ class LoadSource:
 
 @dataclass(frozen=True, slots=True)
 class StorePlan:
-    placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...]  # the first copy of each block
     present: tuple[Hashable, ...]  # already stored or being stored: nothing to do
     rejected: tuple[Hashable, ...]  # no tier had room: counted as dropped
     moves: tuple[Move, ...]  # demotions this store triggered
+    # The further copies write-through tiers take (inclusive mode, `TierConfig.write_through`),
+    # one plan per tier: each is written and completed apart, so that a failed copy in one tier
+    # fails that copy only (a block stored in DRAM is not lost because the pool could not take it).
+    through: tuple[StorePlan, ...] = ()
+
+    @property
+    def all_placements(self) -> tuple[Placement, ...]:
+        """Every copy the plan writes: the first ones, then the write-through ones."""
+        if not self.through:
+            return self.placements
+        return self.placements + tuple(p for t in self.through for p in t.placements)
+
+    def first_copies(self) -> StorePlan:
+        """The plan without its write-through copies (its moves and outcomes stay with it)."""
+        return StorePlan(self.placements, self.present, self.rejected, self.moves) if self.through else self
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    """What a finished store leads to (`TierManager.finish_store`).
+
+    Attributes:
+        moves: the demotions it triggered.
+        retry: the blocks whose write failed, whose failed copy was their only one, planned again
+            in the next tier in service below (None: nothing to retry). The caller writes it and
+            finishes it the same way, until no retry is left.
+        stored: keys a retry found already stored meanwhile (another copy landed): stored after all.
+    """
+
+    moves: tuple[Move, ...]
+    retry: StorePlan | None = None
+    stored: tuple[Hashable, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
 from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
-from kvtier.plans import Fallback
+from kvtier.plans import Fallback, Placement
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -176,25 +176,25 @@ class KVTier:
         buffers = self._caller_ends(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
-            plan, through = _split_through(self.manager.prepare_store(taken, target))
-            ops = self._store_ops(plan, buffers)
+            plan = self.manager.prepare_store(taken, target)
             self._submit_moves(plan.moves)
-            handle = TransferHandle(keys, self.layout.num_layers)
-            for key in plan.rejected:
-                handle.fail(key, Stage.WRITE, 0, "no tier had room for the block")
-            for key in over:
-                handle.fail(key, Stage.WRITE, 0, "the store backlog is full: dropped rather than waited for")
-            backlog = (len(ops) + sum(len(t.placements) for t in through)) * self.layout.block_bytes
+            caller = TransferHandle(keys, self.layout.num_layers)
+            refused = {key: "no tier had room for the block" for key in plan.rejected}
+            refused.update((key, "the store backlog is full: dropped rather than waited for") for key in over)
+            backlog = len(plan.all_placements) * self.layout.block_bytes
             self._backlog_bytes += backlog
+            ops = self._store_ops(plan.placements, buffers)
+        first = TransferHandle([p.key for p in plan.placements], self.layout.num_layers)
 
-            def on_done(h: TransferHandle) -> None:
-                self._store_done(plan, through, h, buffers, backlog)
+        def on_done(h: TransferHandle) -> None:
+            self._finish_store(plan, h, caller, buffers, refused, backlog)
 
-            if not sync:  # a write-through copy (the pool) is never written in the caller's thread
-                return self.engine.submit(ops, on_done, handle=handle, background=background,
-                                          inline=not background and not through)
-        # Outside the lock, as a worker would run it: the plan holds the slots until it completes.
-        return self.engine.run_now(ops, handle, on_done)
+        if sync:  # outside the lock, as a worker would run it: the plan holds the slots until it completes
+            self.engine.run_now(ops, first, on_done)
+        else:  # a write-through copy (the pool) is never written in the caller's thread
+            self.engine.submit(ops, on_done, handle=first, background=background,
+                               inline=not background and not plan.through)
+        return caller
 
     def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor], *,
              sync: bool = False) -> TransferHandle:
@@ -475,89 +475,73 @@ class KVTier:
         self.stats.dropped[DropReason.BACKLOG] += len(keys) - fits
         return keys[:fits], keys[fits:]
 
-    def _store_done(self, plan: StorePlan, through: Sequence[StorePlan], h: TransferHandle,
-                    buffers: Mapping[Hashable, Endpoint], backlog: int) -> None:
-        """Applies a store once its first copies landed; first writes its write-through copies
-        (`_split_through`), in this thread, while the caller's buffers are still its to read."""
+    def _finish_store(self, plan: StorePlan, first: TransferHandle, caller: TransferHandle,
+                      buffers: Mapping[Hashable, Endpoint], refused: Mapping[Hashable, str], backlog: int) -> None:
+        """Completes a store once its first copies landed (`first`), in this thread while the
+        caller's buffers are still its to read: writes its write-through copies, then whatever
+        the manager plans again below a tier that failed (`TierManager.finish_store`), until
+        nothing is left; then gives the caller's handle its outcome, once, and finishes it.
+
+        A block is stored if any of its copies landed; it failed if none did (the last failure is
+        the one reported), or if it was refused at once (`refused`: no room, backlog full)."""
+        error: BaseException | None = None
+        failures: dict[Hashable, Failure] = {}
+        stored: set[Hashable] = set()
         try:
-            stored_through: set[Hashable] = set()
-            for copies in through:
-                t = TransferHandle([p.key for p in copies.placements], self.layout.num_layers)
-                with self._lock:
-                    ops = self._store_ops(copies, buffers)
-                self.engine.run_now(ops, t)
-                self._on_stored(copies, t, t, buffers)  # a failed copy here fails that copy only
-                stored_through.update(p.key for p in copies.placements if p.key not in t.failed)
-            self._on_stored(plan, h, h, buffers)
-            for key in stored_through:  # its first copy failed, its write-through copy stands: stored
-                h.failed.pop(key, None)
+            retry = self._apply_store(plan.first_copies(), first, failures, stored)
+            for copies in plan.through:
+                self._apply_store(copies, self._write(copies, buffers), failures, stored)
+            while retry is not None:
+                retry = self._apply_store(retry, self._write(retry, buffers), failures, stored)
+            for key, why in refused.items():
+                caller.fail(key, Stage.WRITE, 0, why)
+            for key, failure in failures.items():
+                if key not in stored:
+                    caller.failed.setdefault(key, failure)
+            caller.checksums.update((k, v) for k, v in first.checksums.items() if k not in first.failed)
             with self._lock:  # the caller's keys are one request's blocks, head first
-                self.manager.order_chain(h.keys)
+                self.manager.order_chain(caller.keys)
+        except BaseException as e:  # a bug: surfaced to every waiter by caller.wait()
+            log.exception("completing a store of %d blocks failed", len(caller.keys))
+            error = e
         finally:
             with self._lock:
                 self._backlog_bytes -= backlog
+            caller.finish(error)
 
-    def _store_ops(self, plan: StorePlan, buffers: Mapping[Hashable, Endpoint]) -> list[CopyOp]:
+    def _write(self, plan: StorePlan, buffers: Mapping[Hashable, Endpoint]) -> TransferHandle:
+        """Writes `plan`'s copies from the caller's buffers in this thread; their handle."""
+        with self._lock:
+            ops = self._store_ops(plan.placements, buffers)
+        return self.engine.run_now(ops, TransferHandle([p.key for p in plan.placements], self.layout.num_layers))
+
+    def _store_ops(self, placements: Sequence[Placement], buffers: Mapping[Hashable, Endpoint]) -> list[CopyOp]:
         tiers, below = self.tiers, self._below_dram
         return [CopyOp(p.key, buffers[p.key], Endpoint(tiers[p.tier], p.slot), checksum=below[p.tier])
-                for p in plan.placements]
+                for p in placements]
 
-    def _on_stored(self, plan: StorePlan, h: TransferHandle, caller: TransferHandle,
-                   buffers: Mapping[Hashable, Endpoint]) -> None:
-        """Applies a finished store (`h`, reporting to the `caller`'s handle).
-
-        A block whose write failed, with no other copy, is stored again in the next tier in
-        service below the one that failed (a tier that failed as a whole leaves the cascade
-        first), in this thread and before the caller's handle finishes: the caller sees the
-        block stored, and a drop is counted only when no tier below could take it.
-        """
+    def _apply_store(self, plan: StorePlan, h: TransferHandle, failures: dict[Hashable, Failure],
+                     stored: set[Hashable]) -> StorePlan | None:
+        """Tells the manager how one group of a store's copies went (`h`); notes each copy's
+        failure with the tier service (a tier that failed as a whole leaves the cascade) and
+        records the outcome in `failures`/`stored`. Returns what the manager plans again."""
         failed = [(p.key, p.tier) for p in plan.placements if p.key in h.failed]
         sums = {k: tuple(v) for k, v in h.checksums.items() if k not in h.failed}
         with self._lock:
-            failed_in: dict[Hashable, list[TierKind]] = {}
             for key, tier in failed:
                 self._service.note(tier, h.failed[key])
-                failed_in.setdefault(key, []).append(tier)
-            again = {key: tiers[0] for key, tiers in failed_in.items()  # stored nowhere else, and room below
-                     if self.manager.below(tiers[0]) and not self.manager.held_elsewhere(key, tiers)}
-            self._submit_moves(self.manager.complete_store(plan, failed, sums, retrying=again))
+            outcome = self.manager.finish_store(plan, failed, sums)
+            self._submit_moves(outcome.moves)
             self._journal_landed((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
                                  if p.key not in h.failed)
-            retries = self._plan_retries(again, caller)
-        for retry in retries:
-            self._store_again(retry, caller, buffers)
-
-    def _plan_retries(self, failed_at: Mapping[Hashable, TierKind], caller: TransferHandle) -> list[StorePlan]:
-        """Store plans for blocks whose write failed in a tier: each into the tiers below it.
-        Caller holds the lock."""
-        by_target: dict[TierKind, list[Hashable]] = {}
-        for key, tier in failed_at.items():
-            by_target.setdefault(self.manager.below(tier)[0], []).append(key)
-        plans = []
-        for target, keys in by_target.items():
-            plan = self.manager.prepare_store(keys, target)
-            self._submit_moves(plan.moves)
-            for key in plan.present:  # another copy landed meanwhile (inclusive mode): stored after all
-                caller.failed.pop(key, None)
-            self.stats.store_retries += len(plan.placements)
-            if plan.placements:
-                plans.append(plan)
-        return plans
-
-    def _store_again(self, plan: StorePlan, caller: TransferHandle, buffers: Mapping[Hashable, Endpoint]) -> None:
-        """Runs a retry plan in this thread; the caller's handle learns each block's outcome."""
-        with self._lock:
-            ops = self._store_ops(plan, buffers)
-        retry = TransferHandle([p.key for p in plan.placements], self.layout.num_layers)
-        self.engine.run_now(ops, retry)
-        for p in plan.placements:  # before applying it: a retry of the retry has the last word
-            if p.key in retry.failed:
-                caller.failed[p.key] = retry.failed[p.key]
-            else:
-                caller.failed.pop(p.key, None)
-                if p.key in retry.checksums:
-                    caller.checksums[p.key] = retry.checksums[p.key]
-        self._on_stored(plan, retry, caller, buffers)
+        for key, failure in h.failed.items():
+            failures[key] = failure
+        stored.update(p.key for p in plan.placements if p.key not in h.failed)
+        stored.update(outcome.stored)
+        if outcome.retry is not None:
+            for key in outcome.retry.rejected:
+                failures.setdefault(key, Failure(Stage.WRITE, 0, "no tier below had room for the block"))
+        return outcome.retry
 
     def _on_loaded(self, plan: LoadPlan, h: TransferHandle, started: float) -> None:
         self._note_load_time(plan, h, time.perf_counter() - started)
@@ -690,28 +674,6 @@ class KVTier:
         the caller sees, so a tier that also fails to close is only logged."""
         for name, e in _run_all(self._tier_closers()):
             log.warning("closing the %s after a failed start: %s", name, e)
-
-
-def _split_through(plan: StorePlan) -> tuple[StorePlan, tuple[StorePlan, ...]]:
-    """`plan` as its first copy of each block (with the plan's moves and outcomes), and the
-    further copies the write-through tiers take (inclusive mode, `TierConfig.write_through`),
-    one plan per tier.
-
-    Each is written and applied apart: a transfer reports failures per block, so a failed copy
-    in one tier would otherwise count as failed in all, and a block stored in DRAM would be lost
-    because the pool could not take it."""
-    seen: set[Hashable] = set()
-    first, more = [], {}
-    for p in plan.placements:
-        if p.key in seen:
-            more.setdefault(p.tier, []).append(p)
-        else:
-            first.append(p)
-            seen.add(p.key)
-    if not more:
-        return plan, ()
-    return (StorePlan(tuple(first), plan.present, plan.rejected, plan.moves),
-            tuple(StorePlan(tuple(ps), (), (), ()) for _, ps in sorted(more.items())))
 
 
 def _computed(h: TransferHandle, key: Hashable) -> tuple[int, ...] | None:

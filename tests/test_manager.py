@@ -77,7 +77,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         for key in keys:  # one at a time: a key dropped and stored again in one call is still seen
             plan = self.m.prepare_store([key], tier)
-            assert not {p.tier for p in plan.placements} & self.m.unavailable, "a store into a tier out of service"
+            assert not {p.tier for p in plan.all_placements} & self.m.unavailable, "a store into a tier out of service"
             self.pending.append(("store", plan))
             self._queue_moves(plan.moves)
             self.every_lost_block_is_counted()
@@ -145,19 +145,19 @@ class ManagerMachine(RuleBasedStateMachine):
         return {p.id for k, p in self.pending if k == "move"}
 
     def _complete_store(self, plan, ok, data):
-        failed = set() if ok else {(p.key, p.tier) for p in plan.placements[:1]}
-        for p in plan.placements:
+        failed = set() if ok else {(p.key, p.tier) for p in plan.all_placements[:1]}
+        for p in plan.all_placements:
             assert self.m.owner(p.tier, p.slot) == p.key, "a slot being written changed hands"
             if (p.key, p.tier) not in failed:
                 self.data[(p.tier, p.slot)] = p.key
                 self.ever_ready.add(p.key)  # READY now, even if this very completion evicts it
         retry = data.draw(st.booleans()) if failed else False  # as the runtime does: again, further down
-        again = {p.key: p.tier for p in plan.placements if (p.key, p.tier) in failed and self.m.below(p.tier)
+        again = {p.key: p.tier for p in plan.all_placements if (p.key, p.tier) in failed and self.m.below(p.tier)
                  and not self.m.held_elsewhere(p.key, {p.tier})}
         self._queue_moves(self.m.complete_store(plan, failed, retrying=again if retry else ()))
         for key, tier in (again.items() if retry else ()):
             replan = self.m.prepare_store([key], self.m.below(tier)[0])
-            assert all(p.tier > tier for p in replan.placements)
+            assert all(p.tier > tier for p in replan.all_placements)
             self.pending.append(("store", replan))
             self._queue_moves(replan.moves)
 
@@ -270,7 +270,7 @@ def test_store_spills_down_and_demotes_lru_first():
     _store_ready(m, [1, 2])
     plan, moves = _store_ready(m, [3])
     assert [(mv.key, mv.src, mv.dst) for mv in plan.moves] == [(1, H, D)], "the LRU block is demoted"
-    assert [p.tier for p in plan.placements] == [D], "HBM's slot frees only when the demotion lands"
+    assert [p.tier for p in plan.all_placements] == [D], "HBM's slot frees only when the demotion lands"
     _finish(m, moves)
     assert (m.where(1), m.where(2), m.where(3)) == (D, H, D) and m.lookup([1, 2, 3]) == 3
     _finish(m, _store_ready(m, [4])[1])
@@ -299,13 +299,13 @@ def test_leased_and_pinned_blocks_are_never_evicted():
     _store_ready(m, [1])
     load = m.prepare_load([1])
     plan = m.prepare_store([2], H)
-    assert [p.tier for p in plan.placements] == [D], "the block being read stays; the new one goes below"
+    assert [p.tier for p in plan.all_placements] == [D], "the block being read stays; the new one goes below"
     assert m.where(1) is H
     m.complete_load(load)
     m.complete_store(plan)
     assert m.pin([2]) == [2]
     plan = m.prepare_store([3], D)
-    assert [p.tier for p in plan.placements] == [S] and m.where(2) is D
+    assert [p.tier for p in plan.all_placements] == [S] and m.where(2) is D
 
 
 def test_concurrent_loads_join_one_promotion():
@@ -390,7 +390,7 @@ def test_a_tier_out_of_service_is_skipped_and_its_blocks_not_served():
     assert m.lookup([1]) == 0 and m.prepare_load([1]).missing == (1,), "its copy is kept, not served"
     assert m.below(H) == (D,) and m.below(D) == ()
     plan, moves = _store_ready(m, [2, 3, 4])  # HBM and DRAM full: no demotion can go into SSD
-    assert all(mv.dst is not S for mv in moves) and all(p.tier is not S for p in plan.placements)
+    assert all(mv.dst is not S for mv in moves) and all(p.tier is not S for p in plan.all_placements)
     assert m.prepare_prefetch([1], S, 4) == ()
     m.set_available(S, True)
     assert m.lookup([1]) == 1 and m.where(1) is S
@@ -408,7 +408,7 @@ def test_checksum_failure_discards_the_copy():
 def test_inclusive_mode_writes_through_and_keeps_lower_copies():
     m = make_manager((2, 3, 4), mode=CacheMode.INCLUSIVE)
     plan, _ = _store_ready(m, [1])
-    assert [p.tier for p in plan.placements] == [H, D, S]
+    assert [p.tier for p in plan.all_placements] == [H, D, S]
     _store_ready(m, [2])
     _, moves = _store_ready(m, [3])
     assert not [mv for mv in moves if mv.reason is MoveReason.DEMOTE], "a copy below exists: release, no move"
@@ -494,10 +494,10 @@ def test_complete_moves_decides_as_complete_move_one_at_a_time(policy):
 def test_a_copy_in_a_tier_that_may_drop_it_does_not_let_a_victim_go_undemoted():
     m = make_manager((1, 1, 4), pool=(4, True))  # every store also goes to the pool (write-through)
     plan, moves = _store_ready(m, [1])
-    assert sorted(p.tier for p in plan.placements) == [H, P]
+    assert sorted(p.tier for p in plan.all_placements) == [H, P]
     plan, moves = _store_ready(m, [2])
     assert [(mv.key, mv.src, mv.dst) for mv in plan.moves] == [(1, H, D)], "demoted as if the pool had no copy"
-    assert sorted(p.tier for p in plan.placements) == [P, S], "HBM's slot is busy: the pool, and the SSD to keep it"
+    assert sorted(p.tier for p in plan.all_placements) == [P, S], "HBM's slot is busy: the pool, and the SSD to keep it"
     _finish(m, moves)
     for k in range(3, 6):  # 5 blocks: HBM, DRAM and the SSD keep 6, less one HBM slot a demotion holds
         _finish(m, _store_ready(m, [k])[1])
@@ -521,7 +521,7 @@ def test_a_victim_demoted_into_a_tier_that_may_drop_it_also_goes_to_one_that_kee
 def test_a_store_into_a_tier_that_may_drop_it_places_a_copy_below_that_keeps_it():
     m = make_manager((1, 1, 4), pool=(4, False))
     plan = m.prepare_store([1], P)
-    assert sorted(p.tier for p in plan.placements) == [P, S]
+    assert sorted(p.tier for p in plan.all_placements) == [P, S]
     m.complete_store(plan, failed={(1, P)})  # the pool refused it: the SSD copy stands
     assert m.where(1) is S and m.stats.num_dropped == 0
 
@@ -561,7 +561,7 @@ def test_a_read_from_the_pool_leases_the_ssd_copy_to_fall_back_on(failure):
     either way the block stays, and the fallback's lease ends with the load."""
     m = make_manager((1, 1, 4), pool=(4, False), promote_to=P)
     plan = m.prepare_store([1], P)
-    assert sorted(p.tier for p in plan.placements) == [P, S]
+    assert sorted(p.tier for p in plan.all_placements) == [P, S]
     m.complete_store(plan)
     load = m.prepare_load([1])
     (source,) = load.sources
