@@ -94,7 +94,7 @@ class KVTier:
             self.manager = TierManager(
                 [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
                 promote_to=config.promote_to, stats=self.stats)
-            self._journal = self._open_journal()
+            self._recall()
         except BaseException:
             self._close_tiers()
             raise
@@ -105,6 +105,7 @@ class KVTier:
                                      cpus=config.transfer.cpus)
         # Whether each tier is below DRAM (its writes compute checksums, its reads check them).
         self._below_dram = {kind: tier.medium in _BELOW_DRAM for kind, tier in self.tiers.items()}
+        self._persistent = {kind: tier.persist for kind, tier in self.tiers.items()}
         self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
         self.cost = LoadCost(self.layout.block_tokens)
@@ -328,8 +329,7 @@ class KVTier:
         self._closed = True
         steps = [("metrics", self._metrics_server.shutdown if self._metrics_server is not None else None),
                  ("tier prober", self._service.close),
-                 ("transfer engine", self.engine.close),
-                 ("SSD journal", self._journal.close if self._journal is not None else None)]
+                 ("transfer engine", self.engine.close)]
         failures = _run_all(steps + self._tier_closers())
         if failures:
             raise TierIOError("KVTier.close: " + "; ".join(f"{name}: {e}" for name, e in failures)
@@ -532,7 +532,7 @@ class KVTier:
                 self._service.note(tier, h.failed[key])
             outcome = self.manager.finish_store(plan, failed, sums)
             self._submit_moves(outcome.moves)
-            self._journal_landed((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
+            self._remember((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
                                  if p.key not in h.failed)
         for key, failure in h.failed.items():
             failures[key] = failure
@@ -599,7 +599,7 @@ class KVTier:
                     self.stats.prefetch_cancelled += 1
                 sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
                 follow += self.manager.complete_move(m.id, f is None, sums, failure)
-            self._journal_landed((m.key, m.dst, m.dst_slot, m.checksums or _computed(h, m.key))
+            self._remember((m.key, m.dst, m.dst_slot, m.checksums or _computed(h, m.key))
                                  for m in moves if m.key not in h.failed)
             self._submit_moves(follow)
 
@@ -607,33 +607,27 @@ class KVTier:
         """Takes `tier` out of the cascade or puts it back (the tier service's call); lock held."""
         self._submit_moves(self.manager.set_available(tier, available))
 
-    def _open_journal(self):
-        """Opens the persistent SSD tier's journal and adopts the blocks it records, if any."""
-        tier = self.tiers.get(TierKind.SSD)
-        if not getattr(tier, "persist", False):
-            return None
-        from kvtier.tiers.ssd_journal import SlotJournal
-
+    def _recall(self) -> None:
+        """Adopts the blocks a persistent tier (`Tier.persist`) recorded in an earlier run under
+        this runtime's model, tenant and block layout."""
         fingerprint = xxhash.xxh3_128_digest(repr((self.config.model, self.config.tenant, self.layout.block_tokens,
                                                    self.layout.layer_bytes)).encode())
-        journal = SlotJournal(tier.directory, tier.num_slots, tier.slot_bytes, self.layout.num_layers, fingerprint)
-        if journal.reused:
-            adopted = self.manager.adopt(TierKind.SSD, ((key, slot, sums) for slot, key, sums in journal.entries()))
-            self._num_restored_blocks = adopted
-            log.info("kvtier SSD tier %s: %d blocks restored from an earlier run", tier.directory, adopted)
-        return journal
+        for kind, tier in self.tiers.items():
+            if tier.persist:
+                entries = tier.recall(fingerprint, self.layout.num_layers)
+                if entries:
+                    adopted = self.manager.adopt(kind, ((key, slot, sums) for slot, key, sums in entries))
+                    self._num_restored_blocks += adopted
+                    log.info("kvtier %s tier: %d blocks restored from an earlier run", kind.name, adopted)
 
-    def _journal_landed(self, landed) -> None:
-        """Records blocks that just became READY on the persistent SSD tier, given as (key, tier,
+    def _remember(self, landed) -> None:
+        """Tells each persistent tier the blocks that just became READY in it, given as (key, tier,
         slot, checksums: those the plan carried or the write computed); caller holds the lock.
         A copy the completion already freed (its slot owned by another block, or by none) is
         not recorded."""
-        if self._journal is None:
-            return
         for key, tier, slot, checksums in landed:
-            if tier is TierKind.SSD and checksums is not None and isinstance(key, bytes) and len(key) == 16 \
-                    and self.manager.owner(tier, slot) == key:
-                self._journal.record(slot, key, checksums)
+            if checksums is not None and self._persistent.get(tier) and self.manager.owner(tier, slot) == key:
+                self.tiers[tier].remember(slot, key, checksums)
 
     def _cancel_prefetch(self, prefetch: Prefetch) -> None:
         with self._lock:  # asked now, not when the prefetch started: a load may have joined since

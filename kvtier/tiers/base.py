@@ -67,6 +67,10 @@ class Tier(ABC):
     # Whether the tier checks the bytes it reads itself (the pool checks each block's key-seeded
     # checksum), so that a block adopted from another process needs no checksums in the index.
     checks_reads: bool = False
+    # Whether the tier keeps its blocks across restarts (a persistent SSD tier): it then records
+    # each block that lands in it (`remember`) and gives back, at start-up, what an earlier run
+    # recorded (`recall`), so that the runtime adopts those blocks into its index.
+    persist: bool = False
     # Whether the tier may lose a block on its own authority (a pool node evicts by its own
     # recency, under every client's pressure, or restarts): a copy there never lets the manager
     # drop a block's copy above without demoting it to a tier that keeps what it holds.
@@ -180,6 +184,20 @@ class Tier(ABC):
         Raises:
             TierUnavailable: the tier still cannot serve; the message says why.
         """
+
+    def recall(self, fingerprint: bytes, num_layers: int) -> list[tuple[int, Hashable, tuple[int, ...]]]:
+        """A persistent tier (`persist`): the blocks an earlier run recorded under `fingerprint`
+        (16 bytes naming the block layout and key namespace), as (slot, key, per-layer
+        checksums); from now on it records what lands (`remember`). Empty for the others.
+
+        Raises:
+            TierIOError: the tier's record cannot be opened.
+        """
+        return []
+
+    def remember(self, slot: int, key: Hashable, checksums: tuple[int, ...]) -> None:
+        """A persistent tier records that `slot` now holds block `key`, with its checksums (the
+        default, for the others, records nothing)."""
 
     def close(self) -> None:
         """Releases the tier's memory or files. Idempotent."""

@@ -24,6 +24,7 @@ import mmap
 import os
 import secrets
 import threading
+from collections.abc import Hashable
 
 import numpy as np
 import torch
@@ -100,6 +101,7 @@ class SSDTier(Tier):
         self._keep_files = keep_files or persist
         self._bounce_bytes = min(self.slot_stride_bytes, MAX_BOUNCE_BYTES)
         self._local = threading.local()
+        self._journal = None  # a persistent tier's SlotJournal, opened by `recall`
         self._paths: list[str] = []
         self._files: list[os.stat_result] = []  # what each path was when created: reopens must match
         self._fds: list[int] = []
@@ -222,6 +224,28 @@ class SSDTier(Tier):
             failed[chosen[j]] = _io_error(cause, verb, self._paths[slot % per_file], slot, int(offsets[j]), io.length)
         return failed
 
+    def recall(self, fingerprint: bytes, num_layers: int) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """A persistent tier's journal (`kvtier.tiers.ssd_journal`), opened once, beside the slot
+        files: the blocks it records under `fingerprint`, which `remember` then keeps current
+        (see `Tier.recall`). Empty where the tier is not persistent or the journal is new.
+
+        Raises:
+            TierIOError: the journal cannot be opened (a link or special file planted under its
+                name, another user's, held by another process).
+        """
+        if not self.persist:
+            return []
+        if self._journal is None:
+            from kvtier.tiers.ssd_journal import SlotJournal
+
+            self._journal = SlotJournal(self.directory, self.num_slots, self.slot_bytes, num_layers, fingerprint)
+        return list(self._journal.entries()) if self._journal.reused else []
+
+    def remember(self, slot: int, key: Hashable, checksums: tuple[int, ...]) -> None:
+        """Records `slot`'s block in the journal (a 16-byte key; others cannot outlive the process)."""
+        if self._journal is not None and isinstance(key, bytes) and len(key) == 16:
+            self._journal.record(slot, key, checksums)
+
     def probe(self) -> None:
         """Reads the first 4 KiB of every slot file (O_DIRECT when the tier uses it).
 
@@ -255,12 +279,27 @@ class SSDTier(Tier):
         return facts
 
     def close(self) -> None:
-        """Closes the files and removes them unless `keep_files`. Idempotent.
+        """Closes the journal and the files, and removes the files unless `keep_files`. Idempotent.
 
         Raises:
-            TierIOError: closing a file reported an error (e.g. EIO); all files are still released.
+            TierIOError: closing the journal or a file reported an error (e.g. EIO), naming which;
+                everything is still released.
         """
-        self._release()
+        journal, self._journal = self._journal, None
+        failed: TierIOError | None = None
+        if journal is not None:
+            try:
+                journal.close()
+            except OSError as e:  # its disk gone: fsync or close failed
+                failed = TierIOError(e.errno, f"SSD journal: close failed ({e.strerror})", journal.path)
+        try:
+            self._release()
+        except TierIOError as e:
+            if failed is None:
+                raise
+            raise TierIOError(failed.errno, f"{failed.strerror}; {e.strerror}", failed.filename) from e
+        if failed is not None:
+            raise failed
 
     # -- internals -------------------------------------------------------------------------------
 

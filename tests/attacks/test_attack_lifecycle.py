@@ -36,7 +36,7 @@ def test_close_after_the_disk_died_closes_every_tier_and_reports_once(tmp_path):
     kv = persistent(tmp_path)
     fill(kv, KEYS[:3])
     closed = _record_closes(kv)
-    os.close(kv._journal._fd)  # the journal's disk is gone: its fsync and close fail (EBADF)
+    os.close(kv.tiers[S]._journal._fd)  # the journal's disk is gone: its fsync and close fail (EBADF)
     ssd = kv.tiers[S]
     for fd in list(getattr(ssd, "_fds", [])):  # and so are the slab files
         os.close(fd)
