@@ -25,12 +25,13 @@ import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.cost import LoadCost
-from kvtier.errors import ConfigError, KVTierError, TierIOError, TransferError
+from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.handle import Failure, Stage, TransferHandle
 from kvtier.health import TierService
 from kvtier.layout import BlockLayout
 from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
 from kvtier.plans import Fallback, Placement
+from kvtier.shared_lookup import SharedLookup
 from kvtier.policy import make_policy
 from kvtier.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
@@ -114,7 +115,9 @@ class KVTier:
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
         self._move_handles: dict[int, TransferHandle] = {}
         # The tier other processes store into too (the pool), asked for what the index lacks.
-        self._shared = next((k for k, t in self.tiers.items() if t.shared), None)
+        shared = next((k for k, t in self.tiers.items() if t.shared), None)
+        self._shared = None if shared is None else SharedLookup(
+            shared, self.tiers[shared], self.manager, self._lock, self.stats, self._submit_moves)
         self._metrics_server = None
         self._closed = False
 
@@ -127,18 +130,18 @@ class KVTier:
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` whose blocks are stored and ready in some tier: this process's
         own, and those a shared tier (the pool) holds from any process of the tenant, which are
-        adopted into the index so that `load` serves them (see `_find_shared`)."""
+        adopted into the index so that `load` serves them (see `kvtier.shared_lookup`)."""
         if self._shared is None:
             with self._lock:
                 return self.manager.lookup(keys)
-        return self._find_shared(keys)
+        return self._shared.leading(keys)
 
     def loadable(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` worth loading: stored and ready (as `lookup`), and, with
         `transfer.skip_slow_loads`, no slower to load from where they are than to recompute per
         the online estimates (`kvtier.cost`; the engine reports its compute with `note_compute`).
         Blocks held but not worth loading are counted (`snapshot()["cost"]["skipped_blocks"]`)."""
-        held = self._find_shared(keys) if self._shared is not None else len(keys)
+        held = self._shared.leading(keys) if self._shared is not None else len(keys)
         with self._lock:
             tiers = self.manager.serving_tiers(keys[:held])
         if not self.config.transfer.skip_slow_loads:
@@ -362,55 +365,6 @@ class KVTier:
 
     def _end(self, tier: TierKind, slot: int) -> Endpoint:
         return Endpoint(self.tiers[tier], slot)
-
-    def _find_shared(self, keys: Sequence[Hashable]) -> int:
-        """The leading run of `keys` that this process's tiers serve or the shared tier holds.
-
-        The shared tier is asked (one round trip, outside the lock; `Tier.find`) for the keys
-        not indexed here and for those only it serves here: the node evicts by its own recency
-        and may have dropped a block this index still lists, which would otherwise be a hit at
-        lookup and a failed load after it (for an engine, a forward pass computed and thrown
-        away). Blocks found are adopted into the index (each bound to the slot it got); copies
-        it no longer holds are forgotten (`forget_shared`). A block indexed but not servable now
-        (being stored) ends the run; a tier out of service is not asked."""
-        kind = self._shared
-        with self._lock:
-            here = self.manager.held_here(keys)
-        end = len(here) if here and here[-1] is not None else len(here) - 1
-        tier = self.tiers[kind]
-        # Blocks it cannot share (private keys) are this process's own there: never asked for.
-        ask = [i for i in range(end) if (here[i] is False or here[i] is kind) and tier.can_share(keys[i])]
-        first_absent = next((i for i in range(end) if here[i] is False), end)
-        if not ask or ask[0] > first_absent:
-            return first_absent
-        if kind in self.manager.unavailable:
-            return ask[0]
-        try:
-            found = tier.find([keys[i] for i in ask])
-        except (TierIOError, TransferError) as e:  # closed, broken, or refusing us now: misses
-            log.warning("kvtier: %s lookup failed, its blocks count as misses: %s", kind.name, e)
-            return ask[0]
-        gone = [i for i, hit in zip(ask, found) if not hit and here[i] is kind]
-        kept: set[int] = set()  # of those, the blocks another tier here still serves
-        if gone:
-            with self._lock:
-                self.stats.count_shared({"forgotten": self.manager.forget_shared(kind, [keys[i] for i in gone])})
-                for i in gone:  # a copy in a tier that keeps it (`Tier.may_drop`) serves on: no miss
-                    now = self.manager.held_here([keys[i]])[0]
-                    if now is not None and now is not False:
-                        kept.add(i)
-        run = min(next((i for i, hit in zip(ask, found) if not hit and i not in kept), end),
-                  next((i for i in range(end) if here[i] is False and not tier.can_share(keys[i])), end))
-        wanted = [i for i, hit in zip(ask, found) if hit and here[i] is False and i < run]
-        if not wanted:
-            return run
-        with self._lock:
-            adopted, moves = self.manager.adopt_shared(kind, [keys[i] for i in wanted])
-            for key, slot in adopted:
-                tier.bind(slot, key)
-            self._submit_moves(moves)
-        # Adoption stops at the first key it cannot take (no slot, or indexed meanwhile): so does the run.
-        return run if len(adopted) == len(wanted) else wanted[len(adopted)]
 
     def _expected(self, key: Hashable, tier: TierKind, checksums: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """What a read of `key` from `tier` is checked against: the `checksums` its plan carries
