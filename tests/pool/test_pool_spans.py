@@ -1,7 +1,8 @@
 """`PoolTier.write_spans`/`read_spans` on two real pool nodes: a batch costs one call per node
 (counted by the client's `node_calls` and by round trips on the node connections), failures come
 back by index (a dead node fails only its blocks, a block a node dropped fails alone, never wrong
-bytes), layer spans of a large block are gathered and put once, private slots batch too.
+bytes), layer spans of a large block are gathered and put once and read through one streamed
+get per node, private slots batch too.
 
 Cost: about 3 s (two node subprocesses, one killed).
 """
@@ -152,11 +153,13 @@ def test_layer_spans_of_large_blocks_are_gathered_and_put_once_per_node(nodes):
     assert tier.client_counters()["node_calls"] - calls == 2
     whole = torch.zeros_like(data)
     assert tier.read_spans(span(whole, keys)) == {} and torch.equal(whole, data)
-    parts = torch.zeros_like(data)  # streamed, layer span by layer span
+    parts = torch.zeros_like(data)  # streamed, layer span by layer span: one get per node for both spans
+    calls = tier.client_counters()["node_calls"]
     assert tier.read_spans(span(parts, keys, 0, half)) == {}
     assert torch.equal(parts[:, :half], data[:, :half])
     assert tier.read_spans(span(parts, keys, half, half)) == {}
     assert torch.equal(parts, data)
+    assert tier.client_counters()["node_calls"] - calls == 2
     tier.close()
 
 

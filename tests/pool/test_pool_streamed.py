@@ -64,25 +64,26 @@ def stored_by_another(address: str, keys, rows) -> None:
 
 
 class Gate:
-    """Wraps a client's `get_streamed`: after `after` parts of a get have landed, the next one is
-    held until `open()`, on the receiving thread, as a slow network would hold it."""
+    """Wraps a client's `get_streamed_many` (the streamed gets of a load's layer ranges): after
+    `after` parts of a block have landed, the next one is held until `open()`, on the receiving
+    thread, as a slow network would hold it."""
 
     def __init__(self, client: PoolClient, after: int) -> None:
         self.client, self.after = client, after
-        self.inner = client.get_streamed
+        self.inner = client.get_streamed_many
         self.gate, self.held = threading.Event(), threading.Event()
         self.landed: list[int] = []
-        client.get_streamed = self.get
+        client.get_streamed_many = self.get
 
-    def get(self, key, parts, landed=None, checks_parts=None):
-        def hold(j: int) -> None:
-            if j == self.after:
+    def get(self, keys, parts, landed=None, checks_parts=None):
+        def hold(key: int, part: int) -> None:
+            if part == self.after:
                 self.held.set()
                 self.gate.wait(WAIT_S)
-            self.landed.append(j)
+            self.landed.append(part)
             if landed is not None:
-                landed(j)
-        return self.inner(key, parts, hold, checks_parts)
+                landed(key, part)
+        return self.inner(keys, parts, hold, checks_parts)
 
     def open(self) -> None:
         self.gate.set()

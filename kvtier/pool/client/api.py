@@ -160,36 +160,44 @@ class PoolClient:
         return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, lambda k, n: choose(js[k], n), strict=True))
 
     def batch_get_parts(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None]) -> list[bool]:
-        """As `batch_get`, into consecutive buffers chosen by the stored length: `parts(j, length)`
-        for key j stored as `length` bytes (None: not a length the caller reads, a miss counted
-        `wrong_size`). One GET per node for the whole batch. `parts` runs on the receiving
-        thread; it must be quick and not raise."""
+        """As `batch_get`, into consecutive buffers chosen by the stored length: `get_streamed_many`
+        with nothing reported as it lands."""
+        return self.get_streamed_many(keys, parts)
+
+    def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
+                     landed: Callable[[int], None] | None = None,
+                     checks_parts: Callable[[int], bool] | None = None) -> bool:
+        """`get_streamed_many` of one key (the callbacks without the key's position)."""
+        return self.get_streamed_many(
+            [key], lambda j, length: parts(length), None if landed is None else lambda j, part: landed(part),
+            None if checks_parts is None else lambda j, length: checks_parts(length))[0]
+
+    def get_streamed_many(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None],
+                          landed: Callable[[int, int], None] | None = None,
+                          checks_parts: Callable[[int, int], bool] | None = None) -> list[bool]:
+        """Reads blocks into consecutive buffers, `parts(j, length)` for key j stored as `length`
+        bytes (None: not a length the caller reads, a miss counted `wrong_size`), calling
+        `landed(j, i)` as soon as part i of key j is in, in order: over TCP the parts of one
+        inline reply as they come off the socket (one GET per node for the batch), else
+        one-sided reads of the parts' ranges under read leases. Per key True: every part is in
+        and the whole block matched its checksum. False: a miss, a node down, a length the caller
+        does not read, or a checksum mismatch (counted as `get` counts them); parts already
+        reported landed are then not to be used.
+
+        `parts` and `landed` run on the receiving thread; they must be quick and not raise.
+        `checks_parts(j, length)`: True where the caller checks every part itself as it lands (a
+        framed block, chunk by chunk against its header), so the whole block's checksum is not
+        computed again here (a pass over its bytes saved).
+        """
         def choose(js: Sequence[int], k: int, length: int) -> list[memoryview] | None:
             got = parts(js[k], length)
             views = None if got is None else [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(got)]
             return views if views is not None and sum(map(len, views)) == length else None
 
-        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, lambda k, n: choose(js, k, n), strict=False))
-
-    def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
-                     landed: Callable[[int], None] | None = None,
-                     checks_parts: Callable[[int], bool] | None = None) -> bool:
-        """Reads one block into consecutive buffers, `parts(length)` for a stored block of `length`
-        bytes (None: not a length the caller reads, a miss), calling `landed(j)` as soon as part j
-        is in, in order: over TCP the parts of one inline reply as they come off the socket, else
-        one-sided reads of the parts' ranges under a read lease. True: every part is in and the
-        whole block matched its checksum. False: a miss, a node down, a block of a length the
-        caller does not read, or a checksum mismatch (counted as `get` counts them); parts already
-        reported landed are then not to be used.
-
-        `parts` and `landed` run on the receiving thread; they must be quick and not raise.
-        `checks_parts(length)`: True where the caller checks every part itself as it lands (a
-        framed block, chunk by chunk against its header), so the whole block's checksum is not
-        computed again here (a pass over its bytes saved).
-        """
-        node = self.home(key)
-        return self._guarded(node, lambda i, ks, js: [self._get_streamed_on(i, key, parts, landed, checks_parts)],
-                             [key], [0])[0]
+        return self._per_node(keys, lambda i, ks, js: self._get_on(
+            i, ks, lambda k, n: choose(js, k, n), strict=False,
+            landed=None if landed is None else lambda k, part: landed(js[k], part),
+            checks_parts=None if checks_parts is None else lambda k, n: checks_parts(js[k], n)))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (a node that is down answers False)."""
@@ -471,12 +479,15 @@ class PoolClient:
         return out
 
     def _get_on(self, node: int, keys: list[bytes], choose: Callable[[int, int], list[memoryview] | None],
-                strict: bool) -> list[bool]:
+                strict: bool, landed: Callable[[int, int], None] | None = None,
+                checks_parts: Callable[[int, int], bool] | None = None) -> list[bool]:
         """One GET of `keys` on `node`, each hit's bytes into `choose(j, stored length)` (None: a
         length the caller does not read; `strict`: a ValueError once the reply is in, else a
-        miss counted `wrong_size`)."""
+        miss counted `wrong_size`), `landed(j, i)` as part i of key j is in (see
+        `get_streamed_many`)."""
         transport = self._data_plane(node)
         chosen: list[list[memoryview] | None] = [None] * len(keys)
+        owners: list[tuple[int, int]] = []  # per buffer of an inline reply: (key, part), part -1 for scratch
 
         def inline_buffers(header: dict) -> list[memoryview]:
             """Where an inline reply's bytes go, hit by hit (a length not read lands in scratch)."""
@@ -484,12 +495,22 @@ class PoolClient:
             for j, h in enumerate(header["hits"][: len(keys)]):
                 if h[0] and h[7]:
                     chosen[j] = choose(j, h[3])
-                    out.extend(chosen[j] if chosen[j] is not None else [memoryview(bytearray(h[3]))])
+                    if chosen[j] is None:
+                        out.append(memoryview(bytearray(h[3])))
+                        owners.append((j, -1))
+                    else:
+                        out.extend(chosen[j])
+                        owners.extend((j, i) for i in range(len(chosen[j])))
             return out
+
+        def on_inline_part(b: int) -> None:
+            j, part = owners[b]
+            if part >= 0:
+                landed(j, part)
 
         request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
                                         "inline": transport.inline}, into=inline_buffers,
-                          max_reply_payload=MAX_INLINE_BYTES)
+                          max_reply_payload=MAX_INLINE_BYTES, landed=None if landed is None else on_inline_part)
         # One loan for the GET and the reads of its leased hits: the node ends a connection's
         # leases when it closes, and a connection handed back may be closed at once (pool full).
         with self.links[node].connection() as conn:
@@ -500,7 +521,7 @@ class PoolClient:
                     raise
                 self._count_all({"misses": len(keys), "lease_limit": 1})  # the node leased nothing
                 return [False] * len(keys)
-            found, read = self._read_leased(node, keys, hits, choose, chosen, strict)
+            found, read = self._read_leased(node, keys, hits, choose, chosen, strict, landed)
         out = [False] * len(keys)
         stale = corrupt = wrong = 0
         for j in found:
@@ -508,76 +529,16 @@ class PoolClient:
                 wrong += 1
                 continue
             moved = read.get(j, True)  # an inline hit came with the reply
-            out[j] = moved and _checksum(keys[j], _one_or_tuple(chosen[j])) == hits[j][5]
+            checked = checks_parts is not None and checks_parts(j, hits[j][3])
+            out[j] = moved and (checked or _checksum(keys[j], _one_or_tuple(chosen[j])) == hits[j][5])
             stale += not moved
             corrupt += moved and not out[j]
         self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt, "wrong_size": wrong})
         return out
 
-    def _get_streamed_on(self, node: int, key: bytes, parts: Callable[[int], Sequence[Any] | None],
-                         landed: Callable[[int], None] | None, checks_parts: Callable[[int], bool] | None) -> bool:
-        transport = self._data_plane(node)
-        chosen: list[list[memoryview] | None] = [None]  # the caller's buffers for the stored length
-
-        def buffers_for(length: int) -> list[memoryview] | None:
-            got = parts(length)
-            views = None if got is None else [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(got)]
-            chosen[0] = views if views is not None and sum(map(len, views)) == length else None
-            return chosen[0]
-
-        def inline_buffers(header: dict) -> list[memoryview]:
-            h = header["hits"][0] if header["hits"] else None
-            if not (h and h[0] and h[7]):
-                return []
-            views = buffers_for(h[3])  # a length the caller does not read lands in scratch, unreported
-            return views if views is not None else [memoryview(bytearray(h[3]))]
-
-        def on_part(j: int) -> None:
-            if chosen[0] is not None and landed is not None:
-                landed(j)
-
-        request = Request(MsgType.GET, {"keys": [key], "lease_s": self.lease_s, "release": self._take_releases(node),
-                                        "inline": transport.inline}, into=inline_buffers,
-                          max_reply_payload=MAX_INLINE_BYTES, landed=on_part)
-        with self.links[node].connection() as conn:  # the lease is this connection's: see _get_on
-            try:
-                hits = conn.request(request)["hits"]
-            except RemoteError as e:
-                if e.code is not ErrorCode.LIMIT:
-                    raise
-                self._count_all({"misses": 1, "lease_limit": 1})
-                return False
-            if len(hits) != 1:
-                raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to 1 key")
-            h = hits[0]
-            if not h[0]:
-                self._count("misses")
-                return False
-            if not h[7]:
-                with self._lock:
-                    self._releases[node].append(h[6])
-                buffers_for(h[3])
-            views = chosen[0]
-            if views is None:
-                self._count("wrong_size")
-                return False
-            if not h[7]:
-                location, ios, at = Location(*h[1:5]), [], 0
-                for view in views:
-                    ios.append(RemoteIO(location.sub(at, len(view)), view))
-                    at += len(view)
-                if not all(transport.read_many(ios, landed)):
-                    self._count("stale")
-                    return False
-        if not (checks_parts is not None and checks_parts(h[3])) and _checksum(key, tuple(views)) != h[5]:
-            self._count("checksum_errors")
-            return False
-        self._count("hits")
-        return True
-
     def _read_leased(self, node: int, keys: list[bytes], hits: list,
                      choose: Callable[[int, int], list[memoryview] | None], chosen: list[list[memoryview] | None],
-                     strict: bool) -> tuple[list[int], dict[int, bool]]:
+                     strict: bool, landed: Callable[[int, int], None] | None) -> tuple[list[int], dict[int, bool]]:
         """Checks a GET's answer, queues its leases for release, chooses the leased hits' buffers
         (into `chosen`) and reads them; returns the positions found and, per leased one read,
         whether its bytes moved.
@@ -599,17 +560,18 @@ class PoolClient:
         for j in found if strict else ():
             if chosen[j] is None:
                 raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, not the buffer's size")
-        ios, owner = [], []
+        ios, owner = [], []  # owner: per io, (key, part)
         for j in leased:
             location, at = Location(*hits[j][1:5]), 0
-            for view in chosen[j] or ():
+            for i, view in enumerate(chosen[j] or ()):
                 ios.append(RemoteIO(location.sub(at, len(view)), view))
-                owner.append(j)
+                owner.append((j, i))
                 at += len(view)
         if not ios:
             return found, {}
         moved: dict[int, bool] = {}
-        for j, ok in zip(owner, self.transports[node].read_many(ios)):
+        on_io = None if landed is None else lambda b: landed(*owner[b])
+        for (j, _), ok in zip(owner, self.transports[node].read_many(ios, on_io)):
             moved[j] = moved.get(j, True) and ok
         return found, moved
 

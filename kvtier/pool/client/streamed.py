@@ -88,6 +88,23 @@ class BlockFrame:
         return xxhash.xxh3_64_intdigest(data, seed=(xxhash.xxh3_64_intdigest(key) + chunk + 1) & _U64)
 
 
+_GONE = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
+
+
+def run_many(reads: list[StreamedRead], get_many: Callable[..., list[bool]]) -> None:
+    """Fetches several blocks with one `get_many(keys, parts, landed, checks_parts)`
+    (`PoolClient.get_streamed_many`: one GET per node), each checked and delivered as in `run`."""
+    try:
+        done = get_many([r.key for r in reads], lambda j, n: reads[j]._parts(n), lambda j, i: reads[j]._landed(i),
+                        lambda j, n: reads[j]._checks_chunks(n))
+    except Exception as e:  # a broken call: every block is a miss, their waiters are told
+        for read in reads:
+            read.finish(False, f"the read failed: {e!r}")
+        return
+    for read, ok in zip(reads, done):
+        read.finish(ok)
+
+
 class StreamedRead:
     """One shared block being fetched (`run`, on a fetch thread) and checked chunk by chunk; readers
     `wait` for the byte range they need and copy it out of `block`.
@@ -109,13 +126,15 @@ class StreamedRead:
         self._cond = threading.Condition()
 
     def run(self, get: Callable[..., bool]) -> None:
-        """Fetches the block with `get(key, parts, landed)` (`PoolClient.get_streamed`)."""
-        why = None
+        """Fetches the block with `get(key, parts, landed, checks_parts)` (`PoolClient.get_streamed`)."""
         try:
-            if not get(self.key, self._parts, self._landed, self._checks_chunks):
-                why = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
+            self.finish(get(self.key, self._parts, self._landed, self._checks_chunks))
         except Exception as e:  # a broken call: the block is a miss, its waiters are told
-            why = f"the read failed: {e!r}"
+            self.finish(False, f"the read failed: {e!r}")
+
+    def finish(self, ok: bool, why: str = _GONE) -> None:
+        """The get is over: `ok` (every part in and checked) or not, and why not."""
+        why = None if ok else why
         with self._cond:
             self._done = True
             if why is not None and self._failed is None:

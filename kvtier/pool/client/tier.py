@@ -40,7 +40,7 @@ import torch
 from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
-from kvtier.pool.client.streamed import BlockFrame, StreamedRead
+from kvtier.pool.client.streamed import BlockFrame, StreamedRead, run_many
 from kvtier.pool.protocol import GrantStatus
 from kvtier.stats import Stats
 from kvtier.tiers.base import Tier, copy_bytes
@@ -49,8 +49,8 @@ from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, Shared
 log = logging.getLogger(__name__)
 
 
-_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one (see `_read_parts`)
-_FETCH_THREADS = 8  # streamed reads at once (the transfer engine reads one range per block at a time)
+_READ_CACHE_BLOCKS = 64  # blocks kept between the partial reads of one, at least a batch's (see `_read_parts`)
+_FETCH_THREADS = 8  # batches of streamed reads at once
 _REFUSALS = {None: "its node did not answer", GrantStatus.FULL: "no room: every block there is being read",
              GrantStatus.QUOTA: "the tenant's quota is spent"}
 
@@ -177,12 +177,13 @@ class PoolTier(SharedTier):
 
     def _read_parts(self, slots: list[int], keys: list[bytes], offset: int,
                     dsts: list[torch.Tensor]) -> dict[int, Exception]:
-        """Ranges of blocks (layer ranges of a load that reports layers as they land): each block
-        is fetched once, on a fetch thread, every fetch of the batch started before any is waited
-        for; a range is copied out as soon as it is in and checked (`StreamedRead`), so the first
-        layers of a block are delivered while its last are still on the wire."""
+        """Ranges of blocks (layer ranges of a load that reports layers as they land): the blocks of
+        the batch are fetched whole once, one streamed get per node on a fetch thread; a range is
+        copied out as soon as it is in and checked (`StreamedRead`), so the first layers of a
+        block are delivered while its last are still on the wire, and the later ranges' reads
+        take theirs from the same get."""
         try:
-            fetches = [self._streamed(slot, key) for slot, key in zip(slots, keys)]
+            fetches = self._fetches(slots, keys)
         except TierIOError as e:  # closed
             return {j: e for j in range(len(slots))}
         failed: dict[int, Exception] = {}
@@ -210,20 +211,25 @@ class PoolTier(SharedTier):
             if self._reads.get((slot, key)) is fetch:
                 del self._reads[(slot, key)]
 
-    def _streamed(self, slot: int, key: bytes) -> StreamedRead:
-        """The fetch of `slot`'s block in progress or done, else a new one started."""
+    def _fetches(self, slots: list[int], keys: list[bytes]) -> list[StreamedRead]:
+        """The fetch of each slot's block in progress or done, else a new one: those are started
+        together, one streamed get per node for them all (`run_many`), on a fetch thread."""
         with self._lock:
             self._check_open()
-            fetch = self._reads.get((slot, key))
-            if fetch is not None and not fetch.failed:
-                return fetch
-            fetch = self._reads[(slot, key)] = StreamedRead(self._frame, key)
-            while len(self._reads) > _READ_CACHE_BLOCKS:
+            out, fresh = [], []
+            for slot, key in zip(slots, keys):
+                fetch = self._reads.get((slot, key))
+                if fetch is None or fetch.failed:
+                    fetch = self._reads[(slot, key)] = StreamedRead(self._frame, key)
+                    fresh.append(fetch)
+                out.append(fetch)
+            while len(self._reads) > max(_READ_CACHE_BLOCKS, len(slots)):
                 self._reads.popitem(last=False)
-            if self._fetcher is None:
-                self._fetcher = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kvtier-pool-fetch")
-            self._fetcher.submit(fetch.run, self._client.get_streamed)
-        return fetch
+            if fresh:
+                if self._fetcher is None:
+                    self._fetcher = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="kvtier-pool-fetch")
+                self._fetcher.submit(run_many, fresh, self._client.get_streamed_many)
+        return out
 
     # ---- private blocks ----------------------------------------------------------------------
 
