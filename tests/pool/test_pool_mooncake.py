@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ pytest.importorskip("mooncake.store")
 from kvtier.errors import TierIOError, TransferError  # noqa: E402
 from kvtier.pool.mooncake import MooncakeClient, MooncakeTier, OBJECT_NOT_FOUND, Outcome  # noqa: E402
 from kvtier.testing.mooncake_master import MasterProcess  # noqa: E402
+from kvtier.tiers.base import SpanIO  # noqa: E402
 
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 
@@ -254,6 +256,64 @@ def test_tier_errors(tier: MooncakeTier) -> None:
     tier.close()
     with pytest.raises(TierIOError, match="closed"):
         tier.write(0, rand(10, 1))
+
+
+class CountingStore:
+    """The client's store with each call counted by name."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, Counter()
+
+    def __getattr__(self, name: str):
+        inner = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return inner(*args, **kwargs)
+
+        return counted
+
+
+def test_tier_spans_cost_one_store_call_per_batch(client: MooncakeClient) -> None:
+    """A batch of whole shared blocks is one batch_put_from and one batch_get_into; layer spans
+    are gathered, then put in one call; parts read back take one get; a block the store dropped
+    fails alone; private blocks batch too."""
+    tier, slot = MooncakeTier(client, 8 * SLOT, SLOT), SLOT
+    keys = [os.urandom(16) for _ in range(8)]
+    data = torch.stack([rand(slot, 50 + i) for i in range(8)])
+    out = torch.zeros_like(data)
+
+    def io(t: torch.Tensor, keys, offset: int = 0, length: int = slot) -> SpanIO:
+        return SpanIO(list(range(len(keys))), offset, length, [r.data_ptr() + offset for r in t], keys)
+
+    counting = CountingStore(client._store)
+    client._store = counting
+    try:
+        assert tier.write_spans(io(data, keys)) == {}
+        assert counting.calls == {"batch_put_from": 1}
+        assert tier.read_spans(io(out, keys)) == {} and torch.equal(out, data)
+        assert counting.calls["batch_get_into"] == 1
+        fresh, half = [os.urandom(16) for _ in range(8)], slot // 2
+        counting.calls.clear()
+        assert tier.write_spans(io(data, fresh, 0, half)) == {} and not counting.calls
+        assert tier.write_spans(io(data, fresh, half, slot - half)) == {}
+        assert counting.calls == {"batch_put_from": 1}
+        out.zero_()
+        assert tier.read_spans(io(out, fresh, 0, half)) == {}
+        assert tier.read_spans(io(out, fresh, half, slot - half)) == {}
+        assert torch.equal(out, data) and counting.calls["batch_get_into"] == 1
+        assert client.delete([fresh[3]]) == 1
+        out.zero_()
+        failed = tier.read_spans(io(out, fresh))
+        assert set(failed) == {3} and "mooncake answered miss" in str(failed[3]) and not out[3].any()
+        private = [("private", i) for i in range(8)]
+        counting.calls.clear()
+        assert tier.write_spans(io(data, private)) == {}
+        assert tier.read_spans(io(out, private)) == {} and torch.equal(out, data)
+        assert counting.calls == {"batch_upsert_from": 1, "batch_get_into": 1}
+    finally:
+        client._store = counting.store
+        tier.close()
 
 
 def test_config_backend_builds_the_mooncake_tier(master: MasterProcess) -> None:
