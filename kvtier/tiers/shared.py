@@ -29,6 +29,11 @@ to this tier instance (`_private_key`), written and read by the subclass (`_writ
 
 Batches: `write_spans`/`read_spans` take every block of one span of a load or store and cost one
 call per store node (`_put`, `_get`, `_contains` take lists); failures come back by index.
+
+A new keyed store (an object store, another KV store): subclass `SharedTier`, fill in `_put`,
+`_get`, `_contains`, `_write_private`, `_read_private` and `_close_store` (and `_failure` where
+the whole store can fail at once), and run `kvtier.testing.tier_contract.TierContract` against it
+(tests/tiers/test_tier_contract.py runs it on `PoolTier` and `MooncakeTier`).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def _open(settings: Settings, config: KVTierConfig) -> Backend:
     backend = KVTier(config, layout=settings.layout)
     pool = backend.tiers.get(TierKind.POOL)
     if pool is not None and pool.shared and not settings.sharding.writes_shared:
-        pool.writes_shared = False  # another rank of this engine sends this slice (see `Tier.writes_shared`)
+        pool.writes_shared = False  # another rank of this engine sends this slice (see `SharedTier.writes_shared`)
     return backend
 
 
