@@ -9,7 +9,7 @@ WHEELS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
 # Debian packages the tests use: pyverbs (rdma-core) for the RDMA transport, Redis for the pool bench.
 SYSTEM_PKGS := python3-pyverbs redis-server
-# What building kvtier needs: xxHash's header for kvtier/_movers.c (compiled in; nothing at run time).
+# What building kvtier needs: xxHash's header for kvtier/moving/_movers.c (compiled in; nothing at run time).
 BUILD_PKGS := libxxhash-dev
 PYVERBS := /usr/lib/python3/dist-packages/pyverbs
 
@@ -47,7 +47,7 @@ build-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "make: kvtier's build needs Debian packages: $$missing (sudo apt-get install $$missing)"; exit 1; fi
 
-$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/_movers.c | build-deps
+$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/moving/_movers.c | build-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"

@@ -1,5 +1,5 @@
 """The compiled parts of kvtier: `kvtier._keytable` (see kvtier/_keytable.c), `kvtier._replay`
-(kvtier/_replay.c) and `kvtier._movers` (kvtier/_movers.c, which needs xxHash's header, Debian's
+(kvtier/_replay.c) and `kvtier.moving._movers` (kvtier/moving/_movers.c, which needs xxHash's header, Debian's
 libxxhash-dev: it is compiled in, so the module needs no xxHash library at run time). Everything else is in pyproject.toml. Without a C compiler the build fails
 loudly rather than leave a slower index behind.
 
@@ -14,5 +14,5 @@ FLAGS = ["-O2", "-Wall", "-Werror"]
 setup(ext_modules=[
     Extension("kvtier._keytable", ["kvtier/_keytable.c"], extra_compile_args=FLAGS),
     Extension("kvtier._replay", ["kvtier/_replay.c"], extra_compile_args=[*FLAGS, "-ffp-contract=off"]),
-    Extension("kvtier._movers", ["kvtier/_movers.c"], extra_compile_args=[*FLAGS, "-pthread"], extra_link_args=["-pthread"]),
+    Extension("kvtier.moving._movers", ["kvtier/moving/_movers.c"], extra_compile_args=[*FLAGS, "-pthread"], extra_link_args=["-pthread"]),
 ])

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig, TierConfig, TransferConfig
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.dram import aligned_host_memory

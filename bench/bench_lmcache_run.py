@@ -28,7 +28,7 @@ class KVTierSide:
     def __init__(self, block_bytes: int, capacity_blocks: int, sync: bool) -> None:
         from kvtier.config import KVTierConfig, TierConfig
         from kvtier.kinds import TierKind
-        from kvtier.layout import BlockLayout
+        from kvtier.model.layout import BlockLayout
         from kvtier.runtime import KVTier
 
         layout = BlockLayout.uniform(BLOCK_TOKENS, NUM_LAYERS, block_bytes // NUM_LAYERS)

@@ -70,7 +70,7 @@ from rich.table import Table
 if "--kvtier" not in sys.argv and not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.manager import Move, TierManager, TierSlots  # noqa: E402
+from kvtier.deciding.manager import Move, TierManager, TierSlots  # noqa: E402
 from kvtier.policy import PolicyKind, make_policy  # noqa: E402
 from kvtier.kinds import TierKind  # noqa: E402  (kvtier.tiers imports torch: its objects would be in every GC pause)
 

@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from kvtier.config import load_config
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.policy import PolicyKind
 from kvtier.runtime import KVTier
 

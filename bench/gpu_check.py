@@ -17,7 +17,7 @@ Sections, each recorded as pass/fail with its details:
              layer-wise load byte-identical; after `wait_layer(l)` returns, layer l is already in place.
   bandwidth  HBM tier <-> DRAM tier through `TransferEngine`, 1-4 MiB blocks in batches, against plain
              `copy_` between pinned host and device tensors of the same bytes in the same run (GB/s, ratio).
-  copier     kvtier.cuda_copy.CudaCopier (cuMemcpyBatchAsync, and the C loop forced) against plain pinned
+  copier     kvtier.moving.cuda_copy.CudaCopier (cuMemcpyBatchAsync, and the C loop forced) against plain pinned
              `copy_`, 64 KiB / 1 MiB / 4 MiB blocks in batches of 64, both ways (bench/gpu_copier.py).
 
 Exit codes: 0 every section passed; 1 a section failed; 2 bad arguments; 3 no CUDA device (after the
@@ -56,8 +56,8 @@ from gpu_copier import table as copier_table
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.integrations.vllm.pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOUTS
 from kvtier.integrations.vllm.transfers import engine_block_view
-from kvtier.layout import BlockLayout
-from kvtier.native import (
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.native import (
     KERNEL_NAMES,
     Kernels,
     NvccOutput,
@@ -69,10 +69,10 @@ from kvtier.native import (
     scatter_blocks,
     scatter_reference,
 )
-from kvtier.cuda_copy import build_library
+from kvtier.moving.cuda_copy import build_library
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
-from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA = 0, 1, 3
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""gpu_check's `copier` section: kvtier.cuda_copy.CudaCopier against plain pinned `copy_`, same run.
+"""gpu_check's `copier` section: kvtier.moving.cuda_copy.CudaCopier against plain pinned `copy_`, same run.
 
 For 64 KiB, 1 MiB and 4 MiB blocks, a batch of 64 blocks each way (H2D, D2H) between a pinned host
 buffer and a device buffer: once through the copier (one `submit` of 64 descriptors, then `wait`),
@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.cuda_copy import CopyMode, CudaCopier
+from kvtier.moving.cuda_copy import CopyMode, CudaCopier
 
 KiB, MiB = 1024, 1024 * 1024
 BLOCK_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)

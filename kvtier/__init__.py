@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "KVTier": "kvtier.runtime",
     "KVTierConfig": "kvtier.config", "load_config": "kvtier.config", "config_from_dict": "kvtier.config",
-    "Namespace": "kvtier.keys", "block_keys": "kvtier.keys",
+    "Namespace": "kvtier.model.keys", "block_keys": "kvtier.model.keys",
     "TierKind": "kvtier.kinds", "CacheMode": "kvtier.kinds",
     **{name: "kvtier.errors" for name in ("KVTierError", "ConfigError", "GeometryError", "CapacityError",
                                          "TierIOError", "TierUnavailable", "IntegrityError", "TransferError")},
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kvtier.config import KVTierConfig, config_from_dict, load_config
     from kvtier.errors import (CapacityError, ConfigError, GeometryError, IntegrityError, KVTierError,
                                TierIOError, TierUnavailable, TransferError)
-    from kvtier.keys import Namespace, block_keys
+    from kvtier.model.keys import Namespace, block_keys
     from kvtier.kinds import CacheMode, TierKind
     from kvtier.runtime import KVTier
 

@@ -2,7 +2,7 @@
  *
  * `replay_lru` serves a trace's requests one at a time, as `kvtier.simulate.replay._Replay.run`
  * drives the runtime's `TierManager`: lookup, `load_now` of the hit prefix, `store_now` of the rest.
- * Every decision is a line-for-line port of the manager's synchronous path (kvtier/manager.py) for
+ * Every decision is a line-for-line port of the manager's synchronous path (kvtier/deciding/manager.py) for
  * the tiers `kvtier simulate` builds: every tier LRU, an admission rule per tier, watermarks on all
  * but the last, exclusive or inclusive mode, an optional promotion tier; no tier down, no pins,
  * no prefetch, no pool tier that may drop blocks (`may_drop`), no write-through but inclusive
@@ -10,7 +10,7 @@
  * manager takes only outside that set are left out. tests/simulate/test_native_engine.py checks
  * that both replays report the same numbers and leave the same LRU orders.
  *
- * The model, per the manager's index (kvtier/index.py), with two simplifications that decide
+ * The model, per the manager's index (kvtier/deciding/index.py), with two simplifications that decide
  * nothing:
  *   - blocks are the trace's hash ids interned to 0 .. num_blocks - 1 by the caller, so a block's
  *     id is fixed for the whole replay; where the manager removes a block from its index (its last
@@ -38,13 +38,13 @@
 #include <string.h>
 
 #define MAX_TIERS 4
-#define NO_TIER 255  /* `ready` of a block with no READY copy, as in kvtier.index */
+#define NO_TIER 255  /* `ready` of a block with no READY copy, as in kvtier.deciding.index */
 #define OUT (-2)     /* `prev` of a block not in a tier's LRU order */
 #define END (-1)     /* the end of an LRU order */
 
-enum { FREE = 0, WRITING = 1, READY = 2, FREEING = 3 };  /* a copy's state: kvtier.index's values */
+enum { FREE = 0, WRITING = 1, READY = 2, FREEING = 3 };  /* a copy's state: kvtier.deciding.index's values */
 enum { ADMIT_ALL = 0, ADMIT_EVICTED = 1, ADMIT_REUSED = 2 };  /* kvtier.policy.admission.AdmissionKind */
-/* The drop reasons a replay can reach (kvtier.stats.DropReason), in the order `replay_lru` reports them. */
+/* The drop reasons a replay can reach (kvtier.observing.stats.DropReason), in the order `replay_lru` reports them. */
 enum { DROP_EVICTED = 0, DROP_ADMISSION, DROP_LOWER_FULL, DROP_NO_SPACE, NUM_DROPS, DROP_UNCOUNTED = -1 };
 enum { DEMOTE = 0, PROMOTE = 1 };
 

@@ -64,7 +64,7 @@ class TransferConfig:
     chunk_bytes: int = 1 << 20  # consecutive layers are copied together up to this size (0: per layer)
     inline_bytes: int = 1 << 20  # small host-memory batches run in the caller's thread (0: never)
     # A tier that fails as a whole leaves the cascade and is probed after this long, the wait
-    # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.health).
+    # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.tiers.health).
     tier_retry_s: float = 0.5
     tier_retry_max_s: float = 30.0
     # Stores in flight (submitted, not yet landed) beyond this many bytes are dropped and counted
@@ -75,7 +75,7 @@ class TransferConfig:
     # The vLLM connector fills it, when unset, with the cores vLLM leaves to the rest of the server.
     cpus: tuple[int, ...] | None = None
     # A hit whose measured load time would exceed the engine's measured recompute time for its
-    # tokens is reported as a miss (`KVTier.loadable`, kvtier.cost); needs the engine's
+    # tokens is reported as a miss (`KVTier.loadable`, kvtier.deciding.cost); needs the engine's
     # `note_compute` reports, which the vLLM connector sends.
     skip_slow_loads: bool = True
 

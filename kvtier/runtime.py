@@ -24,19 +24,19 @@ import torch
 import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
-from kvtier.cost import LoadCost
+from kvtier.deciding.cost import LoadCost
 from kvtier.errors import ConfigError, KVTierError, TierIOError
-from kvtier.handle import Failure, Stage, TransferHandle
-from kvtier.health import TierService
-from kvtier.layout import BlockLayout
-from kvtier.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
-from kvtier.plans import Fallback, Placement
-from kvtier.shared_lookup import SharedLookup
+from kvtier.moving.handle import Failure, Stage, TransferHandle
+from kvtier.tiers.health import TierService
+from kvtier.model.layout import BlockLayout
+from kvtier.deciding.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
+from kvtier.deciding.plans import Fallback, Placement
+from kvtier.tiers.shared_lookup import SharedLookup
 from kvtier.policy import make_policy
-from kvtier.stats import DropReason, Stats
+from kvtier.observing.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
 from kvtier.tiers.build import build_tier
-from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class KVTier:
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` whose blocks are stored and ready in some tier: this process's
         own, and those a shared tier (the pool) holds from any process of the tenant, which are
-        adopted into the index so that `load` serves them (see `kvtier.shared_lookup`)."""
+        adopted into the index so that `load` serves them (see `kvtier.tiers.shared_lookup`)."""
         if self._shared is None:
             with self._lock:
                 return self.manager.lookup(keys)
@@ -139,7 +139,7 @@ class KVTier:
     def loadable(self, keys: Sequence[Hashable]) -> int:
         """Number of leading `keys` worth loading: stored and ready (as `lookup`), and, with
         `transfer.skip_slow_loads`, no slower to load from where they are than to recompute per
-        the online estimates (`kvtier.cost`; the engine reports its compute with `note_compute`).
+        the online estimates (`kvtier.deciding.cost`; the engine reports its compute with `note_compute`).
         Blocks held but not worth loading are counted (`snapshot()["cost"]["skipped_blocks"]`)."""
         held = self._shared.leading(keys) if self._shared is not None else len(keys)
         with self._lock:
@@ -311,7 +311,7 @@ class KVTier:
 
     def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Exports Prometheus metrics on http://addr:port/metrics until `close()`; returns the port."""
-        from kvtier.metrics import RuntimeCollector, serve_metrics
+        from kvtier.observing.metrics import RuntimeCollector, serve_metrics
 
         if self._metrics_server is not None:
             raise KVTierError("metrics are already being served")
@@ -658,5 +658,5 @@ def _done_handle(layout: BlockLayout) -> TransferHandle:
 
 
 def _layout_from_model(config: KVTierConfig) -> BlockLayout:
-    from kvtier.model_catalog import resolve_model
+    from kvtier.model.catalog import resolve_model
     return resolve_model(config.model, kv_dtype=config.kv_dtype).block_layout(config.block_tokens)

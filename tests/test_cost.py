@@ -1,4 +1,4 @@
-"""Load-or-recompute estimates (kvtier.cost) and how `KVTier.loadable` uses them (cost: ~3 s).
+"""Load-or-recompute estimates (kvtier.deciding.cost) and how `KVTier.loadable` uses them (cost: ~3 s).
 
 The estimates are fed numbers, not timed: a test never depends on how fast this machine is."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvtier.config import KVTierConfig, TierConfig, TransferConfig
-from kvtier.cost import LoadCost, OnlineFit
-from kvtier.layout import BlockLayout
+from kvtier.deciding.cost import LoadCost, OnlineFit
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 

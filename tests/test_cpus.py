@@ -1,4 +1,4 @@
-"""Where kvtier's threads run: `kvtier.cpus`, `transfer.cpus`, and the vLLM worker's default.
+"""Where kvtier's threads run: `kvtier.moving.cpus`, `transfer.cpus`, and the vLLM worker's default.
 
 vLLM's CPU worker binds its compute threads, and every thread started after them, to the cores it
 computes on. kvtier's transfer threads then took those cores from the forward pass (seen under
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvtier.config import KVTierConfig, TierConfig, TransferConfig, config_from_dict
-from kvtier.cpus import allowed_cpus, pin_thread, spare_cpus
+from kvtier.moving.cpus import allowed_cpus, pin_thread, spare_cpus
 from kvtier.errors import ConfigError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 

@@ -1,4 +1,4 @@
-"""The GPU <-> host copier (kvtier.cuda_copy): nvcc builds native/kv_copy.c; descriptors are built,
+"""The GPU <-> host copier (kvtier.moving.cuda_copy): nvcc builds native/kv_copy.c; descriptors are built,
 checked and merged exactly as a slow reference does; the copier contract holds against the host-memory
 stand-in driver (native/fake_cuda.c, built as a CUDA 13, a CUDA 12.8 and an older driver) and, in the
 `gpu` tests, against a real device with the batch API and with the loop forced.
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.copy_descriptors import (
+from kvtier.moving.copy_descriptors import (
     CopyDescriptors,
     check_descriptors,
     descriptors,
@@ -23,9 +23,9 @@ from kvtier.copy_descriptors import (
     merge_reference,
     span_descriptors,
 )
-from kvtier.cuda_copy import CopyMode, CopyPath, CudaCopier, CudaDriverError, build_library
+from kvtier.moving.cuda_copy import CopyMode, CopyPath, CudaCopier, CudaDriverError, build_library
 from kvtier.errors import KVTierError, TransferError
-from kvtier.native import find_nvcc
+from kvtier.moving.native import find_nvcc
 from kvtier.testing.copier_contract import CopierContract
 from kvtier.testing.fake_cuda import DriverVariant, FailKind, FakeDriver, build_fake_driver
 
@@ -48,7 +48,7 @@ def test_nvcc_builds_the_library_with_every_entry_point(tmp_path):
 
 
 def test_without_nvcc_the_build_error_says_so(tmp_path, monkeypatch):
-    import kvtier.cuda_copy as cuda_copy
+    import kvtier.moving.cuda_copy as cuda_copy
 
     monkeypatch.setattr(cuda_copy, "find_nvcc", lambda: None)
     with pytest.raises(cuda_copy.CopyLibraryError, match="nvcc not found") as info:
@@ -275,7 +275,7 @@ def test_a_copier_dropped_unclosed_stops_its_thread(driver_paths):
 
 @needs_nvcc
 def test_describe_says_which_path_and_why(driver_paths, caplog):
-    with caplog.at_level("INFO", logger="kvtier.cuda_copy"):
+    with caplog.at_level("INFO", logger="kvtier.moving.cuda_copy"):
         with stand_in(driver_paths, DriverVariant.OLD) as copier:
             facts = copier.describe()
     assert facts["path"] == "LOOP" and "no cuMemcpyBatchAsync" in facts["reason"]
@@ -370,9 +370,9 @@ def test_the_transfer_engine_moves_a_device_batch_in_one_submission_per_span(dri
     """Blocks between a caller's rows and an HBM tier (a CPU tensor stands in for device memory; the
     stand-in driver copies host memory): every span of a store or a load is one submission of the
     whole batch, and every byte lands where it belongs."""
-    from kvtier.layout import BlockLayout
+    from kvtier.model.layout import BlockLayout
     from kvtier.tiers.hbm import HBMTier
-    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+    from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
     layout = BlockLayout.uniform(16, 4, 16 * 1024)
     num_spans = 4 if chunk_bytes == 0 else 1
@@ -401,9 +401,9 @@ def test_the_transfer_engine_moves_a_device_batch_in_one_submission_per_span(dri
 def test_a_failed_device_batch_fails_each_of_its_blocks(driver_paths):
     """The driver reports a failed batch, not a block: every block of it is failed (a miss), none
     is reported as landed."""
-    from kvtier.layout import BlockLayout
+    from kvtier.model.layout import BlockLayout
     from kvtier.tiers.hbm import HBMTier
-    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+    from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
     layout = BlockLayout.uniform(16, 2, 8 * 1024)
     fake = FakeDriver(driver_paths[DriverVariant.CUDA13])

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.model_catalog import catalog_names, lookup_config, resolve_model
+from kvtier.model.catalog import catalog_names, lookup_config, resolve_model
 from kvtier.errors import GeometryError, KVTierError
-from kvtier.geometry import KVDtype, LayerKind, LayerSpec, ModelGeometry, from_hf_config
+from kvtier.model.geometry import KVDtype, LayerKind, LayerSpec, ModelGeometry, from_hf_config
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 

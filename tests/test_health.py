@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvtier.errors import TierIOError, TierUnavailable
-from kvtier.health import TierHealth
+from kvtier.tiers.health import TierHealth
 from kvtier.runtime import KVTier
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers import ssd as ssd_module
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd import SSDTier

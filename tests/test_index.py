@@ -14,9 +14,9 @@ import pytest
 import xxhash
 
 from kvtier.errors import KVTierError
-from kvtier.index import BlockIndex
+from kvtier.deciding.index import BlockIndex
 from kvtier.kinds import TierKind
-from kvtier.manager import TierManager, TierSlots
+from kvtier.deciding.manager import TierManager, TierSlots
 from kvtier.policy import PolicyKind, make_policy
 
 D, S = TierKind.DRAM, TierKind.SSD

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.geometry import KVDtype
-from kvtier.keys import ROOT_KEY, Namespace, block_extra, block_keys, keys_hex, next_block_key
+from kvtier.model.geometry import KVDtype
+from kvtier.model.keys import ROOT_KEY, Namespace, block_extra, block_keys, keys_hex, next_block_key
 
 NS = Namespace(model="Llama-2-7B", kv_dtype="fp16", block_tokens=4, tenant_salt="tenant-a")
 TOKENS = list(range(10))
@@ -66,7 +66,7 @@ def test_partial_block_gets_no_key():
 
 KEYS_SCRIPT = """
 import json
-from kvtier.keys import Namespace, block_keys, keys_hex
+from kvtier.model.keys import Namespace, block_keys, keys_hex
 ns = Namespace(model="Llama-2-7B", kv_dtype="fp16", block_tokens=4, tenant_salt="tenant-a")
 print(json.dumps(keys_hex(block_keys(ns, list(range(10))))))
 """

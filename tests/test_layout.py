@@ -108,11 +108,11 @@ def test_no_module_level_import_cycle():
     assert not cycles, "\n".join(cycles)
 
 
-@pytest.mark.parametrize("module", ["kvtier.manager", "kvtier.pool.node.server", "kvtier.pool.client.api",
+@pytest.mark.parametrize("module", ["kvtier.deciding.manager", "kvtier.pool.node.server", "kvtier.pool.client.api",
                                     "kvtier.units", "kvtier.kinds"])
 def test_a_bare_import_loads_no_yaml_torch_config_or_tool(module):
     probe = (f"import sys, {module}\n"
-             "heavy = {'yaml', 'torch', 'kvtier.config', 'kvtier.model_catalog'}\n"
+             "heavy = {'yaml', 'torch', 'kvtier.config', 'kvtier.model.catalog'}\n"
              "tools = {'cli', 'sizing', 'simulate', 'demo', 'bench', 'integrations', 'testing'}\n"
              "print(sorted(m for m in sys.modules if m in heavy or m.split('.')[0] == 'kvtier'"
              " and len(m.split('.')) > 1 and m.split('.')[1] in tools))")
@@ -123,7 +123,7 @@ def test_a_bare_import_loads_no_yaml_torch_config_or_tool(module):
 def test_the_public_api_is_importable_from_kvtier_and_lazy():
     import kvtier
     from kvtier.errors import TierIOError
-    from kvtier.keys import block_keys
+    from kvtier.model.keys import block_keys
     from kvtier.runtime import KVTier
 
     assert kvtier.KVTier is KVTier and kvtier.block_keys is block_keys and kvtier.TierIOError is TierIOError

@@ -14,11 +14,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.index import CopyState
-from kvtier.manager import MoveReason, TierManager, TierSlots
+from kvtier.deciding.index import CopyState
+from kvtier.deciding.manager import MoveReason, TierManager, TierSlots
 from kvtier.policy import PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers.base import TierKind
 
 H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD

@@ -1,4 +1,4 @@
-"""`kvtier._movers`: batched host copies with checksums, and batched file I/O, against slow references.
+"""`kvtier.moving._movers`: batched host copies with checksums, and batched file I/O, against slow references.
 
 Checksums must equal Python's xxhash (`xxh3_64_intdigest` with the same seed): the transfer engine
 checks blocks written by either. Cost: under 2 s.
@@ -15,7 +15,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import _movers
+from kvtier.moving import _movers
 
 
 def addresses(buf: np.ndarray, starts) -> np.ndarray:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvtier.errors import GeometryError
-from kvtier.layout import BlockLayout
-from kvtier.native import (
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.native import (
     KERNEL_NAMES,
     KERNEL_SOURCE,
     Kernels,

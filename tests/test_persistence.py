@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from kvtier.errors import TierIOError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers.base import TierKind
 from support.runtime import BLOCK, LAYOUT, WAIT_S, config
 

@@ -17,16 +17,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtier.copies import Endpoint, Route
-from kvtier.layout import BlockLayout
-from kvtier.native import find_nvcc
-from kvtier.routes import BuiltinRoutes
+from kvtier.moving.copies import Endpoint, Route
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.native import find_nvcc
+from kvtier.moving.routes import BuiltinRoutes
 from kvtier.testing.route_contract import RouteCase, RouteContract
 from kvtier.tiers.base import Medium, Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.hbm import HBMTier
 from kvtier.tiers.ssd import SSDTier
-from kvtier.transfer import TransferEngine
+from kvtier.moving.engine import TransferEngine
 
 LAYOUT = BlockLayout.uniform(16, 4, 4096 + 512)  # 18 KiB blocks; layers not 4 KiB multiples on purpose
 BLOCK = LAYOUT.block_bytes
@@ -166,7 +166,7 @@ class TestEveryRoute(RouteContract):
     def _device_case(keep) -> RouteCase:
         if find_nvcc() is None:
             pytest.skip("nvcc not found: the batched device copier and its stand-in driver cannot be built")
-        from kvtier.cuda_copy import CudaCopier
+        from kvtier.moving.cuda_copy import CudaCopier
         from kvtier.testing.fake_cuda import DriverVariant, build_fake_driver
 
         copier = keep(CudaCopier(driver=build_fake_driver(DriverVariant.CUDA13)))

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from kvtier.config import CacheMode, KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import TierIOError
-from kvtier.handle import Stage
-from kvtier.layout import BlockLayout
+from kvtier.moving.handle import Stage
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tiers.ssd import SSDTier
 
@@ -376,7 +376,7 @@ def test_random_operations_never_serve_wrong_bytes_or_exceed_capacity(tmp_path, 
 
 def test_small_host_memory_batches_run_inline_the_rest_on_workers(tmp_path):
     from kvtier.tiers.dram import DRAMTier
-    from kvtier.transfer import CopyOp, Endpoint, TransferEngine
+    from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
     engine = TransferEngine(LAYOUT, inline_bytes=2 * BLOCK)
     dram = DRAMTier(4 * BLOCK, BLOCK)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvtier.errors import TransferError
-from kvtier.handle import Stage
+from kvtier.moving.handle import Stage
 from kvtier.tiers.base import Medium, Tier, TierKind
-from kvtier.transfer import CopyOp, Endpoint, Route, StageError, TransferEngine, layer_checksum, block_seed
+from kvtier.moving.engine import CopyOp, Endpoint, Route, StageError, TransferEngine, layer_checksum, block_seed
 
 from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 

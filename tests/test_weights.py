@@ -1,4 +1,4 @@
-"""Weights fingerprints (`kvtier.weights`): of weight files on disk and of tensors in memory.
+"""Weights fingerprints (`kvtier.model.weights`): of weight files on disk and of tensors in memory.
 
 Real files under tmp_path (safetensors, torch zip, an opaque format, a sparse multi-GB file), a
 Hugging Face cache laid out on disk the way huggingface_hub writes it (nothing is downloaded).
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.weights import (
+from kvtier.model.weights import (
     ADAPTER_CONFIG_NAMES,
     WeightsSource,
     fingerprint_config,
@@ -181,7 +181,7 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path):
 
 @pytest.mark.parametrize("model, revision", [("org/not-cached", "v1"), ("s3://bucket/model", None)])
 def test_weights_that_cannot_be_read_fall_back_to_the_name_with_a_warning(tmp_path, caplog, model, revision):
-    with caplog.at_level(logging.WARNING, logger="kvtier.weights"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.model.weights"):
         got = weights_fingerprint(WeightsSource(model, revision, cache_dir=str(tmp_path / "hub")))
     assert got == f"name:{model}@{revision or ''}"
     assert len(caplog.records) == 1 and "set weights_id" in caplog.records[0].getMessage()
@@ -190,7 +190,7 @@ def test_weights_that_cannot_be_read_fall_back_to_the_name_with_a_warning(tmp_pa
 def test_a_directory_without_weight_files_falls_back_too(tmp_path, caplog):
     (tmp_path / "config.json").write_text("{}")
     assert fingerprint_files(tmp_path) is None
-    with caplog.at_level(logging.WARNING, logger="kvtier.weights"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.model.weights"):
         assert weights_fingerprint(WeightsSource(str(tmp_path))) == f"name:{tmp_path}@"
     assert "holds no weight files" in caplog.text
 
@@ -256,7 +256,7 @@ def test_config_fingerprints_follow_every_field_but_where_the_files_came_from():
 
 SCRIPT = """
 import json, sys, torch
-from kvtier.weights import fingerprint_files, fingerprint_tensors
+from kvtier.model.weights import fingerprint_files, fingerprint_tensors
 gen = torch.Generator().manual_seed(0)
 print(json.dumps([fingerprint_files(sys.argv[1]), fingerprint_tensors([("w", torch.randn(300, 30, generator=gen))])]))
 """

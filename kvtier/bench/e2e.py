@@ -144,7 +144,7 @@ def e2e_path(lower: TierKind) -> PathFn:
     name = f"e2e-hbm-{lower.name.lower()}"
 
     def run(env: BenchEnv, block_bytes: int, depth: int, num_blocks: int, budget: Budget) -> list[Measured]:
-        from kvtier.layout import BlockLayout
+        from kvtier.model.layout import BlockLayout
         from kvtier.runtime import KVTier
 
         num_calls = max(2, num_blocks // depth)
@@ -175,7 +175,7 @@ def e2e_path(lower: TierKind) -> PathFn:
 _WRITER = r"""
 import sys, types, torch
 from kvtier.bench.e2e import NUM_LAYERS, TIMEOUT_S, runtime_config, shared_block, shared_keys
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 env = types.SimpleNamespace(pool_address=sys.argv[1], pool_timeout_s=float(sys.argv[2]), device=sys.argv[3])
@@ -214,7 +214,7 @@ def shared_pool_path(env: BenchEnv, block_bytes: int, depth: int, num_blocks: in
       fill:       `load` again, as a later request reusing the prefix does.
     Both against the raw socket's recv of the same bytes (`SocketLimit`), as the e2e pool row.
     """
-    from kvtier.layout import BlockLayout
+    from kvtier.model.layout import BlockLayout
     from kvtier.runtime import KVTier
 
     num_calls = max(4, num_blocks // depth)  # fill-first takes one sample per batch

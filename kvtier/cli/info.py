@@ -43,7 +43,7 @@ def environment() -> dict[str, Any]:
 
 def collect(config_path: str | None) -> dict[str, Any]:
     """What `kvtier info` prints, from the config alone (`planned_facts`: nothing is built)."""
-    from kvtier.model_catalog import resolve_model
+    from kvtier.model.catalog import resolve_model
     from kvtier.config import load_config
     from kvtier.tiers.build import planned_facts
 

@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.host_memory import allocation_failed, check_fits
+from kvtier.tiers.host_memory import allocation_failed, check_fits
 from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
 
 
@@ -156,7 +156,7 @@ def _serve_metrics(args: argparse.Namespace, node: Any) -> Any:
     Raises:
         ConfigError: the port cannot be bound on that host (the node is stopped first).
     """
-    from kvtier.metrics import NodeCollector, serve_metrics
+    from kvtier.observing.metrics import NodeCollector, serve_metrics
 
     host, port = args.metrics_host, args.metrics_port
     try:

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import xxhash
 
-    from kvtier.model_catalog import resolve_model
+    from kvtier.model.catalog import resolve_model
     from kvtier.config import load_config
-    from kvtier.keys import Namespace, block_keys
+    from kvtier.model.keys import Namespace, block_keys
     from kvtier.runtime import KVTier
 
     if args.blocks < 1:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvtier.cli.bench import create_folder
-from kvtier.model_catalog import resolve_model
+from kvtier.model.catalog import resolve_model
 from kvtier.cli.simulate_tables import print_report
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError

@@ -22,9 +22,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.sizing.capacity import PlanInputs, plan
-from kvtier.model_catalog import count_weight_params, resolve_config, resolve_model
+from kvtier.model.catalog import count_weight_params, resolve_config, resolve_model
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.geometry import ModelGeometry
+from kvtier.model.geometry import ModelGeometry
 from kvtier.sizing.hardware import GPU, resolve_gpu
 from kvtier.units import GiB, format_bytes, format_decimal, format_params, format_rate, parse_count, parse_seconds, \
     parse_size, parse_tokens

@@ -31,7 +31,7 @@ from rich.progress import Progress
 from kvtier.config import KVTierConfig, load_config
 from kvtier.demo.report import memory_probe, print_report, tier_figures, tier_table
 from kvtier.demo.ttft import prefix_experiment, timed_generate, timed_recompute
-from kvtier.keys import Namespace
+from kvtier.model.keys import Namespace
 from kvtier.kinds import TierKind
 
 NAMESPACE_MODEL = "kvtier-demo/tiny-llama"

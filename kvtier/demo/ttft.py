@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtier.keys import block_keys
+from kvtier.model.keys import block_keys
 from kvtier.kinds import TierKind
 
 SUFFIX_TOKENS = 32  # the new message after the stored prefix: what kvtier still has to compute

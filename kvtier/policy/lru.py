@@ -6,7 +6,7 @@ Two implementations of one order:
     (4 bytes a link), oldest at the head, kept in C (`kvtier._keytable.SlotList`: each verb is one
     C call, ten times cheaper than a Python method, and LRU runs once or twice per block moved).
     Nothing per key is an object, so a full garbage collection has nothing to walk (see
-    kvtier.index); keys must be integers >= 0, dense as slot numbers are (the arrays grow to the
+    kvtier.deciding.index); keys must be integers >= 0, dense as slot numbers are (the arrays grow to the
     largest seen); a bool counts as 0 or 1.
   * `LRUPolicy`, for any hashable keys: one `OrderedDict` ordered from least to most recent, which
     keeps a node per key.

@@ -68,14 +68,14 @@ from dataclasses import dataclass
 
 from kvtier.config import CacheMode, parse_size
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.manager import TierManager, TierSlots
+from kvtier.deciding.manager import TierManager, TierSlots
 from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.native_replay import MAX_BLOCKS, NativeTier, NotNative, intern_requests, run_native
 from kvtier.simulate.report import ReplayCounts, make_report
 from kvtier.simulate.trace import Trace
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.kinds import TierKind
 from kvtier.units import check_number
 

@@ -12,7 +12,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.geometry import ModelGeometry
+from kvtier.model.geometry import ModelGeometry
 from kvtier.sizing.hardware import FABRICS, GPU
 from kvtier.units import format_bytes, format_decimal, format_params, format_rate
 from kvtier.sizing.planner import (

@@ -32,7 +32,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.geometry import LayerKind, ModelGeometry
+from kvtier.model.geometry import LayerKind, ModelGeometry
 from kvtier.units import check_number
 
 DEFAULT_RESERVE_FRACTION = Fraction(1, 10)

@@ -1,4 +1,4 @@
-"""The contract every GPU <-> host copier (kvtier.cuda_copy.CudaCopier) keeps, as a pytest class.
+"""The contract every GPU <-> host copier (kvtier.moving.cuda_copy.CudaCopier) keeps, as a pytest class.
 
 Subclass `CopierContract` and provide the fixtures:
   copier      a CudaCopier (closed by the fixture's teardown).
@@ -67,7 +67,7 @@ class CopierContract:
         assert torch.equal(dst.cpu(), src.cpu())
 
     def test_layer_spans_of_many_blocks_in_one_submission(self, copier, memory, stream, sync):
-        from kvtier.copy_descriptors import span_descriptors
+        from kvtier.moving.copy_descriptors import span_descriptors
 
         num_blocks, num_layers, layer = 8, 4, 4 * KiB
         block = num_layers * layer

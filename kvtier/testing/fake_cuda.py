@@ -12,7 +12,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from kvtier.cuda_copy import DEFAULT_BUILD_DIR, NVCC_FLAGS, compile_shared
+from kvtier.moving.cuda_copy import DEFAULT_BUILD_DIR, NVCC_FLAGS, compile_shared
 
 SOURCE = Path(__file__).resolve().parents[2] / "native" / "fake_cuda.c"
 COUNTER_NAMES = ("batch_v1", "batch_v2", "memcpy", "stream_wait", "last_wait_event", "events_created",

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvtier.copies import CopyOp, Endpoint, Route, SpanBatch, block_seed, layer_checksum
-from kvtier.handle import Stage
-from kvtier.layout import BlockLayout
+from kvtier.moving.copies import CopyOp, Endpoint, Route, SpanBatch, block_seed, layer_checksum
+from kvtier.moving.handle import Stage
+from kvtier.model.layout import BlockLayout
 
 NUM_BLOCKS = 5
 

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import CapacityError, TierIOError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.tiers.base import SpanIO, Tier
 
 SLOT_BYTES = 3 * 4096 + 1000  # deliberately not a multiple of 4 KiB

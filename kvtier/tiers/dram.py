@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.host_memory import allocation_failed, check_fits
+from kvtier.tiers.host_memory import allocation_failed, check_fits
 from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
 from kvtier.tiers.slab import SlabTier
 

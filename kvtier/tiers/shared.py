@@ -51,9 +51,9 @@ import torch
 import xxhash
 
 from kvtier.errors import TierIOError
-from kvtier.keys import KEY_BYTES
+from kvtier.model.keys import KEY_BYTES
 from kvtier.pool.shared_keys import KeyMemory, SpanGather
-from kvtier.stats import Stats
+from kvtier.observing.stats import Stats
 from kvtier.tiers.base import (Medium, SpanIO, Tier, TierKind, as_byte_buffer, copy_bytes, host_tensor,
                                slots_needed)
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError, TierIOError, TierUnavailable
-from kvtier import _movers
+from kvtier.moving import _movers
 from kvtier.tiers.base import Medium, SpanIO, Tier, TierKind, as_byte_buffer, host_tensor, slots_needed
 from kvtier.tiers.ssd_files import check_reopened, open_directory, open_file, remove_files
 
@@ -205,7 +205,7 @@ class SSDTier(Tier):
         return failed
 
     def _native(self, io: SpanIO, chosen: list[int], writing: bool) -> dict[int, Exception]:
-        """`pread`/`pwrite` of the `chosen` slots of `io` in one `kvtier._movers` call."""
+        """`pread`/`pwrite` of the `chosen` slots of `io` in one `kvtier.moving._movers` call."""
         fds, stride, per_file = self._fds, self.slot_stride_bytes, self._num_files
         slots = [io.slots[i] for i in chosen]
         fd_of = np.array([fds[slot % per_file] for slot in slots], np.uint64)

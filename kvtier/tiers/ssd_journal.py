@@ -4,7 +4,7 @@ One file beside the slabs, `kvtier-ssd.journal`: a 4 KiB header (magic, version,
 slot size and a fingerprint of the block layout and namespace), then one fixed-size record per
 slot — the block key and its per-layer checksums. A record is written after its block's bytes
 have landed; it is never trusted blindly: every read below DRAM is checked against these
-checksums, which are seeded with the block's key (`kvtier.transfer.block_seed`), so a record left
+checksums, which are seeded with the block's key (`kvtier.moving.engine.block_seed`), so a record left
 over from a crash, a slot rewritten since, or a record under another block's key is a counted
 miss, never wrong data. An exclusive `flock` keeps two processes from sharing one directory.
 The file is opened like the slabs (`kvtier.tiers.ssd_files`): never through a link, and only a
@@ -27,7 +27,7 @@ JOURNAL_NAME = "kvtier-ssd.journal"
 HEADER_BYTES = 4096
 _MAGIC = b"KVTIERJ1"
 _HEADER = struct.Struct("<8sIQQ16s")  # magic, version, num_slots, slot_bytes, fingerprint
-_VERSION = 2  # 2: checksums seeded with the key and layer (kvtier.transfer.block_seed); 1's records are discarded
+_VERSION = 2  # 2: checksums seeded with the key and layer (kvtier.moving.engine.block_seed); 1's records are discarded
 _VALID = 0x4B565442  # "KVTB": this record describes a block
 _RECORD_HEAD = struct.Struct("<II16s")  # valid marker, number of layers, key
 

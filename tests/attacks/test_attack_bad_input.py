@@ -123,7 +123,7 @@ def _under_rlimit_as(code: str, headroom_bytes: int) -> subprocess.CompletedProc
 
 @pytest.mark.slow  # a child that imports torch: ~3 s
 def test_a_dram_tier_larger_than_the_machine_is_a_capacity_error_naming_the_field():
-    from kvtier.host_memory import memory_limit
+    from kvtier.tiers.host_memory import memory_limit
 
     limit = memory_limit()
     assert limit is not None, "kvtier reads the machine's memory from /proc/meminfo (Linux)"
@@ -139,7 +139,7 @@ def test_a_dram_tier_larger_than_the_machine_is_a_capacity_error_naming_the_fiel
 
 @pytest.mark.slow  # a child that imports torch: ~3 s
 def test_a_dram_tier_the_kernel_refuses_is_a_capacity_error_naming_the_field_not_a_bare_enomem():
-    from kvtier.host_memory import memory_limit
+    from kvtier.tiers.host_memory import memory_limit
 
     limit = memory_limit()
     assert limit is not None and limit[0] >= (1 << 30), f"a machine of at least 1 GiB whose memory is known: {limit}"
@@ -162,7 +162,7 @@ def _limit_to_2_gib() -> None:
 
 
 def test_a_pool_node_larger_than_the_machine_exits_2_naming_capacity():
-    from kvtier.host_memory import memory_limit
+    from kvtier.tiers.host_memory import memory_limit
 
     limit = memory_limit()
     assert limit is not None, "kvtier reads the machine's memory from /proc/meminfo (Linux)"

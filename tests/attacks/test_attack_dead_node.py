@@ -20,7 +20,7 @@ import torch
 from kvtier.config import config_from_dict
 from kvtier.pool.node.process import NodeProcess
 from kvtier.runtime import KVTier
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers.base import TierKind
 from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks
 

@@ -13,7 +13,7 @@ import struct
 
 import torch
 
-from kvtier.stats import DropReason
+from kvtier.observing.stats import DropReason
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd_journal import HEADER_BYTES, JOURNAL_NAME
 from support.persistence import KEYS, data, persistent

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from kvtier.metrics import serve_metrics
-from kvtier.metrics_server import MAX_CONNECTIONS, MetricsServer
+from kvtier.observing.metrics import serve_metrics
+from kvtier.observing.metrics_server import MAX_CONNECTIONS, MetricsServer
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.node.process import NodeProcess, running_node
 from kvtier.testing.ports import listening

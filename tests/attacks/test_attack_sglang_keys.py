@@ -38,11 +38,11 @@ import yaml
 
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
-from kvtier.layout import BlockLayout
+from kvtier.model.keys import Namespace
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
-from kvtier.weights import WeightsSource, weights_fingerprint
+from kvtier.model.weights import WeightsSource, weights_fingerprint
 from support.sglang import PAGE_BYTES, PAGE_TOKENS, DTYPE, FakeHostPool, find_wheel, keys, page, same_bytes, storage_config
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

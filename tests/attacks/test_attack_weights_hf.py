@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.integrations.hf.adapter import HFKVTier
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
-from kvtier.keys import Namespace
+from kvtier.model.keys import Namespace
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from support.hf import BLOCK_TOKENS, GEN, _layout, assert_same, default_generate, kvtier, prompts

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.native import find_nvcc
+from kvtier.moving.native import find_nvcc
 
 pytestmark = pytest.mark.slow  # seconds per test here: kept out of `make test-fast`
 

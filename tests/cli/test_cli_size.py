@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.model_catalog import resolve_model
+from kvtier.model.catalog import resolve_model
 from kvtier.cli.size import format_bytes, size_report
 from kvtier.errors import ConfigError
 

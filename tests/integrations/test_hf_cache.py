@@ -22,12 +22,12 @@ from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConf
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.integrations.hf.adapter import HFKVTier, KVTierStreamingCache, config_of, model_fingerprint, weights_of
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
-from kvtier.keys import Namespace, block_keys
-from kvtier.layout import BlockLayout
+from kvtier.model.keys import Namespace, block_keys
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tiers.ssd import SSDTier
-from kvtier.weights import WeightsSource, weights_fingerprint
+from kvtier.model.weights import WeightsSource, weights_fingerprint
 
 from support.hf import BLOCK_TOKENS, D, GEN, H, NEW_TOKENS, ProbeTier, S, WAIT_S, _layout, assert_same, default_generate, kvtier, prompts
 

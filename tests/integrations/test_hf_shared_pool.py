@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from kvtier.config import CacheMode, KVTierConfig, TierConfig, TransferConfig
 from kvtier.integrations.hf.adapter import HFKVTier
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.pool.node.process import running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind

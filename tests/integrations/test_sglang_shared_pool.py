@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import CacheMode, KVTierConfig, TierConfig, TransferConfig
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.pool.node.process import running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind

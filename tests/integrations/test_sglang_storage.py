@@ -27,7 +27,7 @@ import yaml
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import ConfigError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 
@@ -255,7 +255,7 @@ def test_the_weights_name_the_pages(sgl, rt):
 
 def test_inside_sglang_the_served_model_path_is_fingerprinted_not_its_alias(sgl, rt, tmp_path, monkeypatch):
     from kvtier.integrations.sglang.options import served_weights
-    from kvtier.weights import WeightsSource
+    from kvtier.model.weights import WeightsSource
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()

@@ -42,11 +42,11 @@ from kvtier.integrations.vllm.settings import (
     read_settings,
 )
 from kvtier.integrations.vllm.transfers import WorkerSide
-from kvtier.keys import block_keys
+from kvtier.model.keys import block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.ssd import SSDTier
-from kvtier.weights import WeightsSource, weights_fingerprint
+from kvtier.model.weights import WeightsSource, weights_fingerprint
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

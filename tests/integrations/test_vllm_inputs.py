@@ -28,7 +28,7 @@ from kvtier.integrations.vllm.metrics import EngineCollector
 from kvtier.integrations.vllm.overrides import config_overrides
 from kvtier.integrations.vllm.scheduler import KeyDirectory, RequestTracker, ScheduledRequest, SchedulerSide
 from kvtier.integrations.vllm.settings import EngineFacts, read_settings
-from kvtier.keys import block_keys
+from kvtier.model.keys import block_keys
 from kvtier.runtime import KVTier
 from support.lora import build_lora
 from support.vllm import BLOCK, LAYER_NAMES, P1, PAGE_BYTES, _yaml

@@ -27,8 +27,8 @@ from kvtier.integrations.vllm.pages import HEAD_MAJOR_LAYOUTS, TOKEN_MAJOR_LAYOU
 from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
 from kvtier.integrations.vllm.settings import EngineFacts, read_settings
 from kvtier.integrations.vllm.transfers import WorkerSide, engine_block_view
-from kvtier.keys import block_keys
-from kvtier.native import Kernels, gather_blocks, scatter_blocks
+from kvtier.model.keys import block_keys
+from kvtier.moving.native import Kernels, gather_blocks, scatter_blocks
 from kvtier.runtime import KVTier
 
 pytest.importorskip("vllm")
@@ -155,7 +155,7 @@ def test_vllm_splits_blocks_into_kernel_blocks_only_where_a_block_is_one_dense_p
 
 @pytest.mark.parametrize("layout, ratio", CASES)
 def test_each_block_is_read_as_runs_its_layout_implies(tmp_path, model_dir, layout, ratio):
-    from kvtier.native import PagedLayer
+    from kvtier.moving.native import PagedLayer
 
     settings = cuda_settings(tmp_path, model_dir, layout)
     geometry = PagedLayer.of(views_of(vllm_caches(layout, ratio), settings)[1], None)

@@ -40,7 +40,7 @@ from kvtier.integrations.vllm.settings import (
 from kvtier.integrations.vllm.shards import Sharding
 from kvtier.tiers.base import TierKind
 from kvtier.integrations.vllm.transfers import WorkerSide
-from kvtier.keys import block_keys
+from kvtier.model.keys import block_keys
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from kvtier.config import load_config
-from kvtier.layout import BlockLayout
-from kvtier.manager import TierManager
-from kvtier.plans import TierSlots
+from kvtier.model.layout import BlockLayout
+from kvtier.deciding.manager import TierManager
+from kvtier.deciding.plans import TierSlots
 from kvtier.policy import PolicyKind, make_policy
 from kvtier.runtime import KVTier
 from kvtier.simulate.replay import SimConfig, SimPolicy, VirtualTier, simulate

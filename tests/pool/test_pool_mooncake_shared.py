@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("mooncake.store")
 
 from kvtier.config import config_from_dict  # noqa: E402
-from kvtier.keys import Namespace, block_keys  # noqa: E402
+from kvtier.model.keys import Namespace, block_keys  # noqa: E402
 from kvtier.pool.mooncake import MooncakeClient, Outcome  # noqa: E402
 from kvtier.runtime import KVTier  # noqa: E402
 from kvtier.testing.mooncake_master import MasterProcess  # noqa: E402
@@ -44,8 +44,8 @@ KEYS = block_keys(Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=L
 WRITER = r"""
 import json, sys, torch
 from kvtier.config import config_from_dict
-from kvtier.layout import BlockLayout
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.layout import BlockLayout
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 layout = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.config import config_from_dict
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.pool.client.api import PoolClient, rendezvous_order
 from kvtier.pool.client.streamed import BlockFrame
 from kvtier.pool.node.process import NodeProcess, running_node
@@ -34,8 +34,8 @@ KEYS = block_keys(NAMESPACE, list(range(8 * LAYOUT.block_tokens)))  # 8 chained 
 WRITER = r"""
 import json, sys, torch
 from kvtier.config import config_from_dict
-from kvtier.layout import BlockLayout
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.layout import BlockLayout
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
 layout = BlockLayout.uniform(block_tokens=4, num_layers=4, layer_bytes=4096)

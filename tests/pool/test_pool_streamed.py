@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from kvtier.config import config_from_dict
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead
 from kvtier.pool.node.process import running_node
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import TierKind
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from support.runtime import WAIT_S
 
 P = TierKind.POOL

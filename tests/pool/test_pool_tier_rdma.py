@@ -117,7 +117,7 @@ def test_shared_blocks_move_by_key_over_rdma_whole_and_layer_by_layer(tmp_path, 
     """BlockKeys on the RDMA data plane: a put of header and block as two one-sided WRITEs (no
     copy to join them), a whole-block load, and a load read layer by layer (chunk_bytes 0: the
     streamed get's parts read one-sided under one lease); the node's CPU moves none of it."""
-    from kvtier.keys import Namespace, block_keys
+    from kvtier.model.keys import Namespace, block_keys
 
     keys = block_keys(Namespace(model="kvtier-tiny", kv_dtype="fp16", block_tokens=LAYOUT.block_tokens),
                       list(range(3 * LAYOUT.block_tokens)))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtier.config import config_from_dict
-from kvtier.keys import Namespace, block_keys
+from kvtier.model.keys import Namespace, block_keys
 from kvtier.pool.buffers import block_checksum
 from kvtier.pool.client.api import PoolClient
 from kvtier.pool.node.process import running_node

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvtier.config import CacheMode
 from kvtier.errors import KVTierError
-from kvtier.manager import TierManager, TierSlots
+from kvtier.deciding.manager import TierManager, TierSlots
 from kvtier.policy import LRUPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses

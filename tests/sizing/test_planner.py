@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 
 from kvtier.sizing.capacity import PlanInputs, plan
-from kvtier.model_catalog import (
+from kvtier.model.catalog import (
     catalog_names,
     count_weight_params,
     resolve_config,

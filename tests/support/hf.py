@@ -10,7 +10,7 @@ import torch
 
 from kvtier.config import KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.ssd import SSDTier
@@ -84,7 +84,7 @@ def kvtier(model_dir: Path, tmp_path: Path, hbm: int = 2, dram: int = 4, ssd: in
 
 
 def _layout(model_dir: Path, kv_dtype: str) -> BlockLayout:
-    from kvtier.model_catalog import resolve_model
+    from kvtier.model.catalog import resolve_model
 
     return resolve_model(str(model_dir), kv_dtype=kv_dtype).block_layout(BLOCK_TOKENS)
 

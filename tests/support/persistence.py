@@ -10,7 +10,7 @@ from kvtier.runtime import KVTier
 from support.runtime import BLOCK, LAYOUT, WAIT_S, S, config
 
 
-KEYS = [bytes([i]) * 16 for i in range(1, 6)]  # 16-byte keys, as kvtier.keys.block_keys makes
+KEYS = [bytes([i]) * 16 for i in range(1, 6)]  # 16-byte keys, as kvtier.model.keys.block_keys makes
 
 
 def persistent(tmp_path, layout=LAYOUT, **kw) -> KVTier:

@@ -9,7 +9,7 @@ import torch
 
 from kvtier.config import CacheMode, KVTierConfig, PrefetchConfig, TierConfig, TransferConfig
 from kvtier.errors import TierIOError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import Tier, TierKind
 from kvtier.tiers.ssd import SSDTier

@@ -36,9 +36,9 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.hf.codec import BlockCodec, bind_model
 from kvtier.integrations.hf.prefix import KVTierPrefixCache, leading_ok, token_ids_1d
 from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
-from kvtier.keys import BlockKey, Namespace
+from kvtier.model.keys import BlockKey, Namespace
 from kvtier.runtime import KVTier
-from kvtier.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
+from kvtier.model.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def model_fingerprint(model: Any, weights: str = "") -> str:
 
 
 def config_of(model: Any) -> str:
-    """The `config:` fingerprint of a loaded model (`kvtier.weights.fingerprint_config`).
+    """The `config:` fingerprint of a loaded model (`kvtier.model.weights.fingerprint_config`).
 
     It covers `model.config.to_dict()` (sub-configs included; the RoPE base and scaling, layer
     and head counts, norms, quantization, the transformers version that resolves them), the

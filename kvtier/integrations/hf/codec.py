@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.geometry import KVDtype, LayerKind, from_hf_config
-from kvtier.keys import Namespace
-from kvtier.layout import BlockLayout
+from kvtier.model.geometry import KVDtype, LayerKind, from_hf_config
+from kvtier.model.keys import Namespace
+from kvtier.model.layout import BlockLayout
 
 _KV_DTYPES = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
 

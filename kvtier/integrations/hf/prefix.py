@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from kvtier.handle import TransferHandle
-from kvtier.keys import BlockKey, block_keys
+from kvtier.moving.handle import TransferHandle
+from kvtier.model.keys import BlockKey, block_keys
 
 if TYPE_CHECKING:
     from kvtier.integrations.hf.adapter import HFKVTier

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache, DynamicCache, DynamicLayer
 
-from kvtier.handle import TransferHandle
+from kvtier.moving.handle import TransferHandle
 from kvtier.integrations.hf.prefix import check_extends, leading_ok, token_ids_1d
-from kvtier.keys import BlockKey, block_keys
+from kvtier.model.keys import BlockKey, block_keys
 
 if TYPE_CHECKING:
     from kvtier.integrations.hf.adapter import HFKVTier

@@ -6,7 +6,7 @@ Our keys of SGLang's extra config (every key we own starts with `kvtier_`; an un
     kvtier_config       required unless a runtime is injected: the path of a kvtier YAML file
     kvtier_timeout_s    how long one batch may wait before its pages count as misses (default 30)
     kvtier_weights_id   names the weights in page keys, e.g. a digest of the checkpoint (default: a
-                        fingerprint of the served model's weight files; see `kvtier.weights`)
+                        fingerprint of the served model's weight files; see `kvtier.model.weights`)
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import xxhash
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+from kvtier.model.keys import Namespace
 from kvtier.tiers.base import TierKind
-from kvtier.weights import (
+from kvtier.model.weights import (
     ADAPTER_CONFIG_NAMES,
     WeightsSource,
     fingerprint_config,

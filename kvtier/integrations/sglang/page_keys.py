@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.keys import BlockKey
+from kvtier.model.keys import BlockKey
 
 _EXTRAS_MARK = b"\xff"
 

@@ -30,7 +30,7 @@ registers its host pool: one block is one page, stored as opaque bytes (one "lay
 byte order is SGLang's, not layer-major). A page of any other byte size is a miss with a counted
 error, never a crash. Keys (`page_keys`): `xxh3_128(namespace ‖ epoch [‖ extras] ‖ SGLang page
 hash)`. SGLang's page hash chains the tokens, its `extra_key` (with the LoRA `lora_id`) and the
-`cache_salt`; the namespace covers the served model, a fingerprint of its weights (`kvtier.weights`),
+`cache_salt`; the namespace covers the served model, a fingerprint of its weights (`kvtier.model.weights`),
 the server's settings (`options.served_settings`: overrides, dtypes, quantization, the files of
 its `--lora-paths` adapters, weight version), the page dtype and size, the host layout, the tenant
 and the rank's shard (TP rank unless MLA, PP and CP); the extras, a weight version that moved and
@@ -68,8 +68,8 @@ from kvtier.integrations.sglang.options import (
     weight_version_reader,
 )
 from kvtier.integrations.sglang.page_keys import PageKeys, UnkeyableCall
-from kvtier.keys import BlockKey
-from kvtier.layout import BlockLayout
+from kvtier.model.keys import BlockKey
+from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
 
 try:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.handle import TransferHandle
-from kvtier.keys import BlockKey
-from kvtier.layout import BlockLayout
+from kvtier.moving.handle import TransferHandle
+from kvtier.model.keys import BlockKey
+from kvtier.model.layout import BlockLayout
 from kvtier.kinds import TierKind
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What the connector needs from kvtier: blocks by key, layer-major (see `kvtier.layout`).
+    """What the connector needs from kvtier: blocks by key, layer-major (see `kvtier.model.layout`).
 
     `KVTier` is the one in use: this process's tiers (HBM, DRAM, SSD) and, where the config has
     one, the pool, whose blocks every engine of the tenant finds, in any process or server (the
@@ -97,7 +97,7 @@ def transfer_cpus(config: KVTierConfig) -> tuple[int, ...] | None:
     own cores while the cores vLLM reserves for the rest of the server sit idle. A GPU worker
     binds nothing, and there is nothing to move.
     """
-    from kvtier.cpus import spare_cpus
+    from kvtier.moving.cpus import spare_cpus
 
     return config.transfer.cpus if config.transfer.cpus is not None else spare_cpus()
 

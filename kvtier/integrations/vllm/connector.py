@@ -17,13 +17,13 @@ the scheduler's process (`vllm_metrics`).
 
 What is in a block key (a hit is the KV this engine would compute for the request, nothing else):
   * the namespace (`vllm_settings.read_settings`): `model_id`; a fingerprint of the files vLLM
-    loaded, `config.json` included (`kvtier.weights`; `weights_id` names them instead), so
+    loaded, `config.json` included (`kvtier.model.weights`; `weights_id` names them instead), so
     weights rebuilt under the same path never hit the old KV; dtype and quantization; the KV
     cache dtype, page format and attention variant; the tenant; and the engine's config overrides
     (`vllm_overrides`: `--hf-overrides`, `hf_config_path`, `quantization_config`,
     `kv_cache_dtype_skip_layers`, LongRoPE's factors), absent for an engine without any, whose
     keys are therefore unchanged;
-  * per block, chained (`kvtier.keys`): the token ids, and what vLLM's own hashes add
+  * per block, chained (`kvtier.model.keys`): the token ids, and what vLLM's own hashes add
     (`vllm_inputs`): the LoRA adapter by a fingerprint of its files, the multimodal items whose
     placeholders overlap the block by their hashes, the block's prompt embeddings by a digest, and
     `cache_salt` on the first block. A request with none of these keeps the keys of its tokens. A
@@ -74,7 +74,7 @@ and recomputed. Engines of different tensor_parallel_size never share blocks, ex
 replicated KV. Pipeline and context parallelism are refused at start-up.
 
 How the two halves divide the work (the scheduler and worker may live in different processes):
-  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks (`kvtier.keys`;
+  * scheduler (`vllm_scheduler.SchedulerSide`): keys each request's full blocks (`kvtier.model.keys`;
     only the scheduler computes keys, the workers get them in the plan), asks kvtier how many leading blocks it holds beyond vLLM's own prefix cache,
     and plans per step which blocks to load (synchronously, layer by layer, in that step's
     forward) and which newly computed blocks to store;
@@ -143,7 +143,7 @@ from kvtier.integrations.vllm.transfers import (
     WorkerStats,
     engine_block_view,
 )
-from kvtier.keys import BlockKey
+from kvtier.model.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _note_compute(self, meta: KVTierConnectorMetadata | None) -> None:
         """Tells the backend how long this step's forward took for its tokens, kvtier's own time
-        left out: the recompute side of its load-or-recompute estimate (`kvtier.cost`). vLLM binds
+        left out: the recompute side of its load-or-recompute estimate (`kvtier.deciding.cost`). vLLM binds
         the metadata just before the forward and calls `wait_for_save` just after it."""
         kvtier_s = self._worker.take_step_seconds()
         started, self._step_started = self._step_started, None

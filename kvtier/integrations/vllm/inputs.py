@@ -2,7 +2,7 @@
 
 vLLM 0.32 mixes four things into each block's hash besides the tokens and the parent
 (`generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`), and so does kvtier, as
-`kvtier.keys.block_extra` items of the block's key (in vLLM's order):
+`kvtier.model.keys.block_extra` items of the block's key (in vLLM's order):
   * `lora`: the request's adapter, on every block. vLLM names it by name and path; kvtier by a
     fingerprint of the adapter's files (`AdapterFingerprints`): names, integer ids and paths are
     all reused, and an adapter rebuilt in place must never hit the old adapter's KV.
@@ -12,7 +12,7 @@ vLLM 0.32 mixes four things into each block's hash besides the tokens and the pa
   * `cache_salt`: the request's salt, on the first block; the chain carries it to every later one.
   * `prompt_embeds`: a digest of the block's rows of `prompt_embeds` (dtype, shape and bytes; vLLM
     sets those positions' token ids to zeros), and of which positions are token ids in a mixed prompt.
-A request with none of these keeps the keys of its tokens alone (`kvtier.keys`). One kvtier
+A request with none of these keeps the keys of its tokens alone (`kvtier.model.keys`). One kvtier
 cannot key safely is refused (`Refusal`): served as a miss, counted, never stored, never given a
 key another request could share:
   * an adapter whose files cannot be read or fingerprinted;
@@ -36,8 +36,8 @@ from typing import Any
 
 import xxhash
 
-from kvtier.keys import block_extra
-from kvtier.weights import ADAPTER_CONFIG_NAMES, WeightsSource, fingerprint_files, local_weights
+from kvtier.model.keys import block_extra
+from kvtier.model.weights import ADAPTER_CONFIG_NAMES, WeightsSource, fingerprint_files, local_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 _MAX_IDS = 4096  # adapter ids remembered for the reuse check; the oldest is forgotten first
@@ -131,7 +131,7 @@ def tensor_bytes(tensor: Any) -> bytes:
 class AdapterFingerprints:
     """LoRA adapters by their files: `fingerprint` names an adapter in block keys.
 
-    A fingerprint covers the adapter's weight files (`kvtier.weights.fingerprint_files`: headers
+    A fingerprint covers the adapter's weight files (`kvtier.model.weights.fingerprint_files`: headers
     and sampled bytes, each file's digest cached by its stat) and its `adapter_config.json` in full
     (rank, alpha, target modules: they scale the delta as much as the weights do). It also
     remembers each integer id's first fingerprint (`_MAX_IDS` of them) to catch an id reused for

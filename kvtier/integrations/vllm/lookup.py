@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvtier.cpus import pin_thread
+from kvtier.moving.cpus import pin_thread
 from kvtier.integrations.vllm.backends import Backend
 from kvtier.integrations.vllm.shards import Sharding
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.model.keys import KEY_BYTES, BlockKey
 
 log = logging.getLogger(__name__)
 

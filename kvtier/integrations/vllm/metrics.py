@@ -5,7 +5,7 @@ of its own (one even without tensor parallelism), so no process sees all of kvti
 side, set up with `metrics_port`, serves one endpoint; at each scrape it asks every rank for its
 report (`rank_report`) over the rank's lookup socket (`vllm_lookup.fetch_report`), so counters are
 those of that moment, an idle engine included, and nothing is added to vLLM's steps. Each rank's
-families (`kvtier.metrics.RuntimeCollector`: per-tier hits, stores, evictions, usage, misses,
+families (`kvtier.observing.metrics.RuntimeCollector`: per-tier hits, stores, evictions, usage, misses,
 drops, bytes moved and transfer latency by route, store backlog; plus the connector's own counters)
 are exported under a `rank` label; sum over it for the engine. A rank that does not answer is
 `kvtier_vllm_rank_up{rank} 0` and leaves out its families.
@@ -24,7 +24,7 @@ from kvtier.integrations.vllm.inputs import RefusalReason
 from kvtier.integrations.vllm.scheduler import PromptBlocks
 from kvtier.integrations.vllm.settings import EXTRA, Settings
 from kvtier.integrations.vllm.transfers import WorkerStats
-from kvtier.metrics import RuntimeCollector, serve_metrics
+from kvtier.observing.metrics import RuntimeCollector, serve_metrics
 
 log = logging.getLogger(__name__)
 

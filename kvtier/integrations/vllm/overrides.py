@@ -1,6 +1,6 @@
 """What of the engine's effective model config changes K and V without changing a file.
 
-The namespace already names the weight files and `config.json` (`kvtier.weights`), the engine's
+The namespace already names the weight files and `config.json` (`kvtier.model.weights`), the engine's
 dtype and quantization method (`EngineFacts.load_settings`), its KV cache dtype and page format
 and its attention variant. What vLLM can change besides, at start-up, with the same files:
   * `--hf-overrides`: any field of the model's config (RoPE's `rope_theta` / `rope_parameters`,
@@ -24,7 +24,7 @@ from typing import Any
 import xxhash
 
 from kvtier.errors import ConfigError
-from kvtier.weights import fingerprint_config
+from kvtier.model.weights import fingerprint_config
 
 _LONG_ROPE = "longrope"
 
@@ -85,7 +85,7 @@ def _rope_parameters(config: Any) -> Iterator[Mapping[str, Any]]:
 
 
 def _config_digest(model_config: Any) -> str:
-    """A digest of the config the engine runs (after every override): `kvtier.weights.fingerprint_config`,
+    """A digest of the config the engine runs (after every override): `kvtier.model.weights.fingerprint_config`,
     as the Hugging Face binding names a loaded config.
 
     Raises:

@@ -20,7 +20,7 @@ from kvtier.integrations.vllm.inputs import AdapterFingerprints, Refusal, Reques
 from kvtier.integrations.vllm.lookup import RankLookup
 from kvtier.integrations.vllm.backends import SHARED, Backend
 from kvtier.integrations.vllm.settings import NULL_BLOCK_ID, Settings
-from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
+from kvtier.model.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 
 log = logging.getLogger(__name__)
 

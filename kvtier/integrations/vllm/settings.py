@@ -21,7 +21,7 @@ import xxhash
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ConfigError, GeometryError
-from kvtier.geometry import KVDtype
+from kvtier.model.geometry import KVDtype
 from kvtier.integrations.vllm.pages import (
     CPU_BACKENDS,
     SCALE_BYTES,
@@ -33,9 +33,9 @@ from kvtier.integrations.vllm.pages import (
 )
 from kvtier.integrations.vllm.overrides import config_overrides, overrides_id
 from kvtier.integrations.vllm.shards import Sharding, rank_config
-from kvtier.keys import BlockKey, Namespace
-from kvtier.layout import BlockLayout
-from kvtier.weights import WeightsSource, user_weights_id, weights_fingerprint
+from kvtier.model.keys import BlockKey, Namespace
+from kvtier.model.layout import BlockLayout
+from kvtier.model.weights import WeightsSource, user_weights_id, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
     if config.kv_dtype is not None and _kv_dtype(config.kv_dtype, f"kv_dtype: {path}") is not engine_dtype:
         log.info("kvtier: KV cached as %s, the engine's KV cache dtype (kv_dtype: %s in %s does not apply "
                  "under vLLM)", engine_dtype.value, config.kv_dtype, path)
-    from kvtier.model_catalog import resolve_model
+    from kvtier.model.catalog import resolve_model
     try:
         geometry = resolve_model(config.model, kv_dtype=engine_dtype)
     except GeometryError as e:

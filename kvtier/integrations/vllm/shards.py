@@ -11,7 +11,7 @@ import xxhash
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.keys import BlockKey
+from kvtier.model.keys import BlockKey
 from kvtier.kinds import TierKind
 
 _SHARD_TAG = b"kvtier.vllm.tp-shard.v1"

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from kvtier.errors import GeometryError, KVTierError
-from kvtier.handle import TransferHandle
+from kvtier.moving.handle import TransferHandle
 from kvtier.integrations.vllm.backends import Backend
 from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
 from kvtier.integrations.vllm.shards import Sharding
-from kvtier.keys import BlockKey
-from kvtier.layout import BlockLayout
-from kvtier.native import PagedLayer, gather_blocks, scatter_blocks
+from kvtier.model.keys import BlockKey
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.native import PagedLayer, gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead, run_many
 from kvtier.pool.protocol import GrantStatus
-from kvtier.stats import Stats
+from kvtier.observing.stats import Stats
 from kvtier.tiers.base import Tier, copy_bytes
 from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, SharedTier
 

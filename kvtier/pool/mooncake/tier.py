@@ -45,7 +45,7 @@ import torch
 
 from kvtier.errors import TierIOError, TransferError
 from kvtier.pool.mooncake.client import MooncakeClient, Outcome, stored_bytes
-from kvtier.stats import Stats
+from kvtier.observing.stats import Stats
 from kvtier.tiers.base import copy_bytes, slots_needed
 from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, SharedTier
 

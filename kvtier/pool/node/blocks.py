@@ -5,7 +5,7 @@ Plain data; `store.BlockStore` owns every instance and is the only code that cha
 
 Blocks are columns, not objects (`BlockTable`): a node holding millions of blocks would otherwise
 keep one object per block for the garbage collector to walk on every full collection, a pause of
-the whole node (see kvtier.index, and bench/bench_manager.py --pool). A block has an integer id,
+the whole node (see kvtier.deciding.index, and bench/bench_manager.py --pool). A block has an integer id,
 reused once it is gone; each tenant's index maps keys to ids in a plain dict (bytes and ints, never
 tracked); a region maps its slots to ids in an array; each tenant's recency list per size class is
 threaded through two arrays (`Recency`). `Block` is a handle the store hands out (in a `Grant`, an

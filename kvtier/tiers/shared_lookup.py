@@ -15,8 +15,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 from kvtier.errors import TierIOError, TransferError
 from kvtier.kinds import TierKind
-from kvtier.manager import Move, TierManager
-from kvtier.stats import Stats
+from kvtier.deciding.manager import Move, TierManager
+from kvtier.observing.stats import Stats
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ layer span by layer span, and reports per-layer progress and per-block failures 
 (`SpanBatch`), so a route moves the whole batch in native code, outside the GIL, with no Python
 per block. Adding a way to move bytes is adding an entry (`add_route`; `Route.per_block` turns a
 single-block copy into one); a copy between two media with no entry is refused when it is
-submitted. The built-in entries (`kvtier.routes`):
+submitted. The built-in entries (`kvtier.moving.routes`):
 
 - host ↔ host (DRAM, CPU buffers, a CPU tensor standing in for HBM): one native copy per batch;
 - memory ↔ memory with a CUDA end: `Tensor.copy_` on the engine's own CUDA stream, the span
@@ -46,13 +46,13 @@ from types import MappingProxyType
 
 import torch
 
-from kvtier.copies import BlockCopy, CopyOp, Endpoint, Route, SpanBatch, StageError, block_seed, layer_checksum
-from kvtier.cpus import pin_thread
+from kvtier.moving.copies import BlockCopy, CopyOp, Endpoint, Route, SpanBatch, StageError, block_seed, layer_checksum
+from kvtier.moving.cpus import pin_thread
 from kvtier.errors import TierUnavailable, TransferError
-from kvtier.handle import Failure, Stage, TransferHandle
-from kvtier.layout import BlockLayout
-from kvtier.routes import BuiltinRoutes
-from kvtier.stats import Stats
+from kvtier.moving.handle import Failure, Stage, TransferHandle
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.routes import BuiltinRoutes
+from kvtier.observing.stats import Stats
 from kvtier.tiers.base import Medium
 
 log = logging.getLogger(__name__)
@@ -83,10 +83,10 @@ class TransferEngine:
             own compute threads fill (a CPU engine), moving blocks between tiers then takes only
             the time the engine leaves, instead of slowing its forward passes (0: same priority).
         cpus: the CPUs every worker thread is bound to (None: those of the submitting thread,
-            which a CPU engine may have bound to its compute cores; see `kvtier.cpus`).
+            which a CPU engine may have bound to its compute cores; see `kvtier.moving.cpus`).
         device_copier: `device_copier(device_index)`, the batched GPU copier to use for copies
             with a device end (tests give a stand-in); default, where CUDA is present, a
-            `kvtier.cuda_copy.CudaCopier` per device, built on first use (where it cannot be built,
+            `kvtier.moving.cuda_copy.CudaCopier` per device, built on first use (where it cannot be built,
             one warning, and such copies go block by block on the CUDA stream).
 
     Foreground batches (the engine's stores and loads) and background ones run on separate
@@ -512,7 +512,7 @@ class _CudaCopier:
 
 
 class _DeviceCopiers:
-    """One `kvtier.cuda_copy.CudaCopier` per CUDA device, built on first use; a device whose
+    """One `kvtier.moving.cuda_copy.CudaCopier` per CUDA device, built on first use; a device whose
     copier cannot be built (no nvcc, a driver that refuses) is said once and left to the
     block-by-block path."""
 
@@ -531,7 +531,7 @@ class _DeviceCopiers:
 
     @staticmethod
     def _build(device_index: int):
-        from kvtier.cuda_copy import CudaCopier
+        from kvtier.moving.cuda_copy import CudaCopier
         from kvtier.errors import KVTierError
 
         try:

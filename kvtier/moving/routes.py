@@ -4,7 +4,7 @@ A route gets a whole `SpanBatch` — one layer span of every block of a load, a 
 and moves it with as few calls as the media allow (see `Route` for the contract):
 
 - host memory ↔ host memory (DRAM slots, CPU buffers, a CPU tensor standing in for HBM): one call
-  to `kvtier._movers.copy` for the batch, outside the GIL; where a copy carries checksums to check
+  to `kvtier.moving._movers.copy` for the batch, outside the GIL; where a copy carries checksums to check
   or compute, its layers are separate descriptors, each hashed (xxh3-64, seeded per block and
   layer) and copied in one pass while it is in cache;
 - a disk or remote tier → host memory: one `Tier.read_spans` per tier (the SSD: one native call,
@@ -15,7 +15,7 @@ and moves it with as few calls as the media allow (see `Route` for the contract)
 - a disk or remote tier → another: one `read_spans` into a host staging area, one native check,
   one `write_spans` from it;
 - memory ↔ memory with a CUDA end: one submission of the batch to the device's batched copier
-  (`kvtier.cuda_copy`); block by block (`copy_` on the engine's CUDA stream) where there is none
+  (`kvtier.moving.cuda_copy`); block by block (`copy_` on the engine's CUDA stream) where there is none
   or a copy carries checksums.
 
 Addresses come from the tiers' own memory (`Tier.memory_rows`) and the caller's tensors, which the
@@ -33,12 +33,12 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier import _movers
+from kvtier.moving import _movers
 from kvtier.errors import IntegrityError, TransferError
-from kvtier.handle import Stage
-from kvtier.layout import BlockLayout
+from kvtier.moving.handle import Stage
+from kvtier.model.layout import BlockLayout
 from kvtier.tiers.base import SpanIO, Tier, copy_bytes
-from kvtier.copies import CopyOp, Endpoint, SpanBatch, StageError, block_seed
+from kvtier.moving.copies import CopyOp, Endpoint, SpanBatch, StageError, block_seed
 
 _U64 = (1 << 64) - 1
 _NO_SUMS: tuple[int, ...] = ()
@@ -134,7 +134,7 @@ class BuiltinRoutes:
         cuda: the engine's CUDA stream copier (None without CUDA).
         staging: `staging(length, which)`, a per-thread host buffer of at least `length` bytes.
         device_copier: `device_copier(device_index)`, the batched device copier of that device
-            (`kvtier.cuda_copy.CudaCopier`), or None where there is none (no CUDA, or it could
+            (`kvtier.moving.cuda_copy.CudaCopier`), or None where there is none (no CUDA, or it could
             not be built: then copies with a device end go block by block on the CUDA stream).
     """
 

@@ -1,4 +1,4 @@
-/* kvtier._movers: a whole batch of host-memory copies or file I/O in one call, outside the GIL.
+/* kvtier.moving._movers: a whole batch of host-memory copies or file I/O in one call, outside the GIL.
  *
  * The transfer engine hands each route a batch (every block of one load or store, one layer span
  * at a time) as arrays of descriptors: where each range starts, where it goes, how long it is.
@@ -271,7 +271,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef movers_module = {
-    PyModuleDef_HEAD_INIT, "kvtier._movers", "Batched host copies and file I/O outside the GIL (see kvtier/_movers.c).",
+    PyModuleDef_HEAD_INIT, "kvtier.moving._movers", "Batched host copies and file I/O outside the GIL (see kvtier/moving/_movers.c).",
     -1, methods,
 };
 

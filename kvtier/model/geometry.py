@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import GeometryError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 from kvtier.units import check_number
 
 

@@ -54,7 +54,7 @@ class Namespace:
         kv_dtype: the exact cache byte format (e.g. `fp16`, `fp8_e4m3`); formats of one width differ.
         block_tokens: tokens per block.
         tenant_salt: isolates tenants: blocks of different salts never share keys.
-        weights: a fingerprint of the weights themselves (`kvtier.weights`): a path or a name is
+        weights: a fingerprint of the weights themselves (`kvtier.model.weights`): a path or a name is
             not an identity, weights change under it. The integrations fill it in (from the files
             an engine loads, or the tensors in memory, or the user's `weights_id`); empty means
             only `model` names the weights (synthetic runs, simulations).

@@ -1,7 +1,7 @@
 """GPU <-> pinned host copies in batches: native/kv_copy.c through ctypes, one native call per batch.
 
 `CudaCopier.submit(dst_ptrs, src_ptrs, sizes, stream)` checks and merges the descriptors with NumPy
-(kvtier.copy_descriptors), hands them to the copier's native thread and returns a `CopyTicket` at
+(kvtier.moving.copy_descriptors), hands them to the copier's native thread and returns a `CopyTicket` at
 once; the thread enqueues them on `stream` with `cuMemcpyBatchAsync` (the CUDA 13 `_v2` signature or
 the 12.8 one, whichever the driver has) or, where the driver has neither or `CopyMode.LOOP` asks,
 with a C loop of `cuMemcpyAsync`, and records an event the ticket polls (`done`) or waits on (`wait`).
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.copy_descriptors import Addresses, CopyDescriptors, check_descriptors, descriptors, merge_adjacent
+from kvtier.moving.copy_descriptors import Addresses, CopyDescriptors, check_descriptors, descriptors, merge_adjacent
 from kvtier.errors import TransferError
-from kvtier.native import NativeError, find_nvcc
+from kvtier.moving.native import NativeError, find_nvcc
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "native" / "kv_copy.c"
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "kv_copy.c"
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "kvtier" / "native"
 NVCC_FLAGS = ("-O2", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra,-Werror", "-cudart", "none")
 ABI_VERSION = 1

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from kvtier.errors import GeometryError, KVTierError
-from kvtier.layout import BlockLayout
+from kvtier.model.layout import BlockLayout
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "native" / "kv_blocks.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "native" / "kv_blocks.cu"
 KERNEL_NAMES = ("gather_layer", "scatter_layer", "gather_layers", "scatter_layers")
 THREADS_PER_CTA = 256
 # A page larger than this is split across grid.y so that one big page still uses many SMs.

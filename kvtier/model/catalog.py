@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import GeometryError
-from kvtier.geometry import KVDtype, ModelGeometry, from_hf_config, load_hf_config
+from kvtier.model.geometry import KVDtype, ModelGeometry, from_hf_config, load_hf_config
 from kvtier.units import check_number
 
 _IGNORED_TAGS = frozenset({"hf", "chat", "instruct", "it", "base"})

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from kvtier.kinds import TierKind
 
 if TYPE_CHECKING:
-    from kvtier.handle import Failure
-    from kvtier.stats import Stats
+    from kvtier.moving.handle import Failure
+    from kvtier.observing.stats import Stats
     from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)

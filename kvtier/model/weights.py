@@ -70,7 +70,7 @@ _NUM_SPREAD = 64
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its header
 _RACY_NS = 2_000_000_000
 _MAX_CACHED = 4096
-_TAG = b"kvtier.weights.v1"
+_TAG = b"kvtier.model.weights.v1"
 
 Range = tuple[int, int]
 

@@ -1,6 +1,6 @@
 """What a copy is: its two ends, the batch a route moves, and the route's contract.
 
-These are the words the transfer engine (`kvtier.transfer`) and its routes (`kvtier.routes`)
+These are the words the transfer engine (`kvtier.moving.engine`) and its routes (`kvtier.moving.routes`)
 share: a `CopyOp` copies one block from an `Endpoint` to another; a `SpanBatch` is one layer span
 of every copy of a transfer, handed to a `Route` in one call.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from kvtier.handle import TransferHandle
+from kvtier.moving.handle import TransferHandle
 from kvtier.kinds import Medium, TierKind
 from kvtier.tiers.base import Tier
 

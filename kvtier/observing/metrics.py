@@ -3,7 +3,7 @@
 A custom collector turns `KVTier.snapshot()` into metric families on each scrape, so the hot path
 only bumps plain counters and nothing is exported twice. Each exporter has its own registry:
 several runtimes in one process each serve their own endpoint, on 127.0.0.1 unless told
-otherwise, from a server that holds a bounded number of connections (`kvtier.metrics_server`).
+otherwise, from a server that holds a bounded number of connections (`kvtier.observing.metrics_server`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
-from kvtier.metrics_server import MetricsServer
-from kvtier.stats import TRANSFER_BUCKETS_S  # no torch: the pool node imports this module too
+from kvtier.observing.metrics_server import MetricsServer
+from kvtier.observing.stats import TRANSFER_BUCKETS_S  # no torch: the pool node imports this module too
 
 
 class RuntimeCollector:
@@ -147,7 +147,7 @@ def _by_label(name: str, help_text: str, label: str, values: dict[str, int]) -> 
 def serve_metrics(collector: Any, port: int, addr: str = "127.0.0.1") -> tuple[MetricsServer, int]:
     """Serves `collector` (a `RuntimeCollector`, `NodeCollector` or anything with their `collect()`)
     over HTTP on `addr:port` (0: any free port) from one daemon thread, holding a bounded number of
-    connections, each with a deadline (`kvtier.metrics_server`).
+    connections, each with a deadline (`kvtier.observing.metrics_server`).
 
     Returns:
         (server, port actually bound); call `server.shutdown()` to stop.

@@ -10,7 +10,7 @@ being written is never served and what is being read is never evicted.
 (the trace simulator): the same decision code runs, and the moves it starts are completed inside
 the call, in the order a transfer engine completing each batch at once would complete them.
 
-Blocks are integer ids into the index's columns (`kvtier.index`), and policies track slots: with
+Blocks are integer ids into the index's columns (`kvtier.deciding.index`), and policies track slots: with
 millions of blocks indexed nothing per block is an object the garbage collector walks
 (bench/bench_manager.py measures the pause). A policy that must know block keys (ghost lists,
 Belady's future) is handed them through `_KeyedPolicy`.
@@ -33,12 +33,12 @@ import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
-from kvtier.plans import (Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StoreOutcome, StorePlan,
+from kvtier.deciding.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
+from kvtier.deciding.plans import (Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StoreOutcome, StorePlan,
                           TierSlots)
 from kvtier.policy.admission import AdmissionKind
 from kvtier.policy.base import EvictionPolicy
-from kvtier.stats import DropReason, Stats
+from kvtier.observing.stats import DropReason, Stats
 from kvtier.kinds import CacheMode, TierKind
 
 # Module constants for the per-block hot paths: a class attribute lookup on an Enum costs ~50 ns,
@@ -129,7 +129,7 @@ class TierManager:
         self.stats = stats or Stats()
         self._slots = {k: SlotAllocator(k, t.num_slots) for k, t in self._tiers.items()}
         index = self.index = BlockIndex({k: t.num_slots for k, t in self._tiers.items()})
-        # The index's columns, bound once (see kvtier.index): lists indexed by tier, arrays by block
+        # The index's columns, bound once (see kvtier.deciding.index): lists indexed by tier, arrays by block
         # id or slot. Blocks are ids everywhere below; a key is looked up once per call.
         self._ids, self._key_of, self._checksums = index.ids, index.key_of, index.checksums
         self._slot, self._owner, self._state, self._readers = index.slot, index.owner, index.state, index.readers
