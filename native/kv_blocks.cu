@@ -14,7 +14,7 @@
 //     MLA [N, page...], vLLM LBHNC/LBNHC/BL*   one run                     page
 //     vLLM LHBNC [H, N, tokens, C]             c = (H), s = (N * tokens*C) tokens * C  (one run per KV head)
 //     vLLM BHLNC [N, H, L, tokens, C]          c = (H), s = (L * tokens*C) tokens * C
-// The Python side (kvtier.native.PagedLayer) derives these from a tensor's shape and strides.
+// The Python side (kvtier.moving.native.PagedLayer) derives these from a tensor's shape and strides.
 //
 // kvtier side: a block is one contiguous byte range, layer-major. Layer l's slice is the block's
 // runs back to back, in row-major (i0, i1, i2) order, starting at

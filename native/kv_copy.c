@@ -19,7 +19,7 @@
 // do not apply: every symbol is looked up by its exact exported name below.
 //
 // Build: nvcc -O2 -shared -Xcompiler -fPIC -cudart none -o libkv_copy.so kv_copy.c -ldl -lpthread
-// (kvtier/cuda_copy.py does this on first use; native/Makefile's `copy` target too).
+// (kvtier/moving/cuda_copy.py does this on first use; native/Makefile's `copy` target too).
 
 #include <cuda.h>
 #include <dlfcn.h>
