@@ -55,7 +55,12 @@ class TransferHandle:
         self._layers_done = 0
         self._finished = False
         self._cancelled: set[Hashable] | None = None  # None: nothing; empty set: everything
-        self._cond = threading.Condition()
+        # One lock, two conditions: a layer landing wakes only those waiting for a layer
+        # (`wait_layer`), not those waiting for the end (`wait`), each of whom a wake-up costs a
+        # context switch (tens of µs on a virtualized host) per span of a large block.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # layers
+        self._done = threading.Condition(self._lock)  # the end
         self.error: BaseException | None = None  # a bug in completion handling, re-raised by wait()
         self.cuda_ready = None  # with CUDA: an event after the caller's queued work on its buffers
 
@@ -81,8 +86,8 @@ class TransferHandle:
             TimeoutError: not done within `timeout_s`.
             TransferError: applying the results failed (a bug, never an expected miss).
         """
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._finished, timeout_s):
+        with self._done:
+            if not self._done.wait_for(lambda: self._finished, timeout_s):
                 raise TimeoutError(f"transfer of {len(self.keys)} blocks not done after {timeout_s}s")
         if self.error is not None:
             raise TransferError(f"completing a transfer failed: {self.error!r}") from self.error
@@ -129,8 +134,9 @@ class TransferHandle:
             self._cond.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
-        with self._cond:
+        with self._lock:
             self.error = error
             self._layers_done = self.num_layers
             self._finished = True
             self._cond.notify_all()
+            self._done.notify_all()
