@@ -55,12 +55,14 @@ class TransferHandle:
         self._layers_done = 0
         self._finished = False
         self._cancelled: set[Hashable] | None = None  # None: nothing; empty set: everything
-        # One lock, two conditions: a layer landing wakes only those waiting for a layer
-        # (`wait_layer`), not those waiting for the end (`wait`), each of whom a wake-up costs a
-        # context switch (tens of µs on a virtualized host) per span of a large block.
+        # One lock, two conditions made by the first waiter of each (most transfers finish before
+        # anyone waits: a small one runs in the caller's thread, and a Condition costs µs to
+        # make): a layer landing wakes only those waiting for a layer (`wait_layer`), not those
+        # waiting for the end (`wait`), to each of whom a wake-up costs a context switch (tens of
+        # µs on a virtualized host) per span of a large block.
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)  # layers
-        self._done = threading.Condition(self._lock)  # the end
+        self._layer_cond: threading.Condition | None = None
+        self._end_cond: threading.Condition | None = None
         self.error: BaseException | None = None  # a bug in completion handling, re-raised by wait()
         self.cuda_ready = None  # with CUDA: an event after the caller's queued work on its buffers
 
@@ -75,8 +77,12 @@ class TransferHandle:
         """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range for {self.num_layers} layers")
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._layers_done > layer or self._finished, timeout_s):
+        with self._lock:
+            if self._layers_done > layer or self._finished:
+                return
+            if self._layer_cond is None:
+                self._layer_cond = threading.Condition(self._lock)
+            if not self._layer_cond.wait_for(lambda: self._layers_done > layer or self._finished, timeout_s):
                 raise TimeoutError(f"layer {layer} of {len(self.keys)} blocks not in place after {timeout_s}s")
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -86,20 +92,23 @@ class TransferHandle:
             TimeoutError: not done within `timeout_s`.
             TransferError: applying the results failed (a bug, never an expected miss).
         """
-        with self._done:
-            if not self._done.wait_for(lambda: self._finished, timeout_s):
-                raise TimeoutError(f"transfer of {len(self.keys)} blocks not done after {timeout_s}s")
+        with self._lock:
+            if not self._finished:
+                if self._end_cond is None:
+                    self._end_cond = threading.Condition(self._lock)
+                if not self._end_cond.wait_for(lambda: self._finished, timeout_s):
+                    raise TimeoutError(f"transfer of {len(self.keys)} blocks not done after {timeout_s}s")
         if self.error is not None:
             raise TransferError(f"completing a transfer failed: {self.error!r}") from self.error
         return not self.failed
 
     def done(self) -> bool:
-        with self._cond:
+        with self._lock:
             return self._finished
 
     @property
     def layers_done(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._layers_done
 
     @property
@@ -108,7 +117,7 @@ class TransferHandle:
 
     def cancel(self, keys: Iterable[Hashable] | None = None) -> None:
         """Stops moving `keys` (all if None) before their next layer; they end as CANCELLED."""
-        with self._cond:
+        with self._lock:
             if keys is None:
                 self._cancelled = set()
             elif self._cancelled is None or self._cancelled:
@@ -129,14 +138,16 @@ class TransferHandle:
             self.failed[key] = Failure(stage, layer, str(error), isinstance(error, TierUnavailable))
 
     def layer_done(self, layer: int) -> None:
-        with self._cond:
+        with self._lock:
             self._layers_done = max(self._layers_done, layer + 1)
-            self._cond.notify_all()
+            if self._layer_cond is not None:
+                self._layer_cond.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._lock:
             self.error = error
             self._layers_done = self.num_layers
             self._finished = True
-            self._cond.notify_all()
-            self._done.notify_all()
+            for cond in (self._layer_cond, self._end_cond):
+                if cond is not None:
+                    cond.notify_all()
