@@ -466,17 +466,20 @@ class TierManager:
         admits the block: the plan's `through`, one plan per tier, each finished apart.
         """
         placed, present, rejected = self._place(keys, target)
+        chosen = tuple([Placement(key, tier, slot) for _, tier, slot, key in placed])
         first: list[Placement] = []
         more: dict[TierKind, list[Placement]] = {}
         seen: set[Hashable] = set()
-        for _, tier, slot, key in placed:
-            if key in seen:
-                more.setdefault(tier, []).append(Placement(key, tier, slot))
+        for p in chosen:
+            if p.key in seen:
+                more.setdefault(p.tier, []).append(p)
             else:
-                first.append(Placement(key, tier, slot))
-                seen.add(key)
+                first.append(p)
+                seen.add(p.key)
+        if not more:
+            return StorePlan(chosen, tuple(present), tuple(rejected), self._drain())
         through = tuple(StorePlan(tuple(ps), (), (), ()) for _, ps in sorted(more.items()))
-        return StorePlan(tuple(first), tuple(present), tuple(rejected), self._drain(), through)
+        return StorePlan(tuple(first), tuple(present), tuple(rejected), self._drain(), through, chosen)
 
     def _place(self, keys: Iterable[Hashable], target: TierKind | None) -> tuple[list, list, list]:
         """`prepare_store`'s decisions: the (block, tier, slot, key) claimed, the keys present, those rejected."""

@@ -118,13 +118,14 @@ class StorePlan:
     # one plan per tier: each is written and completed apart, so that a failed copy in one tier
     # fails that copy only (a block stored in DRAM is not lost because the pool could not take it).
     through: tuple[StorePlan, ...] = ()
+    # Every copy, first and write-through ones, in the order the manager chose them (what
+    # completing the whole plan at once applies them in: a policy's order depends on it).
+    chosen: tuple[Placement, ...] = ()
 
     @property
     def all_placements(self) -> tuple[Placement, ...]:
-        """Every copy the plan writes: the first ones, then the write-through ones."""
-        if not self.through:
-            return self.placements
-        return self.placements + tuple(p for t in self.through for p in t.placements)
+        """Every copy the plan writes, in the order the manager chose them."""
+        return self.chosen if self.through else self.placements
 
     def first_copies(self) -> StorePlan:
         """The plan without its write-through copies (its moves and outcomes stay with it)."""

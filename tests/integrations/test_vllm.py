@@ -44,7 +44,7 @@ from kvtier.integrations.vllm.settings import (
 from kvtier.integrations.vllm.transfers import WorkerSide
 from kvtier.model.keys import block_keys
 from kvtier.runtime import KVTier
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.base import SpanIO, TierKind, host_tensor
 from kvtier.tiers.ssd import SSDTier
 from kvtier.model.weights import WeightsSource, weights_fingerprint
 
@@ -504,17 +504,25 @@ class InstrumentedSSD(SSDTier):
         self.failing_prefix: bytes | None = None  # the first bytes of the block whose reads fail
         self._first: dict[int, bytes] = {}
 
-    def write(self, slot, src, offset=0):
-        if offset == 0:
-            self._first[slot] = bytes(src[:16].tolist())
-        super().write(slot, src, offset)
+    def write_spans(self, io):
+        if io.offset == 0:
+            for slot, address in zip(io.slots, io.addresses):
+                self._first[slot] = bytes(host_tensor(int(address), 16).tolist())
+        return super().write_spans(io)
 
-    def read(self, slot, dst, offset=0):
-        if offset >= self.layer_offset:
-            self.gate.wait()
-            if self._first.get(slot) == self.failing_prefix:
-                raise TierIOError(f"SSD slot {slot}: injected read failure")
-        super().read(slot, dst, offset)
+    def read_spans(self, io):
+        """The batch's reads, except that from `layer_offset` on they wait for the gate, and the
+        block whose first bytes are `failing_prefix` fails (the others of the batch are read)."""
+        if io.offset < self.layer_offset:
+            return super().read_spans(io)
+        self.gate.wait()
+        bad = [i for i, slot in enumerate(io.slots) if self._first.get(slot) == self.failing_prefix]
+        good = [i for i in range(len(io)) if i not in bad]
+        failed = {i: TierIOError(f"SSD slot {io.slots[i]}: injected read failure") for i in bad}
+        rest = SpanIO([io.slots[i] for i in good], io.offset, io.length, [io.addresses[i] for i in good],
+                      [io.keys[i] for i in good])
+        failed.update((good[j], e) for j, e in super().read_spans(rest).items())
+        return failed
 
 
 @pytest.fixture
