@@ -226,8 +226,8 @@ def test_a_load_past_the_timeout_returns_only_once_the_transfer_has_stopped(sgl,
     store.options = dataclasses.replace(store.options, timeout_s=0.01)  # only the held read times out
     on_ssd = next(k for k in keys(8) if rt.where([store.block_key(k)])[0] is S)
     ssd, gate, count = rt.tiers[S], threading.Event(), store._count
-    read = ssd.read
-    monkeypatch.setattr(ssd, "read", lambda *a: (gate.wait(30), read(*a)))  # held until the timeout is counted
+    read = ssd.read_spans
+    monkeypatch.setattr(ssd, "read_spans", lambda io: (gate.wait(30), read(io))[1])  # held until the timeout is counted
     monkeypatch.setattr(store, "_count", lambda reason, *a: (count(reason, *a), gate.set()))
     target = torch.zeros(PAGE_BYTES // 2, dtype=DTYPE)
     got = store.get(on_ssd, target)
