@@ -36,6 +36,7 @@ from kvtier.policy import make_policy
 from kvtier.observing.stats import DropReason, Stats
 from kvtier.tiers.base import Medium, Tier, TierKind
 from kvtier.tiers.build import build_tier
+from kvtier.tiers.shared import SharedTier
 from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,7 @@ class KVTier:
             snap = {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
                     "store_backlog_bytes": self._backlog_bytes, "cost": self.cost.facts().as_dict()}
         pool = self.tiers.get(TierKind.POOL)
-        client = pool.client_counters() if pool is not None else None
+        client = pool.client_counters() if isinstance(pool, SharedTier) else None
         if client is not None:
             snap["pool_client"] = client
         return snap
@@ -347,14 +348,14 @@ class KVTier:
     # ---- internals ---------------------------------------------------------------------
 
     def _share_host_memory(self) -> None:
-        """Tells each tier about the others' host memory (the DRAM slab), so that a pool tier on
-        RDMA moves blocks between a DRAM slot and the pool without a staging copy."""
-        for kind, tier in self.tiers.items():
-            memory = tier.host_memory()
-            if memory is not None:
-                for other_kind, other in self.tiers.items():
-                    if other_kind is not kind:
-                        other.register_host_memory(memory)
+        """Tells each shared tier (the pool) about the host-memory tiers' slabs (DRAM), so that on
+        RDMA it moves blocks between a DRAM slot and the pool without a staging copy."""
+        shared = [tier for tier in self.tiers.values() if isinstance(tier, SharedTier)]
+        for tier in self.tiers.values():
+            rows = tier.memory_rows() if tier.medium is Medium.HOST else None
+            if rows is not None and shared:
+                for other in shared:
+                    other.register_host_memory(rows.view(-1))
 
     def _slots(self, cfg: TierConfig) -> TierSlots:
         tier = self.tiers[cfg.kind]

@@ -351,7 +351,7 @@ def test_gpu_copies_to_and_from_the_registered_dram_slab(mode):
     slots = (np.arange(n) * 5) % n
     try:
         with CudaCopier(torch.cuda.current_device(), mode) as copier:
-            slab = dram.host_memory().data_ptr()
+            slab = dram.memory_rows().data_ptr()
             stream = torch.cuda.Stream()
             torch.cuda.synchronize()
             copier.submit(slab + slots * block, device.data_ptr() + np.arange(n) * block, block, stream).wait(60)

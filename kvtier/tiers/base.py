@@ -113,17 +113,6 @@ class Tier(ABC):
         copy); None (the default) where the slots are not memory, or once closed."""
         return None
 
-    def host_memory(self) -> torch.Tensor | None:
-        """The host memory every `view` of this tier lies in (a DRAM tier's slab), for tiers that
-        can move bytes straight out of and into it; None (the default) where there is none."""
-        return None
-
-    def register_host_memory(self, memory: torch.Tensor) -> None:
-        """Told by the runtime about another tier's `host_memory`: buffers handed to this tier's
-        `read`/`write` often lie in it. A tier whose transport can use it directly (the pool
-        over RDMA registers it once, then moves blocks without a staging copy) does; the
-        default ignores it."""
-
     def bind(self, slot: int, key: Hashable) -> None:
         """A shared tier learns that `slot` holds (or is about to hold) block `key`; called by the
         transfer engine before each read or write of the slot (and by `write_spans`/`read_spans`
@@ -160,11 +149,6 @@ class Tier(ABC):
             except (OSError, IndexError, IntegrityError) as e:
                 failed[i] = e
         return failed
-
-    def client_counters(self) -> dict[str, int] | None:
-        """A remote tier's client counters (hits, misses, stale, node errors...), for
-        `KVTier.snapshot()["pool_client"]`; None (the default) where there is no client."""
-        return None
 
     def describe(self) -> dict[str, object]:
         """Facts for `kvtier info`: kind, medium, capacity, and anything a user should know."""

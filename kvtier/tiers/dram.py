@@ -83,10 +83,6 @@ class DRAMTier(SlabTier):
         view = self.view(slot, offset, dst.numel())
         dst.copy_(view) if dst.is_cuda else copy_bytes(dst, view)
 
-    def host_memory(self) -> torch.Tensor | None:
-        """The whole slab (None once closed): every `view` lies in it."""
-        return None if self._slab is None else self._slab.view(-1)
-
     def close(self) -> None:
         """Unregisters the slab from CUDA (if pinned), then drops it; see `SlabTier.close`. Idempotent."""
         if self._unregister is not None:

@@ -117,6 +117,19 @@ class SharedTier(Tier):
         self._lock = threading.Lock()
         self._closed = False
 
+    # ---- what the runtime tells and asks a shared tier ---------------------------------------
+
+    def register_host_memory(self, memory: torch.Tensor) -> None:
+        """Told by the runtime about the host memory the memory tiers' slots lie in (the DRAM
+        tier's slab): buffers handed to this tier's reads and writes often lie in it. A store
+        whose transport can use it directly (the pool over RDMA registers it once, then moves
+        blocks without a staging copy) does; the default ignores it."""
+
+    def client_counters(self) -> dict[str, int] | None:
+        """The store client's counters (hits, misses, stale, node errors...), for
+        `KVTier.snapshot()["pool_client"]`; None (the default) where there are none."""
+        return None
+
     # ---- what a store fills in -------------------------------------------------------------
 
     @abstractmethod

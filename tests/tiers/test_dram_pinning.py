@@ -41,7 +41,7 @@ def cudart(monkeypatch):
 
 def test_the_slab_is_registered_once_exactly_its_size_and_unregistered_at_close(cudart):
     tier = DRAMTier(capacity_bytes=5 * 12288 + 100, slot_bytes=12288)  # 60 KiB: no power-of-two rounding
-    ptr = tier.host_memory().data_ptr()
+    ptr = tier.memory_rows().view(-1).data_ptr()
     assert cudart.calls == [("register", ptr, 5 * 12288, 1)]  # portable
     assert ptr % PAGE_BYTES == 0 and tier.describe()["pinned_by"] == "cudaHostRegister"
     tier.close()
@@ -51,7 +51,7 @@ def test_the_slab_is_registered_once_exactly_its_size_and_unregistered_at_close(
 
 def test_a_collected_tier_unregisters_its_slab(cudart):
     tier = DRAMTier(capacity_bytes=3 * 4096, slot_bytes=4096)
-    ptr = tier.host_memory().data_ptr()
+    ptr = tier.memory_rows().view(-1).data_ptr()
     del tier
     gc.collect()
     assert cudart.calls[-1] == ("unregister", ptr)
@@ -76,7 +76,7 @@ def test_without_cuda_nothing_is_registered():
 def test_on_a_gpu_the_registered_slab_is_pinned_memory():
     tier = DRAMTier(capacity_bytes=3 * (1 << 20), slot_bytes=1 << 20)
     try:
-        assert tier.host_memory().is_pinned()
+        assert tier.memory_rows().view(-1).is_pinned()
         device = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)[: 1 << 20]
         tier.view(1, 0, 1 << 20).copy_(device, non_blocking=True)
         torch.cuda.synchronize()
