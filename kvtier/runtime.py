@@ -1,15 +1,12 @@
 """`KVTier`: what an inference engine holds — the manager and the transfer engine, wired.
 
 The engine sees four verbs (see DESIGN.md): `lookup`, `load`, `store`, `prefetch`. Each asks the
-manager for a plan under one lock, hands the plan to the transfer engine, and applies the
-completion when the transfer reports back. The lock is never held while bytes move.
-
-The plans are the whole interface to the manager: the runtime turns each into copies (`CopyOp`)
-from what the plan carries (slots, and the checksums a read from below DRAM is checked against)
-and what it knows itself (which tier is which medium), and never reads the manager's index. What
-only the manager can answer later, under the lock (may this prefetch still be cancelled, is this
-slot still the block's), it asks through the manager's methods. How the bytes go from one medium
-to another is the transfer engine's choice (its route table), not the runtime's.
+manager for a plan under one lock and hands the plan to the `PlanRunner` (`kvtier.plan_runner`),
+which turns it into copies, submits them to the transfer engine and applies each completion back
+to the manager. The lock is never held while bytes move. What the shared tier (the pool) holds
+beyond this process's index is found and adopted by `SharedLookup`; what a persistent tier kept
+from an earlier run is adopted at start-up (`Tier.recall`). `KVTier` itself only checks the
+caller's arguments, keeps the store backlog within its bound, and delegates.
 """
 
 from __future__ import annotations
@@ -25,24 +22,23 @@ import xxhash
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.deciding.cost import LoadCost
+from kvtier.deciding.manager import Move, TierManager, TierSlots
 from kvtier.errors import ConfigError, KVTierError, TierIOError
-from kvtier.moving.handle import Failure, Stage, TransferHandle
-from kvtier.tiers.health import TierService
+from kvtier.kinds import Medium, TierKind
 from kvtier.model.layout import BlockLayout
-from kvtier.deciding.manager import LoadPlan, Move, StorePlan, TierManager, TierSlots
-from kvtier.deciding.plans import Fallback, Placement
-from kvtier.tiers.shared_lookup import SharedLookup
+from kvtier.moving.engine import Endpoint, TransferEngine
+from kvtier.moving.handle import Stage, TransferHandle
+from kvtier.observing.stats import Stats
+from kvtier.plan_runner import PlanRunner
 from kvtier.policy import make_policy
-from kvtier.observing.stats import DropReason, Stats
-from kvtier.tiers.base import Medium, Tier, TierKind
+from kvtier.tiers.base import Tier
 from kvtier.tiers.build import build_tier
+from kvtier.tiers.health import TierService
 from kvtier.tiers.shared import SharedTier
-from kvtier.moving.engine import CopyOp, Endpoint, TransferEngine
+from kvtier.tiers.shared_lookup import SharedLookup
 
 log = logging.getLogger(__name__)
 
-_BELOW_DRAM = (Medium.REMOTE, Medium.DISK)
-_READ_FAILURES = {Stage.VERIFY: DropReason.CHECKSUM, Stage.READ: DropReason.READ_FAILED}
 
 
 @dataclass
@@ -105,20 +101,17 @@ class KVTier:
                                      inline_bytes=config.transfer.inline_bytes, stats=self.stats,
                                      background_nice=config.transfer.background_nice,
                                      cpus=config.transfer.cpus)
-        # Whether each tier is below DRAM (its writes compute checksums, its reads check them).
-        self._below_dram = {kind: tier.medium in _BELOW_DRAM for kind, tier in self.tiers.items()}
-        self._persistent = {kind: tier.persist for kind, tier in self.tiers.items()}
-        self._done = _done_handle(self.layout)  # what an empty batch of moves returns: shared, finished
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied
         self.cost = LoadCost(self.layout.block_tokens)
         self._lock = threading.RLock()
+        self._runner = PlanRunner(self.tiers, self.layout, self.manager, self.engine, self._lock, self.stats,
+                                  lambda tier, failure: self._service.note(tier, failure), self.cost)
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
-        self._move_handles: dict[int, TransferHandle] = {}
         # The tier other processes store into too (the pool), asked for what the index lacks.
         shared = next((k for k, t in self.tiers.items() if t.shared), None)
         self._shared = None if shared is None else SharedLookup(
-            shared, self.tiers[shared], self.manager, self._lock, self.stats, self._submit_moves)
+            shared, self.tiers[shared], self.manager, self._lock, self.stats, self._runner.submit_moves)
         self._metrics_server = None
         self._closed = False
 
@@ -182,17 +175,21 @@ class KVTier:
         with self._lock:
             taken, over = self._within_backlog(keys)
             plan = self.manager.prepare_store(taken, target)
-            self._submit_moves(plan.moves)
+            self._runner.submit_moves(plan.moves)
             caller = TransferHandle(keys, self.layout.num_layers)
             refused = {key: "no tier had room for the block" for key in plan.rejected}
             refused.update((key, "the store backlog is full: dropped rather than waited for") for key in over)
             backlog = len(plan.all_placements) * self.layout.block_bytes
             self._backlog_bytes += backlog
-            ops = self._store_ops(plan.placements, buffers)
+            ops = self._runner.store_ops(plan.placements, buffers)
         first = TransferHandle([p.key for p in plan.placements], self.layout.num_layers)
 
+        def released() -> None:
+            with self._lock:
+                self._backlog_bytes -= backlog
+
         def on_done(h: TransferHandle) -> None:
-            self._finish_store(plan, h, caller, buffers, refused, backlog)
+            self._runner.finish_store(plan, h, caller, buffers, refused, released)
 
         if sync:  # outside the lock, as a worker would run it: the plan holds the slots until it completes
             self.engine.run_now(ops, first, on_done)
@@ -214,20 +211,15 @@ class KVTier:
         buffers = self._caller_ends(keys, into, "into")
         with self._lock:
             plan = self.manager.prepare_load(keys)
-            self._submit_moves(plan.moves, background=False)
-            tiers, below, moving = self.tiers, self._below_dram, self._move_handles
-            ops = [CopyOp(s.key, Endpoint(tiers[s.tier], s.slot), buffers[s.key],
-                          self._expected(s.key, s.tier, s.checksums) if below[s.tier] else None, False,
-                          moving.get(s.after_move) if s.after_move is not None else None,
-                          self._fallback_op(s.key, s.fallback, buffers[s.key]) if s.fallback is not None else None)
-                   for s in plan.sources]
+            self._runner.submit_moves(plan.moves, background=False)
+            ops = self._runner.load_ops(plan, buffers)
             handle = TransferHandle(keys, self.layout.num_layers)
             for key in plan.missing:
                 handle.fail(key, Stage.READ, 0, "not stored")
             started = time.perf_counter()
 
             def on_done(h: TransferHandle) -> None:
-                self._on_loaded(plan, h, started)
+                self._runner.loaded(plan, h, started)
 
             if not sync:
                 return self.engine.submit(ops, on_done, handle=handle)
@@ -241,7 +233,7 @@ class KVTier:
         budget = self.config.prefetch.budget_bytes if budget_bytes is None else budget_bytes
         with self._lock:
             moves = self.manager.prepare_prefetch(keys, target, budget // self.layout.block_bytes)
-            handle = self._submit_moves(moves)
+            handle = self._runner.submit_moves(moves)
         return Prefetch(handle, moves, self)
 
     def pin(self, keys: Sequence[Hashable]) -> list[Hashable]:
@@ -255,7 +247,7 @@ class KVTier:
         skipped, as `pin` skips a key that is not stored)."""
         with self._lock:
             unpinned, moves = self.manager.unpin(keys)
-            self._submit_moves(moves)
+            self._runner.submit_moves(moves)
             return unpinned
 
     def where(self, keys: Sequence[Hashable]) -> list[TierKind | None]:
@@ -271,7 +263,7 @@ class KVTier:
         """
         while True:
             with self._lock:
-                handles = {id(h): h for h in self._move_handles.values()}
+                handles = {id(h): h for h in self._runner.moves_in_flight()}
             if not handles:
                 return
             for h in handles.values():
@@ -364,58 +356,6 @@ class KVTier:
         return TierSlots(cfg.kind, tier.num_slots, make_policy(cfg.policy, tier.num_slots),
                          cfg.admission, cfg.high_watermark, cfg.low_watermark, write_through, tier.may_drop)
 
-    def _end(self, tier: TierKind, slot: int) -> Endpoint:
-        return Endpoint(self.tiers[tier], slot)
-
-    def _expected(self, key: Hashable, tier: TierKind, checksums: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """What a read of `key` from `tier` is checked against: the `checksums` its plan carries
-        where the tier is below DRAM; None where the read is not checked."""
-        if not self._below_dram[tier]:
-            return None
-        if checksums is None and self.tiers[tier].checks_reads:
-            return None  # adopted from a shared tier, which checks each block it reads
-        if checksums is None:
-            raise KVTierError(f"block {key!r} in {tier.name} has no checksum to verify")
-        return checksums
-
-    def _fallback_op(self, key: Hashable, fallback: Fallback | None, dst: Endpoint,
-                     checksum: bool = False) -> CopyOp | None:
-        """The copy of `key` from its plan's fallback copy into `dst` (see `plans.Fallback`), or None."""
-        if fallback is None:
-            return None
-        return CopyOp(key, self._end(fallback.tier, fallback.slot), dst,
-                      verify=self._expected(key, fallback.tier, fallback.checksums), checksum=checksum)
-
-    def _submit_moves(self, moves: Sequence[Move], background: bool = True) -> TransferHandle:
-        """Starts `moves` as one batch, on the background workers unless a caller waits on them
-        (`background=False`: the promotions a load reads from); caller holds the lock.
-
-        A handle knows one outcome per block, so two moves of one block (a victim demoted both
-        into a shared pool and to a tier below that keeps it) go in separate batches; the
-        handle returned is the first batch's (only demotions come in pairs, and nobody waits on
-        those)."""
-        seen: set[Hashable] = set()
-        if len(moves) > 1 and len({m.key for m in moves}) != len(moves):
-            first, rest = [], []
-            for m in moves:
-                (rest if m.key in seen else first).append(m)
-                seen.add(m.key)
-            handle = self._submit_moves(first, background)
-            self._submit_moves(rest, background)
-            return handle
-        ops = []
-        for m in moves:  # a destination below DRAM computes the checksums the plan does not carry
-            needs_sum = m.checksums is None and self.tiers[m.dst].medium in _BELOW_DRAM
-            dst = self._end(m.dst, m.dst_slot)
-            ops.append(CopyOp(m.key, self._end(m.src, m.src_slot), dst, verify=self._expected(m.key, m.src, m.checksums),
-                              checksum=needs_sum, fallback=self._fallback_op(m.key, m.fallback, dst, needs_sum)))
-        if not ops:
-            return self._done
-        handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
-        for m in moves:  # before submitting: a small batch runs inline, `_on_moved` included
-            self._move_handles[m.id] = handle
-        return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle, background=background)
-
     def _within_backlog(self, keys: Sequence[Hashable]) -> tuple[Sequence[Hashable], Sequence[Hashable]]:
         """The leading keys whose stores fit in the backlog, and the rest (counted as dropped).
 
@@ -430,137 +370,9 @@ class KVTier:
         self.stats.dropped[DropReason.BACKLOG] += len(keys) - fits
         return keys[:fits], keys[fits:]
 
-    def _finish_store(self, plan: StorePlan, first: TransferHandle, caller: TransferHandle,
-                      buffers: Mapping[Hashable, Endpoint], refused: Mapping[Hashable, str], backlog: int) -> None:
-        """Completes a store once its first copies landed (`first`), in this thread while the
-        caller's buffers are still its to read: writes its write-through copies, then whatever
-        the manager plans again below a tier that failed (`TierManager.finish_store`), until
-        nothing is left; then gives the caller's handle its outcome, once, and finishes it.
-
-        A block is stored if any of its copies landed; it failed if none did (the last failure is
-        the one reported), or if it was refused at once (`refused`: no room, backlog full)."""
-        error: BaseException | None = None
-        failures: dict[Hashable, Failure] = {}
-        stored: set[Hashable] = set()
-        try:
-            retry = self._apply_store(plan.first_copies(), first, failures, stored)
-            for copies in plan.through:
-                self._apply_store(copies, self._write(copies, buffers), failures, stored)
-            while retry is not None:
-                retry = self._apply_store(retry, self._write(retry, buffers), failures, stored)
-            for key, why in refused.items():
-                caller.fail(key, Stage.WRITE, 0, why)
-            for key, failure in failures.items():
-                if key not in stored:
-                    caller.failed.setdefault(key, failure)
-            caller.checksums.update((k, v) for k, v in first.checksums.items() if k not in first.failed)
-            with self._lock:  # the caller's keys are one request's blocks, head first
-                self.manager.order_chain(caller.keys)
-        except BaseException as e:  # a bug: surfaced to every waiter by caller.wait()
-            log.exception("completing a store of %d blocks failed", len(caller.keys))
-            error = e
-        finally:
-            with self._lock:
-                self._backlog_bytes -= backlog
-            caller.finish(error)
-
-    def _write(self, plan: StorePlan, buffers: Mapping[Hashable, Endpoint]) -> TransferHandle:
-        """Writes `plan`'s copies from the caller's buffers in this thread; their handle."""
-        with self._lock:
-            ops = self._store_ops(plan.placements, buffers)
-        return self.engine.run_now(ops, TransferHandle([p.key for p in plan.placements], self.layout.num_layers))
-
-    def _store_ops(self, placements: Sequence[Placement], buffers: Mapping[Hashable, Endpoint]) -> list[CopyOp]:
-        tiers, below = self.tiers, self._below_dram
-        return [CopyOp(p.key, buffers[p.key], Endpoint(tiers[p.tier], p.slot), checksum=below[p.tier])
-                for p in placements]
-
-    def _apply_store(self, plan: StorePlan, h: TransferHandle, failures: dict[Hashable, Failure],
-                     stored: set[Hashable]) -> StorePlan | None:
-        """Tells the manager how one group of a store's copies went (`h`); notes each copy's
-        failure with the tier service (a tier that failed as a whole leaves the cascade) and
-        records the outcome in `failures`/`stored`. Returns what the manager plans again."""
-        failed = [(p.key, p.tier) for p in plan.placements if p.key in h.failed]
-        sums = {k: tuple(v) for k, v in h.checksums.items() if k not in h.failed}
-        with self._lock:
-            for key, tier in failed:
-                self._service.note(tier, h.failed[key])
-            outcome = self.manager.finish_store(plan, failed, sums)
-            self._submit_moves(outcome.moves)
-            self._remember((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
-                                 if p.key not in h.failed)
-        for key, failure in h.failed.items():
-            failures[key] = failure
-        stored.update(p.key for p in plan.placements if p.key not in h.failed)
-        stored.update(outcome.stored)
-        if outcome.retry is not None:
-            for key in outcome.retry.rejected:
-                failures.setdefault(key, Failure(Stage.WRITE, 0, "no tier below had room for the block"))
-        return outcome.retry
-
-    def _on_loaded(self, plan: LoadPlan, h: TransferHandle, started: float) -> None:
-        self._note_load_time(plan, h, time.perf_counter() - started)
-        with self._lock:
-            for s in plan.sources:
-                self._note_reads(s.key, s.tier, s.fallback, h)
-            # The manager learns what each source copy's own read did (a fallback's is not held against it).
-            failed = {k: _failure_reason(f, f.stage) for k, f in {**h.failed, **h.fell_back}.items()}
-            self._submit_moves(self.manager.complete_load(plan, failed))
-            self.manager.order_chain(h.keys)
-
-    def _note_reads(self, key: Hashable, tier: TierKind, fallback: Fallback | None, h: TransferHandle) -> None:
-        """Tells the tier service how `key`'s read from `tier`, and from its fallback copy where
-        the first failed, went (a tier that failed as a whole leaves the cascade), and counts a
-        block its fallback delivered. Caller holds the lock."""
-        first, last = h.fell_back.get(key), h.failed.get(key)
-        if first is None:
-            if last is not None:
-                self._service.note(tier, last)
-            return
-        self._service.note(tier, first)
-        if last is None:
-            self.stats.fallback_reads[fallback.tier] += 1
-        else:
-            self._service.note(fallback.tier, last)
-
-    def _note_load_time(self, plan: LoadPlan, h: TransferHandle, seconds: float) -> None:
-        """Feeds a load that came whole from one tier to the load-time estimate of that tier (a
-        block promoted before it was read counts for the tier it was promoted from)."""
-        if not plan.sources or h.failed:
-            return
-        came_from = {m.id: m.src for m in plan.moves}
-        if any(s.after_move is not None and s.after_move not in came_from for s in plan.sources):
-            return  # it waited on another's move (a prefetch): its time is not this tier's
-        origins = {came_from[s.after_move] if s.after_move is not None else s.tier for s in plan.sources}
-        if len(origins) == 1:
-            self.cost.note_load(origins.pop(), len(plan.sources), seconds)
-
-    def _on_moved(self, moves: Sequence[Move], h: TransferHandle) -> None:
-        with self._lock:
-            follow: list[Move] = []
-            for m in moves:
-                self._move_handles.pop(m.id, None)
-                f = h.failed.get(m.key)
-                if f is not None and f.stage == Stage.WRITE:
-                    self._service.note(m.dst, f)
-                    if m.key in h.fell_back:  # its source had failed before, its fallback was read
-                        self._service.note(m.src, h.fell_back[m.key])
-                else:
-                    self._note_reads(m.key, m.src, m.fallback, h)
-                f_source = h.fell_back.get(m.key) or f  # what the source's own read did, if it failed
-                failure = None if f_source is None or f_source.stage == Stage.CANCELLED else _failure_reason(
-                    f_source, DropReason.DEMOTION_FAILED)
-                if f is not None and f.stage == Stage.CANCELLED:
-                    self.stats.prefetch_cancelled += 1
-                sums = tuple(h.checksums[m.key]) if f is None and m.key in h.checksums else None
-                follow += self.manager.complete_move(m.id, f is None, sums, failure)
-            self._remember((m.key, m.dst, m.dst_slot, m.checksums or _computed(h, m.key))
-                                 for m in moves if m.key not in h.failed)
-            self._submit_moves(follow)
-
     def _set_available(self, tier: TierKind, available: bool) -> None:
         """Takes `tier` out of the cascade or puts it back (the tier service's call); lock held."""
-        self._submit_moves(self.manager.set_available(tier, available))
+        self._runner.submit_moves(self.manager.set_available(tier, available))
 
     def _recall(self) -> None:
         """Adopts the blocks a persistent tier (`Tier.persist`) recorded in an earlier run under
@@ -574,15 +386,6 @@ class KVTier:
                     adopted = self.manager.adopt(kind, ((key, slot, sums) for slot, key, sums in entries))
                     self._num_restored_blocks += adopted
                     log.info("kvtier %s tier: %d blocks restored from an earlier run", kind.name, adopted)
-
-    def _remember(self, landed) -> None:
-        """Tells each persistent tier the blocks that just became READY in it, given as (key, tier,
-        slot, checksums: those the plan carried or the write computed); caller holds the lock.
-        A copy the completion already freed (its slot owned by another block, or by none) is
-        not recorded."""
-        for key, tier, slot, checksums in landed:
-            if checksums is not None and self._persistent.get(tier) and self.manager.owner(tier, slot) == key:
-                self.tiers[tier].remember(slot, key, checksums)
 
     def _cancel_prefetch(self, prefetch: Prefetch) -> None:
         with self._lock:  # asked now, not when the prefetch started: a load may have joined since
@@ -625,20 +428,6 @@ class KVTier:
             log.warning("closing the %s after a failed start: %s", name, e)
 
 
-def _computed(h: TransferHandle, key: Hashable) -> tuple[int, ...] | None:
-    """The checksums transfer `h` computed for `key`, if it did."""
-    sums = h.checksums.get(key)
-    return tuple(sums) if sums is not None else None
-
-
-def _failure_reason(failure: Failure, otherwise: str) -> str:
-    """What the manager is told of a failed copy: a corrupt or unreadable source (discarded), a
-    source whose tier is down (kept: the tier may come back), or `otherwise`."""
-    if failure.stage == Stage.READ and failure.unavailable:
-        return DropReason.TIER_DOWN
-    return _READ_FAILURES.get(failure.stage, otherwise)
-
-
 def _run_all(steps: Sequence[tuple[str, Callable[[], None] | None]]) -> list[tuple[str, Exception]]:
     """Runs every step in order, even after one fails; returns the (name, error) of each that failed."""
     failures = []
@@ -650,12 +439,6 @@ def _run_all(steps: Sequence[tuple[str, Callable[[], None] | None]]) -> list[tup
         except Exception as e:  # collected, not swallowed: close() raises them together
             failures.append((name, e))
     return failures
-
-
-def _done_handle(layout: BlockLayout) -> TransferHandle:
-    h = TransferHandle((), layout.num_layers)
-    h.finish()
-    return h
 
 
 def _layout_from_model(config: KVTierConfig) -> BlockLayout:
