@@ -4,7 +4,7 @@ A frame is a fixed 20-byte prefix, a msgpack header and an optional raw payload:
 
     magic "KT" | version u8 | type u8 | request id u64 | header length u32 | payload length u32
     header: a msgpack map whose fields depend on the type (see `REQUESTS` and `REPLIES`)
-    payload: raw block bytes; only WRITE/WRITE_COMMIT/PUT requests and READ/GET replies carry one
+    payload: raw block bytes; only WRITE/WRITE_COMMIT/PUT/MULTI_PUT requests and READ/GET replies carry one
 
 Block bytes travel outside msgpack so that both ends can `recv_into` their final place (the node's
 region, the caller's buffer) without a copy. A reply has the request's id and type | `REPLY`, or
@@ -55,6 +55,11 @@ class MsgType(enum.IntEnum):
     RDMA_CONNECT = 15  # the client's RC QP (qpn, psn, gid, lid, mtu) -> the node's, and the tenant's regions
     RDMA_REGIONS = 16  # -> the tenant's regions as (id, addr, rkey, length), after it gained some
     PUT = 17  # data plane (TCP): PUT_BEGIN + WRITE_COMMIT of one block in one frame, bytes in the payload
+    # data plane (TCP): many PUTs in one frame, the blocks' bytes one after another in the payload ->
+    # (status, stored) per entry. Added after version 1 shipped, under the same version byte: a node
+    # that predates it answers MALFORMED, which a client probes for once (`PoolClient`) and then
+    # sends PUTs to that node instead.
+    MULTI_PUT = 18
     ERROR = 0xFF
 
 
@@ -86,6 +91,7 @@ class GrantStatus(enum.IntEnum):
     QUOTA = 4  # the tenant's quota is reached and nothing of its own can be evicted
     TOO_LARGE = 5  # longer than a region
     LIMIT = 6  # the tenant or this connection holds as many leases as it may (a slot being written is leased)
+    CHECKSUM = 7  # MULTI_PUT only: the bytes that came do not match the entry's key-seeded checksum; not stored
 
 
 class ProtocolError(Exception):
@@ -123,6 +129,7 @@ REQUESTS: dict[MsgType, dict[str, Any]] = {
     MsgType.WRITE: {"region": "uint", "offset": "uint", "gen": "uint"},
     MsgType.WRITE_COMMIT: {"region": "uint", "offset": "uint", "gen": "uint", "checksum": "uint"},
     MsgType.PUT: {"key": "key", "lease_s": "num", "checksum": "uint"},
+    MsgType.MULTI_PUT: {"keys": _KEYS, "lengths": _UINTS, "checksums": _UINTS, "lease_s": "num"},
     MsgType.STATS: {},
     MsgType.RDMA_CONNECT: _QP_INFO,
     MsgType.RDMA_REGIONS: {},
@@ -142,6 +149,7 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.WRITE: {},
     MsgType.WRITE_COMMIT: {"committed": "bool"},
     MsgType.PUT: {"status": "uint", "stored": "bool"},  # status: a GrantStatus; stored: the bytes are in
+    MsgType.MULTI_PUT: {"results": ("list", ("tuple", ("uint", "bool")))},  # PUT's (status, stored) per entry
     MsgType.STATS: {"stats": "map"},
     MsgType.RDMA_CONNECT: {**_QP_INFO, "regions": _REGIONS},
     MsgType.RDMA_REGIONS: {"regions": _REGIONS},
@@ -149,7 +157,8 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
 }
 # Fields that must be lists of equal length.
 _PARALLEL = {MsgType.PUT_BEGIN: ("keys", "lengths"), MsgType.PUT_COMMIT: ("keys", "gens", "checksums"),
-             MsgType.PUT_ABORT: ("keys", "gens"), MsgType.ALLOC: ("keys", "lengths")}
+             MsgType.PUT_ABORT: ("keys", "gens"), MsgType.ALLOC: ("keys", "lengths"),
+             MsgType.MULTI_PUT: ("keys", "lengths", "checksums")}
 
 
 _SEQUENCES = (list, tuple)
@@ -303,7 +312,7 @@ def parse_prefix(data: bytes | bytearray | memoryview, max_payload: int,
     return Prefix(msg, request_id, header_len, payload_len)
 
 
-_REQUEST_PAYLOADS = frozenset({MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT})
+_REQUEST_PAYLOADS = frozenset({MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT, MsgType.MULTI_PUT})
 _REPLY_PAYLOADS = frozenset({MsgType.READ, MsgType.GET})
 
 
@@ -331,6 +340,19 @@ def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply:
         raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} frame carries a payload", rid)
     header = _unpack(body, rid)
     return msg, check_header(msg, header, REPLIES if reply else REQUESTS, rid)
+
+
+def check_multi_put(header: dict[str, Any], payload_len: int, request_id: int = 0) -> None:
+    """Checks that a MULTI_PUT's entry lengths account for its payload exactly (each entry's bytes
+    follow the previous one's, so a disagreement leaves no entry's bytes where they are said to be).
+
+    Raises:
+        ProtocolError(MALFORMED): the lengths sum to other than `payload_len`.
+    """
+    total = sum(header["lengths"])
+    if total != payload_len:
+        raise ProtocolError(ErrorCode.MALFORMED, f"MULTI_PUT.lengths: entries of {total} bytes in all, "
+                                                 f"payload of {payload_len}", request_id)
 
 
 def _unpack(body: bytes | bytearray | memoryview, request_id: int) -> Any:

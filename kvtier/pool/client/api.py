@@ -6,7 +6,8 @@ home is the highest-ranked node that is not marked down. Calls are batched per n
 parallel, and every call has a timeout.
 
 put:  PUT_BEGIN (a slot under a write lease) -> one-sided WRITE of the bytes -> PUT_COMMIT (visible).
-      Over TCP one PUT frame carries all three, bytes included: one round trip, as a raw socket
+      Over TCP one MULTI_PUT frame per node carries all three for the batch, bytes included (one
+      PUT frame per block to a node older than MULTI_PUT): one round trip, as a raw socket
       (a block the node holds already is sent anyway, then dropped and counted in the node's
       `duplicate_put_bytes`; `PoolNode._put` says why that beats asking first).
 get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check (seeded with the
@@ -322,7 +323,7 @@ class PoolClient:
     @property
     def counters(self) -> dict[str, int]:
         """hits, misses, puts, put_exists, put_rejected_*, node_errors, stale, checksum_errors, lease_limit,
-        node_calls (one per node and batched call: a GET, CONTAINS, a put's pipelined frames or its
+        put_frames (PUT or MULTI_PUT frames sent), node_calls (one per node and batched call: a GET, CONTAINS, a put's pipelined frames or its
         PUT_BEGIN/writes/PUT_COMMIT, a batch of one-sided accesses)..."""
         with self._lock:
             return dict(self._counters)
@@ -455,28 +456,67 @@ class PoolClient:
         return out
 
     def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[GrantStatus | None]:
-        """A PUT frame per block, pipelined: one round trip for the batch instead of two. The price: a
-        block the node holds already is sent anyway (the node drains it, answers EXISTS and counts
-        the bytes in its `duplicate_put_bytes`; see `PoolNode._put`)."""
-        with self.links[node].connection() as conn:
-            sent = [j for j, v in enumerate(views) if _length(v) <= conn.max_payload]
-            replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
-                                                            "checksum": _checksum(keys[j], views[j])},
-                                              payload=views[j]) for j in sent])
-        statuses = [int(GrantStatus.TOO_LARGE)] * len(keys)
-        out: list[GrantStatus | None] = [GrantStatus.TOO_LARGE] * len(keys)
-        for j, reply in zip(sent, replies):
-            if isinstance(reply, RemoteError):
-                raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
-            statuses[j] = reply["status"]
-            granted = reply["status"] == GrantStatus.GRANTED
-            out[j] = GrantStatus.GRANTED if reply["stored"] else None if granted else _status(reply["status"])
+        """The batch's blocks with their bytes in the request: one round trip instead of two. The
+        price: a block the node holds already is sent anyway (the node drains it, answers EXISTS
+        and counts the bytes in its `duplicate_put_bytes`; see `PoolNode._put`). One MULTI_PUT
+        frame for the batch (more only past the node's frame limit), or, to a node older than
+        MULTI_PUT, one PUT frame per block, pipelined."""
+        with self.links[node].connection() as conn:  # its handshake tells the link whether MULTI_PUT is served
+            put = self._put_multi if self.links[node].multi_put else self._put_each
+            statuses, stored = put(node, conn, keys, views)
+        out: list[GrantStatus | None] = [
+            GrantStatus.GRANTED if ok else None if s == GrantStatus.GRANTED else _status(s)
+            for s, ok in zip(statuses, stored)]
         counts = {"put_exists": statuses.count(GrantStatus.EXISTS), "puts": out.count(GrantStatus.GRANTED)}
         for s in statuses:
             if s not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
                 counts[_rejection(s)] = counts.get(_rejection(s), 0) + 1
         self._count_all(counts)
         return out
+
+    def _put_multi(self, node: int, conn: NodeConnection, keys: list[bytes], views: list) -> tuple[list[int], list[bool]]:
+        """MULTI_PUT frames of the batch, each at most the node's frame limit in bytes (a block
+        above it alone is TOO_LARGE); returns (status, stored) per block.
+
+        Raises:
+            NodeUnavailable: the node did not answer, refused a frame, or answered it wrongly.
+        """
+        statuses, stored = [int(GrantStatus.TOO_LARGE)] * len(keys), [False] * len(keys)
+        frames = _frames_within([_length(v) for v in views], conn.max_payload)
+        requests = [Request(MsgType.MULTI_PUT, {
+            "keys": [keys[j] for j in js], "lengths": [_length(views[j]) for j in js],
+            "checksums": [_checksum(keys[j], views[j]) for j in js], "lease_s": self.put_lease_s},
+            payload=tuple(p for j in js for p in (views[j] if isinstance(views[j], tuple) else (views[j],))))
+            for js in frames]
+        try:
+            replies = conn.call_many(requests)
+        except NodeUnavailable as e:
+            if e.code is ErrorCode.MALFORMED:
+                self.links[node].multi_put = None  # the node may have been replaced by an older one: ask again
+            raise
+        self._count("put_frames", len(requests))
+        for js, reply in zip(frames, replies):
+            results = reply.get("results") if isinstance(reply, dict) else None
+            if results is None or len(results) != len(js):
+                raise NodeUnavailable(f"pool node {self.links[node].name}: multi-put of {len(js)} blocks: "
+                                      f"{reply if results is None else f'{len(results)} results'}")
+            for j, (status, ok) in zip(js, results):
+                statuses[j], stored[j] = status, ok
+        return statuses, stored
+
+    def _put_each(self, node: int, conn: NodeConnection, keys: list[bytes], views: list) -> tuple[list[int], list[bool]]:
+        """A PUT frame per block, pipelined (a node older than MULTI_PUT); returns as `_put_multi`."""
+        sent = [j for j, v in enumerate(views) if _length(v) <= conn.max_payload]
+        replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
+                                                        "checksum": _checksum(keys[j], views[j])},
+                                          payload=views[j]) for j in sent])
+        self._count("put_frames", len(sent))
+        statuses, stored = [int(GrantStatus.TOO_LARGE)] * len(keys), [False] * len(keys)
+        for j, reply in zip(sent, replies):
+            if isinstance(reply, RemoteError):
+                raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
+            statuses[j], stored[j] = reply["status"], reply["stored"]
+        return statuses, stored
 
     def _get_on(self, node: int, keys: list[bytes], choose: Callable[[int, int], list[memoryview] | None],
                 strict: bool, landed: Callable[[int, int], None] | None = None,
@@ -616,6 +656,22 @@ class PoolClient:
 
 
 _STORED = (GrantStatus.GRANTED, GrantStatus.EXISTS)
+
+
+def _frames_within(lengths: Sequence[int], max_bytes: int) -> list[list[int]]:
+    """Positions of blocks of `lengths` cut into consecutive frames of at most `max_bytes` each (a
+    block longer than that is in none: the node could not take it)."""
+    frames: list[list[int]] = []
+    room = 0
+    for j, n in enumerate(lengths):
+        if n > max_bytes:
+            continue
+        if not frames or n > room:
+            frames.append([])
+            room = max_bytes
+        frames[-1].append(j)
+        room -= n
+    return frames
 
 
 def _length(block: memoryview | tuple[memoryview, ...]) -> int:

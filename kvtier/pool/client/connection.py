@@ -11,6 +11,7 @@ rejoins without anyone noticing more than a few misses.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import select
 import socket
@@ -26,10 +27,21 @@ from kvtier.pool.protocol import FATAL, ErrorCode, MsgType, ProtocolError
 from kvtier.pool.tenants import proof
 
 PIPELINE_DEPTH = 64  # requests in flight on one socket: bounded so neither side's buffers fill up
+# MULTI_PUT of nothing: sent behind AUTH by a link that does not know yet whether its node serves
+# MULTI_PUT (a node older than the message answers MALFORMED and closes: see `NodeLink`)
+_MULTI_PUT_PROBE = {"keys": [], "lengths": [], "checksums": [], "lease_s": 0}
+log = logging.getLogger(__name__)
 
 
 class NodeUnavailable(TransferError):
-    """A node could not be reached, timed out or broke the protocol; its blocks are misses."""
+    """A node could not be reached, timed out or broke the protocol; its blocks are misses.
+    `code`: the fatal error the node itself replied, if that is why (None otherwise)."""
+
+    code: ErrorCode | None = None
+
+
+class _PeerFatal(ProtocolError):
+    """A fatal error reply from the node (as opposed to a frame this side found bad)."""
 
 
 class AuthFailed(NodeUnavailable):
@@ -69,10 +81,12 @@ class NodeConnection:
         AuthFailed: the node refused the credentials or could not prove its own.
     """
 
-    def __init__(self, name: str, address: tuple[str, int], tenant: str, secret: bytes, timeout_s: float) -> None:
+    def __init__(self, name: str, address: tuple[str, int], tenant: str, secret: bytes, timeout_s: float,
+                 probe_multi_put: bool = False) -> None:
         self.name, self.timeout_s = name, timeout_s
         self._next_id = 0
         self.max_payload = 0
+        self.multi_put: bool | None = None  # whether the node serves MULTI_PUT, where `probe_multi_put` asked
         try:
             self.sock = socket.create_connection(address, timeout=timeout_s)
         except OSError as e:
@@ -82,18 +96,31 @@ class NodeConnection:
         self._readable = select.poll()  # registered once: a check before each loan costs one poll(0)
         self._readable.register(self.sock, select.POLLIN)
         try:
-            self._handshake(tenant, secret)
+            self._handshake(tenant, secret, probe_multi_put)
         except BaseException:
             self.close()
             raise
 
-    def _handshake(self, tenant: str, secret: bytes) -> None:
+    def _handshake(self, tenant: str, secret: bytes, probe_multi_put: bool) -> None:
+        """HELLO, then AUTH (and, with `probe_multi_put`, an empty MULTI_PUT in the same round trip).
+
+        Raises:
+            NodeUnavailable: as `call`; with code MALFORMED after a probe: the node does not know MULTI_PUT.
+        """
         nonce = os.urandom(32)
         hello = self.call(MsgType.HELLO, {"tenant": tenant, "nonce": nonce})
+        requests = [Request(MsgType.AUTH, {"mac": proof(secret, b"client", tenant, nonce, hello["nonce"])})]
+        if probe_multi_put:
+            requests.append(Request(MsgType.MULTI_PUT, _MULTI_PUT_PROBE))
         try:
-            welcome = self.call(MsgType.AUTH, {"mac": proof(secret, b"client", tenant, nonce, hello["nonce"])})
+            replies = self.call_many(requests)
         except AuthFailed:
             raise AuthFailed(f"pool node {self.name} refused tenant {tenant!r}: authentication failed") from None
+        welcome = replies[0]
+        if isinstance(welcome, RemoteError):
+            raise NodeUnavailable(f"pool node {self.name}: AUTH: {welcome}")
+        if probe_multi_put:
+            self.multi_put = not isinstance(replies[1], RemoteError)
         if not hmac.compare_digest(welcome["mac"], proof(secret, b"node", tenant, nonce, hello["nonce"])):
             raise AuthFailed(f"pool node {self.name} could not prove it knows tenant {tenant!r}'s secret")
         self.node_id, self.transport = welcome["node"], welcome["transport"]
@@ -158,7 +185,9 @@ class NodeConnection:
         except ProtocolError as e:
             self.close()
             cls = AuthFailed if e.code is ErrorCode.AUTH else NodeUnavailable
-            raise cls(f"pool node {self.name}: {e.code.name}: {e}") from None
+            error = cls(f"pool node {self.name}: {e.code.name}: {e}")
+            error.code = e.code if isinstance(e, _PeerFatal) else None
+            raise error from None
         return out
 
     def _send(self, window: Sequence[Request], deadline: float) -> None:
@@ -181,7 +210,7 @@ class NodeConnection:
             except ValueError:
                 code = ErrorCode.INTERNAL
             if code in FATAL or prefix.request_id == 0:
-                raise ProtocolError(code, header["message"])
+                raise _PeerFatal(code, header["message"])
             return RemoteError(code, header["message"])
         if msg is not r.msg:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply to a {r.msg.name} request")
@@ -222,6 +251,7 @@ class NodeLink:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.transport: str | None = None  # as the node reported it
+        self.multi_put: bool | None = None  # whether the node serves MULTI_PUT (None: not known yet)
         self.last_error: str | None = None
 
     @property
@@ -259,7 +289,7 @@ class NodeLink:
         if self.down:
             raise NodeUnavailable(f"pool node {self.name}: down ({self.last_error})")
         try:
-            return NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s)
+            return self._connect()
         except AuthFailed:
             raise
         except NodeUnavailable as e:
@@ -284,13 +314,37 @@ class NodeLink:
                 return conn
             conn.close()
         try:
-            conn = NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s)
+            conn = self._connect()
         except AuthFailed:
             raise
         except NodeUnavailable as e:
             self._fail(None, e)
             raise
         self.transport = conn.transport
+        return conn
+
+    def _connect(self) -> NodeConnection:
+        """A new authenticated connection; the first one also learns whether the node serves
+        MULTI_PUT, in the handshake's last round trip. A node that predates it refuses the probe
+        and closes: then it is said once in the log, and a connection made again without it.
+
+        Raises:
+            NodeUnavailable, AuthFailed: as `NodeConnection`.
+        """
+        probe = self.multi_put is None
+        try:
+            conn = NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s, probe)
+        except AuthFailed:
+            raise
+        except NodeUnavailable as e:
+            if not probe or e.code is not ErrorCode.MALFORMED:
+                raise
+            log.warning("pool node %s does not know MULTI_PUT (an older node): puts to it go one PUT frame "
+                        "per block", self.name)
+            self.multi_put = False
+            return NodeConnection(self.name, self._addr, self._tenant, self._secret, self.timeout_s)
+        if probe:
+            self.multi_put = conn.multi_put
         return conn
 
     def _release(self, conn: NodeConnection) -> None:

@@ -30,6 +30,7 @@ from kvtier.pool.node.control import CONTROL, Session, commit
 from kvtier.pool.node.config import NodeConfig
 from kvtier.pool.node.fair_lock import FairLock
 from kvtier.pool.node.memory import LeaseReaper, pin_malloc_thresholds
+from kvtier.pool.node.multi_put import serve_multi_put
 from kvtier.pool.protocol import (
     MAX_INLINE_BYTES,
     REPLY,
@@ -72,7 +73,8 @@ class PoolNode:
         self._started = time.monotonic()
         self.counters = {"protocol_errors": 0, "malloc_trims": 0}
         self._data = {MsgType.WRITE: self._write, MsgType.WRITE_COMMIT: self._write, MsgType.PUT: self._put,
-                      MsgType.READ: self._read, MsgType.GET: self._get}  # requests that move block bytes
+                      MsgType.READ: self._read, MsgType.GET: self._get,  # requests that move block bytes
+                      MsgType.MULTI_PUT: self._multi_put}
         self._control = {**{msg: functools.partial(handler, self.store) for msg, handler in CONTROL.items()},
                          MsgType.RDMA_REGIONS: lambda s, h: {"regions": self.rdma.regions(s.tenant)}}
         if self.rdma is not None:  # one-sided writes: a commit is checked against the bytes that landed
@@ -322,6 +324,10 @@ class PoolNode:
 
         stored = self._receive_block(frames, access, finish)
         frames.send(REPLY | MsgType.PUT, rid, {"status": int(grant.status), "stored": stored})
+
+    def _multi_put(self, frames: wire.FrameSocket, s: Session, msg: MsgType, rid: int, h: dict, n: int) -> None:
+        """MULTI_PUT: `_put` of many blocks in one frame (see `multi_put`)."""
+        serve_multi_put(self.store, self.arena, self._lock, frames, s.tenant, rid, h, n)
 
     def _read(self, frames: wire.FrameSocket, s: Session, msg: MsgType, rid: int, h: dict, _: int) -> None:
         n = h["length"]

@@ -28,7 +28,7 @@ from kvtier.pool.protocol import GrantStatus
 
 CLASS_ALIGN_BYTES = 4096
 TENANT_COUNTERS = ("hits", "misses", "puts", "evictions", "leases_expired", "stale", "bounds", "forbidden",
-                   "rejected_full", "rejected_quota", "rejected_busy", "rejected_limit", "deleted", "aborted",
+                   "rejected_full", "rejected_quota", "rejected_busy", "rejected_limit", "rejected_checksum", "deleted", "aborted",
                    "bytes_in", "bytes_out", "duplicate_put_bytes")
 # Zeroes `length` bytes at `start` of a region; `hand_over`: the region passes to another tenant
 # (an RDMA node also replaces the region's memory registration then). Returns the bytes zeroed.
