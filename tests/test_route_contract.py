@@ -21,7 +21,7 @@ from kvtier.moving.copies import Endpoint, Route
 from kvtier.model.layout import BlockLayout
 from kvtier.moving.native import find_nvcc
 from kvtier.moving.routes import BuiltinRoutes
-from kvtier.testing.route_contract import RouteCase, RouteContract
+from kvtier.testing.route_contract import RouteCase, RouteContract, SlottedRouteContract
 from kvtier.tiers.base import Medium, Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.hbm import HBMTier
@@ -86,92 +86,109 @@ def _key(i: int) -> bytes:
     return b"route-contract%02d" % i
 
 
-CASES = ["dram->buffer", "buffer->dram", "buffer->buffer", "hbm->buffer", "buffer->hbm", "ssd->buffer",
-         "buffer->ssd", "dram->ssd", "ssd->dram", "ssd->ssd", "pool->buffer", "buffer->pool",
-         "device-copier", "per-block"]
+NEEDS_NVCC = pytest.mark.skipif(find_nvcc() is None,
+                                reason="nvcc not found: the batched device copier and its stand-in driver cannot be built")
+SLOTTED = ["dram->buffer", "buffer->dram", "hbm->buffer", "buffer->hbm", "ssd->buffer", "buffer->ssd", "dram->ssd",
+           "ssd->dram", "ssd->ssd", "pool->buffer", "buffer->pool", pytest.param("device-copier", marks=NEEDS_NVCC)]
+BUFFERS_ONLY = ["buffer->buffer", "per-block"]  # both ends caller's buffers: no slot to put out of range
 
 
-class TestEveryRoute(RouteContract):
-    @pytest.fixture(scope="class")
-    @classmethod
-    def pool_node(cls) -> Iterator[str]:
-        from kvtier.pool.node.process import running_node
+@pytest.fixture(scope="module")
+def pool_node() -> Iterator[str]:
+    from kvtier.pool.node.process import running_node
 
-        with running_node(capacity="16MiB", region_size="1MiB") as node:
-            yield node.address
+    with running_node(capacity="16MiB", region_size="1MiB") as node:
+        yield node.address
 
-    @pytest.fixture(params=CASES)
-    def case(self, request, tmp_path) -> Iterator[RouteCase]:
+
+@pytest.fixture
+def built(tmp_path, request) -> Iterator:
+    """`built(name)` -> the `RouteCase` of case `name`, everything it made closed afterwards."""
+    made: list = []
+
+    def build(name: str) -> RouteCase:
         engine = TransferEngine(LAYOUT)
-        made: list = [engine]
-        try:
-            yield self._case(request.param, engine, tmp_path, made, request)
-        finally:
-            for thing in reversed(made):
-                thing.close()
+        made.append(engine)
+        return make_case(name, engine, tmp_path, made, request)
 
-    def _case(self, name: str, engine: TransferEngine, tmp_path, made: list, request) -> RouteCase:
-        def keep(thing):
-            made.append(thing)
-            return thing
+    yield build
+    for thing in reversed(made):
+        thing.close()
 
-        def dram() -> DRAMTier:
-            return keep(DRAMTier(SLOTS * BLOCK, BLOCK))
 
-        def ssd(sub: str) -> SSDTier:
-            (tmp_path / sub).mkdir()
-            return keep(SSDTier(tmp_path / sub, SLOTS * BLOCK, BLOCK, num_files=3))
+class TestSlottedRoutes(SlottedRouteContract):
+    @pytest.fixture(params=SLOTTED)
+    def case(self, request, built) -> RouteCase:
+        return built(request.param)
 
-        def pool() -> Tier:
-            from kvtier.pool.client.api import PoolClient
-            from kvtier.pool.client.tier import PoolTier
 
-            address = request.getfixturevalue("pool_node")
-            return keep(PoolTier(PoolClient([address], timeout_s=30), SLOTS * BLOCK, BLOCK, owns_client=True,
-                                 shared=False))
+class TestBufferRoutes(RouteContract):
+    @pytest.fixture(params=BUFFERS_ONLY)
+    def case(self, request, built) -> RouteCase:
+        return built(request.param)
 
-        routes = engine.routes
-        host, device, disk, remote = Medium.HOST, Medium.DEVICE, Medium.DISK, Medium.REMOTE
-        if name in ("dram->buffer", "buffer->dram", "hbm->buffer", "buffer->hbm"):
-            tier = dram() if "dram" in name else keep(HBMTier(SLOTS * BLOCK, BLOCK, device="cpu"))
-            medium = tier.medium
-            if name.endswith("buffer"):
-                return RouteCase(routes[medium, host], LAYOUT, _tier_sources(tier), _buffer_destinations, _read,
-                                 (Endpoint(tier, SLOTS), None))
-            return RouteCase(routes[host, medium], LAYOUT, _buffer_sources, _tier_destinations(tier), _read,
-                             (None, Endpoint(tier, SLOTS)))
-        if name == "buffer->buffer":
-            return RouteCase(routes[host, host], LAYOUT, _one_d_sources, _one_d_destinations, _read)
-        if name in ("ssd->buffer", "ssd->dram", "pool->buffer"):
-            tier = pool() if name.startswith("pool") else ssd("a")
-            dst = _tier_destinations(dram(), 0) if name.endswith("dram") else _buffer_destinations
-            return RouteCase(routes[tier.medium, host], LAYOUT, _tier_sources(tier), dst, _read,
-                             (Endpoint(tier, SLOTS), None), _key)
-        if name in ("buffer->ssd", "dram->ssd", "buffer->pool"):
-            tier = pool() if name.endswith("pool") else ssd("a")
-            src = _tier_sources(dram()) if name.startswith("dram") else _buffer_sources
-            return RouteCase(routes[host, tier.medium], LAYOUT, src, _tier_destinations(tier), _read,
-                             (None, Endpoint(tier, SLOTS)), _key)
-        if name == "ssd->ssd":
-            a, b = ssd("a"), ssd("b")
-            return RouteCase(routes[disk, disk], LAYOUT, _tier_sources(a), _tier_destinations(b), _read,
-                             (Endpoint(a, SLOTS), None), _key)
-        if name == "device-copier":
-            return self._device_case(keep)
-        assert name == "per-block" and (remote, host) in routes
-        reference = BuiltinRoutes(LAYOUT, None, engine._staging)
-        return RouteCase(Route.per_block(reference.copy_host), LAYOUT, _buffer_sources, _buffer_destinations, _read)
 
-    @staticmethod
-    def _device_case(keep) -> RouteCase:
-        if find_nvcc() is None:
-            pytest.skip("nvcc not found: the batched device copier and its stand-in driver cannot be built")
-        from kvtier.moving.cuda_copy import CudaCopier
-        from kvtier.testing.fake_cuda import DriverVariant, build_fake_driver
+def make_case(name: str, engine: TransferEngine, tmp_path, made: list, request) -> RouteCase:
+    """The route and both ends of case `name`; what it builds goes into `made`, closed afterwards."""
+    def keep(thing):
+        made.append(thing)
+        return thing
 
-        copier = keep(CudaCopier(driver=build_fake_driver(DriverVariant.CUDA13)))
-        hbm = keep(HBMTier(SLOTS * BLOCK, BLOCK, device="cpu"))
-        routes = BuiltinRoutes(LAYOUT, None, lambda n, which: torch.empty(n, dtype=torch.uint8),
-                               device_copier=lambda device: copier)
-        return RouteCase(Route(routes.move_memory), LAYOUT, _buffer_sources, _tier_destinations(hbm), _read,
-                         (None, Endpoint(hbm, SLOTS)))
+    def dram() -> DRAMTier:
+        return keep(DRAMTier(SLOTS * BLOCK, BLOCK))
+
+    def ssd(sub: str) -> SSDTier:
+        (tmp_path / sub).mkdir()
+        return keep(SSDTier(tmp_path / sub, SLOTS * BLOCK, BLOCK, num_files=3))
+
+    def pool() -> Tier:
+        from kvtier.pool.client.api import PoolClient
+        from kvtier.pool.client.tier import PoolTier
+
+        address = request.getfixturevalue("pool_node")
+        return keep(PoolTier(PoolClient([address], timeout_s=30), SLOTS * BLOCK, BLOCK, owns_client=True,
+                             shared=False))
+
+    routes = engine.routes
+    host, device, disk, remote = Medium.HOST, Medium.DEVICE, Medium.DISK, Medium.REMOTE
+    if name in ("dram->buffer", "buffer->dram", "hbm->buffer", "buffer->hbm"):
+        tier = dram() if "dram" in name else keep(HBMTier(SLOTS * BLOCK, BLOCK, device="cpu"))
+        medium = tier.medium
+        if name.endswith("buffer"):
+            return RouteCase(routes[medium, host], LAYOUT, _tier_sources(tier), _buffer_destinations, _read,
+                             (Endpoint(tier, SLOTS), None))
+        return RouteCase(routes[host, medium], LAYOUT, _buffer_sources, _tier_destinations(tier), _read,
+                         (None, Endpoint(tier, SLOTS)))
+    if name == "buffer->buffer":
+        return RouteCase(routes[host, host], LAYOUT, _one_d_sources, _one_d_destinations, _read)
+    if name in ("ssd->buffer", "ssd->dram", "pool->buffer"):
+        tier = pool() if name.startswith("pool") else ssd("a")
+        dst = _tier_destinations(dram(), 0) if name.endswith("dram") else _buffer_destinations
+        return RouteCase(routes[tier.medium, host], LAYOUT, _tier_sources(tier), dst, _read,
+                         (Endpoint(tier, SLOTS), None), _key)
+    if name in ("buffer->ssd", "dram->ssd", "buffer->pool"):
+        tier = pool() if name.endswith("pool") else ssd("a")
+        src = _tier_sources(dram()) if name.startswith("dram") else _buffer_sources
+        return RouteCase(routes[host, tier.medium], LAYOUT, src, _tier_destinations(tier), _read,
+                         (None, Endpoint(tier, SLOTS)), _key)
+    if name == "ssd->ssd":
+        a, b = ssd("a"), ssd("b")
+        return RouteCase(routes[disk, disk], LAYOUT, _tier_sources(a), _tier_destinations(b), _read,
+                         (Endpoint(a, SLOTS), None), _key)
+    if name == "device-copier":
+        return _device_case(keep)
+    assert name == "per-block" and (remote, host) in routes
+    reference = BuiltinRoutes(LAYOUT, None, engine._staging)
+    return RouteCase(Route.per_block(reference.copy_host), LAYOUT, _buffer_sources, _buffer_destinations, _read)
+
+
+def _device_case(keep) -> RouteCase:
+    from kvtier.moving.cuda_copy import CudaCopier
+    from kvtier.testing.fake_cuda import DriverVariant, build_fake_driver
+
+    copier = keep(CudaCopier(driver=build_fake_driver(DriverVariant.CUDA13)))
+    hbm = keep(HBMTier(SLOTS * BLOCK, BLOCK, device="cpu"))
+    routes = BuiltinRoutes(LAYOUT, None, lambda n, which: torch.empty(n, dtype=torch.uint8),
+                           device_copier=lambda device: copier)
+    return RouteCase(Route(routes.move_memory), LAYOUT, _buffer_sources, _tier_destinations(hbm), _read,
+                     (None, Endpoint(hbm, SLOTS)))
