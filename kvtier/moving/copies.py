@@ -157,20 +157,22 @@ class Route:
         return cls(functools.partial(_run_per_block, copy, io), io)
 
 
-def _run_per_block(copy: BlockCopy, io: bool, batch: SpanBatch) -> None:
-    def one(i: int) -> None:
-        try:
-            sums = copy(batch.ops[i], batch.first, batch.last, batch.ready)
-        except StageError as e:
-            batch.fail(i, e)
-            return
-        if sums:
-            batch.checksums[i] = sums
+def copy_one(batch: SpanBatch, i: int, copy: BlockCopy) -> None:
+    """Op `i` of `batch` by the single-block `copy`: its checksums, or its failure, recorded."""
+    try:
+        sums = copy(batch.ops[i], batch.first, batch.last, batch.ready)
+    except StageError as e:
+        batch.fail(i, e)
+        return
+    if sums:
+        batch.checksums[i] = sums
 
+
+def _run_per_block(copy: BlockCopy, io: bool, batch: SpanBatch) -> None:
     n = len(batch.ops)
-    futures = [batch.workers.submit(one, i) for i in range(n - 1)] if io and batch.workers and n > 1 else []
+    futures = [batch.workers.submit(copy_one, batch, i, copy) for i in range(n - 1)] if io and batch.workers and n > 1 else []
     for i in range(len(futures), n):  # this thread does the rest (at queue depth 1: no hand-off)
-        one(i)
+        copy_one(batch, i, copy)
     if futures:
         wait(futures)
         for f in futures:
@@ -188,4 +190,4 @@ def layer_checksum(host_bytes: torch.Tensor, seed: int = 0, layer: int = 0) -> i
     return xxhash.xxh3_64_intdigest(host_bytes.numpy(), seed=(seed + layer) & _U64)
 
 
-__all__ = ["BlockCopy", "CopyOp", "Endpoint", "Route", "SpanBatch", "StageError", "block_seed", "layer_checksum"]
+__all__ = ["BlockCopy", "CopyOp", "copy_one", "Endpoint", "Route", "SpanBatch", "StageError", "block_seed", "layer_checksum"]

@@ -38,7 +38,7 @@ from kvtier.errors import IntegrityError, TransferError
 from kvtier.moving.handle import Stage
 from kvtier.model.layout import BlockLayout
 from kvtier.tiers.base import SpanIO, Tier, copy_bytes
-from kvtier.moving.copies import CopyOp, Endpoint, SpanBatch, StageError, block_seed
+from kvtier.moving.copies import BlockCopy, CopyOp, Endpoint, SpanBatch, StageError, block_seed, copy_one
 
 _U64 = (1 << 64) - 1
 _NO_SUMS: tuple[int, ...] = ()
@@ -163,7 +163,7 @@ class BuiltinRoutes:
         for i, op in enumerate(batch.ops):
             src, dst = addresses.of(op.src, offset), addresses.of(op.dst, offset)
             if src is None or dst is None:
-                self._one(batch, i, self.copy_host)
+                copy_one(batch, i, self.copy_host)
             elif src == _OUT_OF_RANGE or dst == _OUT_OF_RANGE:
                 batch.fail(i, _out_of_range(op, src == _OUT_OF_RANGE))
             elif op.verify is None and not op.checksum:
@@ -188,7 +188,7 @@ class BuiltinRoutes:
         if self._cuda is None:
             return self.move_host(batch)
         for i in range(len(batch.ops)):
-            self._one(batch, i, self.copy_device)
+            copy_one(batch, i, self.copy_device)
 
     def _batched_device_copy(self, batch: SpanBatch) -> bool:
         """The whole batch through the device copier, where every end is addressable memory and no
@@ -216,19 +216,9 @@ class BuiltinRoutes:
     def read(self, batch: SpanBatch) -> None:
         """disk/remote → memory: one `read_spans` per source tier straight into the destinations,
         then one native pass checking every layer read; a device destination block by block."""
-        offset, length = batch.offset, batch.length
-        addresses = Addresses(offset + length)
+        addresses = Addresses(batch.offset + batch.length)
         for tier, indices in _by_tier(batch.ops, lambda op: op.src.tier):
-            direct: list[tuple[int, int]] = []
-            for i in indices:
-                dst = addresses.of(batch.ops[i].dst, offset)
-                if dst is None:
-                    self._one(batch, i, self.read_into_device)
-                elif dst == _OUT_OF_RANGE:
-                    batch.fail(i, _out_of_range(batch.ops[i], False))
-                else:
-                    direct.append((i, dst))
-            self._read_direct(batch, tier, direct)
+            self._read_direct(batch, tier, self._addressed(batch, indices, addresses, False, self.read_into_device))
 
     def write(self, batch: SpanBatch) -> None:
         """memory → disk/remote: one native pass computing (and checking) the checksums, then one
@@ -236,17 +226,9 @@ class BuiltinRoutes:
         offset, length = batch.offset, batch.length
         addresses = Addresses(offset + length)
         for tier, indices in _by_tier(batch.ops, lambda op: op.dst.tier):
-            direct: list[tuple[int, int, int]] = []
-            for i in indices:
-                src = addresses.of(batch.ops[i].src, offset)
-                if src is None:
-                    self._one(batch, i, self.write_from_device)
-                elif src == _OUT_OF_RANGE:
-                    batch.fail(i, _out_of_range(batch.ops[i], True))
-                else:
-                    direct.append((i, src, 0))
-            self._summed(batch, [d for d in direct if _sums_wanted(batch.ops[d[0]])], copy=False)
-            ready = [(i, src) for i, src, _ in direct if i not in batch.failed]
+            direct = self._addressed(batch, indices, addresses, True, self.write_from_device)
+            self._summed(batch, [(i, src, 0) for i, src in direct if _sums_wanted(batch.ops[i])], copy=False)
+            ready = [(i, src) for i, src in direct if i not in batch.failed]
             if ready:
                 io = SpanIO([batch.ops[i].dst.slot for i, _ in ready], offset, length, [a for _, a in ready],
                             [batch.ops[i].key for i, _ in ready])
@@ -281,6 +263,23 @@ class BuiltinRoutes:
                             [ops[i].key for i in ready])
                 for j, error in tier.write_spans(io).items():
                     batch.fail(ready[j], StageError(Stage.WRITE, error))
+
+    def _addressed(self, batch: SpanBatch, indices: list[int], addresses: Addresses, at_source: bool,
+                   per_block: BlockCopy) -> list[tuple[int, int]]:
+        """(index, host address) of the memory end (the source where `at_source`, else the
+        destination) of each op at `indices`; an op whose end has no host address (device memory)
+        is copied block by block with `per_block` instead, one out of its memory's range fails."""
+        direct: list[tuple[int, int]] = []
+        for i in indices:
+            op = batch.ops[i]
+            address = addresses.of(op.src if at_source else op.dst, batch.offset)
+            if address is None:
+                copy_one(batch, i, per_block)
+            elif address == _OUT_OF_RANGE:
+                batch.fail(i, _out_of_range(op, at_source))
+            else:
+                direct.append((i, address))
+        return direct
 
     def _read_direct(self, batch: SpanBatch, tier: Tier, direct: list[tuple[int, int]]) -> None:
         if not direct:
@@ -336,15 +335,6 @@ class BuiltinRoutes:
                 batch.checksums[i] = sums[j].tolist()
 
     # ---- block by block (a CUDA end; the fallback of an end with no host address) --------------
-
-    def _one(self, batch: SpanBatch, i: int, copy) -> None:
-        try:
-            sums = copy(batch.ops[i], batch.first, batch.last, batch.ready)
-        except StageError as e:
-            batch.fail(i, e)
-            return
-        if sums:
-            batch.checksums[i] = sums
 
     def copy_host(self, op: CopyOp, first: int, last: int, ready=None) -> Sequence[int]:
         """host memory → host memory: one NumPy copy between the two ends' views."""
