@@ -360,13 +360,8 @@ class PoolClient:
         for j, key in enumerate(keys):
             groups.setdefault(self.home(key), []).append(j)
         jobs = [(node, js[s: s + MAX_BATCH]) for node, js in groups.items() for s in range(0, len(js), MAX_BATCH)]
-        run = lambda job: self._guarded(job[0], fn, [keys[j] for j in job[1]], job[1])
-        results = list(self._fanout.map(run, jobs)) if self._fanout and len(jobs) > 1 else [run(j) for j in jobs]
-        out: list = [False] * len(keys)
-        for (_, js), res in zip(jobs, results):
-            for j, r in zip(js, res):
-                out[j] = r
-        return out
+        return self._fan_out(jobs, lambda job: self._guarded(job[0], fn, [keys[j] for j in job[1]], job[1]),
+                             len(keys), False)
 
     def _by_node(self, nodes: Sequence[int], fn: Callable[[int, list[int]], list]) -> list:
         """Runs `fn(node, positions)` once per node of `nodes[j]` (nodes in parallel); a node whose
@@ -386,9 +381,13 @@ class PoolClient:
                     self._count("node_errors")
                 return [e] * len(job[1])
 
-        jobs = list(groups.items())
+        return self._fan_out(list(groups.items()), run, len(nodes), None)
+
+    def _fan_out(self, jobs: list[tuple[int, list[int]]], run: Callable, n: int, missing) -> list:
+        """Runs every (node, positions) job (in parallel where there are several) and puts each
+        job's results back at its positions of a list of `n` (`missing` where no job put one)."""
         results = list(self._fanout.map(run, jobs)) if self._fanout and len(jobs) > 1 else [run(j) for j in jobs]
-        out: list = [None] * len(nodes)
+        out: list = [missing] * n
         for (_, js), res in zip(jobs, results):
             for j, r in zip(js, res):
                 out[j] = r
