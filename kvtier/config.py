@@ -65,6 +65,10 @@ class TransferConfig:
     # Host-memory batches up to this size run in the caller's thread (0: never): handing one to a
     # worker and back costs ~60-120 µs of CPU on a virtualized host, a 4 MiB copy ~400 µs.
     inline_bytes: int = 4 << 20
+    # Native threads one host-memory copy of at least `PARALLEL_COPY_BYTES` (8 MiB) per thread
+    # is shared among (1: never shared): on a 2-vCPU VM two threads move 1-4 MiB blocks about a
+    # third faster than one; below that, starting a thread costs more than it saves.
+    copy_threads: int = 2
     # A tier that fails as a whole leaves the cascade and is probed after this long, the wait
     # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.tiers.health).
     tier_retry_s: float = 0.5
@@ -85,6 +89,8 @@ class TransferConfig:
         if self.cpus is not None and (not self.cpus or any(not isinstance(c, int) or isinstance(c, bool) or c < 0
                                                             for c in self.cpus)):
             raise ConfigError(f"transfer.cpus: expected a non-empty list of CPU numbers (0, 1, ...), got {self.cpus!r}")
+        if not 1 <= self.copy_threads <= 64:
+            raise ConfigError(f"transfer.copy_threads: expected 1..64, got {self.copy_threads!r}")
         if not 0 < self.tier_retry_s <= self.tier_retry_max_s:
             raise ConfigError(f"transfer.tier_retry_s: need 0 < tier_retry_s <= tier_retry_max_s, "
                               f"got {self.tier_retry_s} and {self.tier_retry_max_s}")
@@ -291,7 +297,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
         if above.kind is below.kind:  # `hbm` and `HBM` are two YAML keys but one tier
             raise ConfigError(f"tiers.{below.kind.name.lower()}: configured twice")
     transfer_raw = _mapping(raw.get("transfer"), "transfer")
-    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "tier_retry_s", "tier_retry_max_s",
+    _check_keys(transfer_raw, {"io_workers", "chunk_bytes", "inline_bytes", "copy_threads", "tier_retry_s", "tier_retry_max_s",
                                "max_store_backlog", "background_nice", "skip_slow_loads", "cpus"}, "transfer")
     prefetch_raw = _mapping(raw.get("prefetch"), "prefetch")
     _check_keys(prefetch_raw, {"target", "budget"}, "prefetch")
@@ -307,6 +313,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             io_workers=_number(transfer_raw.get("io_workers", 4), "transfer.io_workers", int, 1, 256),
             chunk_bytes=parse_size(transfer_raw.get("chunk_bytes", "1MiB"), "transfer.chunk_bytes"),
             inline_bytes=parse_size(transfer_raw.get("inline_bytes", "4MiB"), "transfer.inline_bytes"),
+            copy_threads=_number(transfer_raw.get("copy_threads", 2), "transfer.copy_threads", int, 1, 64),
             tier_retry_s=_number(transfer_raw.get("tier_retry_s", 0.5), "transfer.tier_retry_s", float, 1e-3),
             tier_retry_max_s=_number(transfer_raw.get("tier_retry_max_s", 30.0), "transfer.tier_retry_max_s",
                                      float, 1e-3),

@@ -98,7 +98,8 @@ class KVTier:
             raise
         self.engine = TransferEngine(self.layout, io_workers=config.transfer.io_workers,
                                      chunk_bytes=config.transfer.chunk_bytes,
-                                     inline_bytes=config.transfer.inline_bytes, stats=self.stats,
+                                     inline_bytes=config.transfer.inline_bytes,
+                                     copy_threads=config.transfer.copy_threads, stats=self.stats,
                                      background_nice=config.transfer.background_nice,
                                      cpus=config.transfer.cpus)
         self._backlog_bytes = 0  # bytes of stores submitted and not yet applied

@@ -173,6 +173,8 @@ BAD_VALUES = [
     ("transfer.io_workers", True, "transfer.io_workers"),
     ("transfer.io_workers", 2.0, "transfer.io_workers"),
     ("transfer.io_workers", "four", "transfer.io_workers"),
+    ("transfer.copy_threads", 0, "transfer.copy_threads"),
+    ("transfer.copy_threads", 65, "transfer.copy_threads"),
     ("transfer.chunk_bytes", "lots", "transfer.chunk_bytes"),
     ("promote_to", "pool", "promote_to"),  # a tier that is not configured
     ("prefetch.target", "pool", "prefetch.target"),

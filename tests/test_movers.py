@@ -40,6 +40,23 @@ def test_copy_moves_every_range_and_sums_as_xxhash(lengths, threads, seed, summe
                                  for s, n, k in zip(starts, lengths, seeds)]
 
 
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.sampled_from([0, 1, 4095, 512 << 10, (512 << 10) + 3, 3 << 20, (5 << 20) + 17]),
+                        min_size=1, max_size=5), threads=st.integers(2, 4))
+def test_threads_share_large_ranges_piece_by_piece_and_copy_every_byte(lengths, threads):
+    """Plain copies on several threads are cut into pieces (one 5 MiB range is shared too): every
+    byte lands where it belongs, whatever the cut, and nothing outside the ranges is touched."""
+    gap = 13  # ranges apart in the destination, so that a piece written past its range shows
+    src = np.random.default_rng(sum(lengths)).integers(0, 256, sum(lengths) + 1, dtype=np.uint8)
+    dst = np.zeros(sum(lengths) + gap * len(lengths), np.uint8)
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    to = [s + gap * i for i, s in enumerate(starts)]
+    assert _movers.copy(addresses(src, starts), addresses(dst, to), np.array(lengths, np.uint64), threads=threads) == 0
+    for s, t, n in zip(starts, to, lengths):
+        assert np.array_equal(dst[t:t + n], src[s:s + n])
+        assert not dst[t + n:t + n + gap].any()
+
+
 def test_a_range_that_fails_its_check_is_flagged_and_not_copied():
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros_like(src)

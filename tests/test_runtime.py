@@ -135,6 +135,30 @@ def test_sync_store_and_load_run_in_the_callers_thread_and_are_done_on_return(tm
             kv.store([4], blocks([4]), background=True, sync=True)
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_route_that_raises_fails_its_blocks_and_never_hangs_a_waiter(tmp_path, sync):
+    """A bug in a route (here a TypeError) fails every block of its transfer, with the error in
+    each failure; the plan is still completed, so the caller's handle finishes and the slots the
+    store claimed are free again."""
+    from kvtier.moving.copies import Route
+    from kvtier.tiers.base import Medium
+
+    def broken(batch):
+        raise TypeError("injected: a route bug")
+
+    with runtime(tmp_path, hbm=0, ssd=0, promote_to=None) as kv:
+        kv.engine.add_route(Medium.HOST, Medium.HOST, Route(broken))
+        keys = [1, 2]
+        stored = kv.store(keys, blocks(keys), sync=sync)
+        assert not stored.wait(WAIT_S)  # finished (a TimeoutError otherwise), with failures
+        assert set(stored.failed) == set(keys)
+        assert all("injected: a route bug" in f.error for f in stored.failed.values())
+        assert kv.where(keys) == [None, None] and kv.manager.stats.dropped[DropReason.STORE_FAILED] == 2
+        out = torch.zeros(2, BLOCK, dtype=torch.uint8)
+        loaded = kv.load(keys, out, sync=sync)
+        assert not loaded.wait(WAIT_S) and set(loaded.failed) == set(keys)
+
+
 def test_a_sync_load_still_verifies_every_checksum(tmp_path):
     with runtime(tmp_path, hbm=0, dram=0, promote_to=None) as kv:
         store(kv, [5])

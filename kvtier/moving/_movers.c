@@ -11,7 +11,9 @@
  *       into sums[i]; where expect is given and differs, bad[i] = 1 and the range is not copied;
  *       then memcpy(dst[i], src[i], lengths[i]) (dst=None: check only, nothing copied).
  *       Checksum and copy run in one pass over each range, while it is in cache. Returns the
- *       number of mismatches.
+ *       number of mismatches. With threads > 1, `threads` native threads share the batch; plain
+ *       copies (no seeds) are cut into pieces of at least PIECE_BYTES so that one large range is
+ *       shared too (a checksum is one sequential pass, so a checked range stays whole).
  *   pread(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *   pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *       For each i: the whole range read from (written to) file descriptor fds[i] at offsets[i],
@@ -38,6 +40,7 @@
 #include <xxhash.h>
 
 #define MAX_THREADS 64
+#define PIECE_BYTES (512u << 10) /* the least a thread copies of a split range */
 
 /* ---- arguments ---------------------------------------------------------------------------- */
 
@@ -140,6 +143,33 @@ static void copy_step(Batch *b, Py_ssize_t i) {
     if (b->dst != NULL && length) memcpy((void *)(uintptr_t)b->dst[i], src, length);
 }
 
+/* Cuts the ranges of plain copies `b` into about 2 pieces per thread, each at least PIECE_BYTES,
+ * so that a batch of few large ranges (one 4 MiB block) keeps every thread busy; `b` then points
+ * at the pieces, in `*pieces` (one allocation, freed by the caller). Returns -1 out of memory. */
+static int split(Batch *b, long threads, uint64_t **pieces) {
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) total += b->lengths[i];
+    uint64_t piece = total / (uint64_t)(threads * 2);
+    piece = piece < PIECE_BYTES ? PIECE_BYTES : (piece + 4095) & ~(uint64_t)4095;
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) count += b->lengths[i] ? (Py_ssize_t)((b->lengths[i] + piece - 1) / piece) : 0;
+    if (count <= b->n) return 0;  /* nothing to cut */
+    uint64_t *p = PyMem_RawMalloc(sizeof(uint64_t) * 3 * (size_t)count);
+    if (p == NULL) return -1;
+    uint64_t *src = p, *dst = p + count, *len = p + 2 * count;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        for (uint64_t done = 0; done < b->lengths[i]; done += piece, k++) {
+            src[k] = b->src[i] + done;
+            dst[k] = b->dst[i] + done;
+            len[k] = b->lengths[i] - done < piece ? b->lengths[i] - done : piece;
+        }
+    }
+    b->src = src, b->dst = dst, b->lengths = len, b->n = count;
+    *pieces = p;
+    return 0;
+}
+
 static PyObject *movers_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"src", "dst", "lengths", "seeds", "sums", "expect", "bad", "threads", NULL};
     PyObject *src, *dst, *lengths, *seeds = Py_None, *sums = Py_None, *expect = Py_None, *bad = Py_None;
@@ -170,9 +200,15 @@ static PyObject *movers_copy(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     Batch b = {.n = n, .step = copy_step, .src = data(&a[0]), .dst = data(&a[1]), .lengths = data(&a[2]),
                .seeds = data(&a[3]), .sums = data(&a[4]), .expect = data(&a[5]), .bad = data(&a[6])};
+    uint64_t *pieces = NULL;
+    if (threads > 1 && b.seeds == NULL && b.dst != NULL && split(&b, threads, &pieces) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     run(&b, threads);
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(pieces);
     result = PyLong_FromSsize_t(b.failed);
 done:
     release(a, 7);

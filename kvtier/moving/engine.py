@@ -77,6 +77,8 @@ class TransferEngine:
             in the submitting thread instead of a worker (0: never). Handing a small copy to a
             worker and back costs far more than the copy (~100 µs against ~6 µs for 64 KiB on a
             loaded 2-core host), which dominated small stores and loads on CPU engines.
+        copy_threads: native threads a host-memory copy of at least `PARALLEL_COPY_BYTES` per
+            thread is shared among (see `BuiltinRoutes`).
         stats: receives bytes moved per (source, destination).
         background_nice: the nice value added to the threads of background batches (demotions,
             promotions, prefetches; `submit(background=True)`): on a host whose cores the engine's
@@ -96,7 +98,7 @@ class TransferEngine:
     """
 
     def __init__(self, layout: BlockLayout, *, io_workers: int = 4, job_workers: int = 4,
-                 chunk_bytes: int = 0, inline_bytes: int = 0, stats: Stats | None = None,
+                 chunk_bytes: int = 0, inline_bytes: int = 0, copy_threads: int = 1, stats: Stats | None = None,
                  background_nice: int = 0, cpus: Sequence[int] | None = None,
                  device_copier: Callable[[int], object | None] | None = None) -> None:
         self.layout = layout
@@ -111,7 +113,8 @@ class TransferEngine:
         self._cuda = _CudaCopier() if torch.cuda.is_available() else None
         self._copiers = _DeviceCopiers() if device_copier is None and self._cuda is not None else None
         self._builtin = BuiltinRoutes(layout, self._cuda, self._staging,
-                                      device_copier or (self._copiers.get if self._copiers else None))
+                                      device_copier or (self._copiers.get if self._copiers else None),
+                                      copy_threads=copy_threads)
         self._routes: dict[tuple[enum.Enum, enum.Enum], Route] = {}
         # The same entries keyed by the media's ids, which each copy looks up: an Enum member's
         # hash is a Python call (~250 ns a medium on this host), its id a C one, and members are
@@ -274,11 +277,17 @@ class TransferEngine:
                 self._run_span(lane, ops, routes, handle, first, last, names)
                 handle.layer_done(last)
             self._observe(ops, handle, time.perf_counter() - submitted, names)
-            if on_done is not None:
-                on_done(handle)
-        except BaseException as e:  # a bug: surfaced to every waiter by handle.wait()
+        except BaseException as e:  # a bug in a route: surfaced to every waiter by handle.wait()
             log.exception("transfer of %d blocks failed", len(ops))
             error = e
+            for op in ops:  # none of them is known to have landed
+                handle.fail(op.key, Stage.WRITE, 0, f"internal error in the transfer: {e!r}")
+        try:  # even after a bug: the plan's completion frees its slots and finishes the caller's handle
+            if on_done is not None:
+                on_done(handle)
+        except BaseException as e:
+            log.exception("completing a transfer of %d blocks failed", len(ops))
+            error = error or e
         handle.finish(error)
 
     def _observe(self, ops: Sequence[CopyOp], handle: TransferHandle, seconds: float, names) -> None:

@@ -47,6 +47,10 @@ _OUT_OF_RANGE = -1
 # driver (native/fake_cuda.c, in tests) has one queue for every nonzero handle.
 STAND_IN_STREAM = 0x5EED
 RELAY_STAGING_BYTES = 64 << 20  # the most host memory one relay (disk/remote → disk/remote) stages at once
+# A plain host copy is shared among native threads only where each gets at least this much: on a
+# 2-vCPU VM, starting and joining a thread costs ~20-40 µs, and a second thread moved 8-16 MiB
+# batches 15-40 % faster (bench/bench_host_path.py, bench/bench_lmcache.py), smaller ones slower.
+PARALLEL_COPY_BYTES = 8 << 20
 
 
 class Addresses:
@@ -136,14 +140,24 @@ class BuiltinRoutes:
         device_copier: `device_copier(device_index)`, the batched device copier of that device
             (`kvtier.moving.cuda_copy.CudaCopier`), or None where there is none (no CUDA, or it could
             not be built: then copies with a device end go block by block on the CUDA stream).
+        copy_threads: the most native threads one plain host copy is shared among, each taking
+            at least `PARALLEL_COPY_BYTES` of it (1: one thread).
     """
 
     def __init__(self, layout: BlockLayout, cuda, staging: Callable[[int, int], torch.Tensor],
-                 device_copier: Callable[[int], object | None] | None = None) -> None:
+                 device_copier: Callable[[int], object | None] | None = None, copy_threads: int = 1) -> None:
         self.layout = layout
         self._cuda = cuda
         self._staging = staging
         self._device_copier = device_copier
+        self._copy_threads = copy_threads
+
+    def _plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int) -> None:
+        """One native copy of `length` bytes from each address of `src` to the same row of `dst`,
+        on as many threads as the batch's size warrants."""
+        n = len(src)
+        threads = min(self._copy_threads, n * length // PARALLEL_COPY_BYTES) or 1
+        _movers.copy(src, dst, np.full(n, length, np.uint64), threads=threads)
 
     # ---- memory ↔ memory ----------------------------------------------------------------------
 
@@ -155,7 +169,7 @@ class BuiltinRoutes:
             src = addresses.column([op.src for op in ops], offset)
             dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
             if dst is not None:
-                _movers.copy(src, dst, np.full(len(ops), length, np.uint64))
+                self._plain_copy(src, dst, length)
                 return
         plain_src: list[int] = []
         plain_dst: list[int] = []
@@ -172,8 +186,7 @@ class BuiltinRoutes:
             else:
                 summed.append((i, src, dst))
         if plain_src:
-            n = len(plain_src)
-            _movers.copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), np.full(n, length, np.uint64))
+            self._plain_copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), length)
         if summed:
             self._summed(batch, summed, copy=True)
 
