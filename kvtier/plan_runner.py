@@ -189,10 +189,12 @@ class PlanRunner:
     def loaded(self, plan: LoadPlan, h: TransferHandle, started: float) -> None:
         self._note_load_time(plan, h, time.perf_counter() - started)
         with self._lock:
-            for s in plan.sources:
-                self._note_reads(s.key, s.tier, s.fallback, h)
-            # The manager learns what each source copy's own read did (a fallback's is not held against it).
-            failed = {k: _failure_reason(f, f.stage) for k, f in {**h.failed, **h.fell_back}.items()}
+            failed = None
+            if h.failed or h.fell_back:  # else every read went well: nothing to note
+                for s in plan.sources:
+                    self._note_reads(s.key, s.tier, s.fallback, h)
+                # The manager learns what each source copy's own read did (a fallback's is not held against it).
+                failed = {k: _failure_reason(f, f.stage) for k, f in {**h.failed, **h.fell_back}.items()}
             self.submit_moves(self.manager.complete_load(plan, failed))
             self.manager.order_chain(h.keys)
 

@@ -166,7 +166,9 @@ def test_a_lease_is_no_object_the_collector_tracks_and_the_table_shrinks_when_th
         now[0] += owner % 2  # several expiry times
     gc.collect()
     assert store.stats()["active_leases"] == MAX_LEASES_PER_TENANT
-    assert len(gc.get_objects()) - before < 100, "no object per lease"
+    # Other threads of the test process (a finished test's workers) may leave a few objects; an
+    # object per lease would be MAX_LEASES_PER_TENANT of them.
+    assert len(gc.get_objects()) - before < MAX_LEASES_PER_TENANT // 100, "no object per lease"
     now[0] += 60
     while store.expire(4096):
         pass
