@@ -57,6 +57,17 @@ class TierConfig:
     shared: bool = True  # POOL only: blocks under their keys, found by every process of the tenant
     negative_cache_s: float = 1.0  # POOL only: how long a key the pool lacked is not asked for again
 
+    def __post_init__(self) -> None:
+        # A path given as a string (as a YAML file or a Python caller would) is taken as one.
+        for name in ("path", "secret_file"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, Path(value))
+            elif value is not None and not isinstance(value, Path):
+                raise ConfigError(f"tiers.{self.kind.name.lower()}.{name}: expected a path, got {value!r}")
+        if isinstance(self.nodes, (list, str)):
+            object.__setattr__(self, "nodes", (self.nodes,) if isinstance(self.nodes, str) else tuple(self.nodes))
+
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:

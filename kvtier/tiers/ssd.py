@@ -36,6 +36,10 @@ from kvtier.tiers.ssd_files import check_reopened, open_directory, open_file, re
 
 ALIGN_BYTES = 4096
 MAX_BOUNCE_BYTES = 4 << 20
+# The most host memory a batch of slots whose memory O_DIRECT cannot take (a caller's tensor, not
+# page-aligned) is staged through at once: copied there in one native pass and written in one
+# native batch (or read, then copied out), instead of one Python bounce per slot.
+MAX_STAGING_BYTES = 4 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 # What the kernel says when the device itself is gone or failing, not one range of it: the tier
 # leaves the cascade (TierUnavailable) until `probe` reads every file again.
@@ -183,8 +187,9 @@ class SSDTier(Tier):
         return self._spans(io, writing=False)
 
     def _spans(self, io: SpanIO, writing: bool) -> dict[int, Exception]:
-        """Every slot of `io` whose range and memory O_DIRECT can take as they are, in one native
-        call; the others (unaligned memory or range) one by one through the bounce buffer."""
+        """Every slot of `io` whose range O_DIRECT can take in one native call: straight from (into)
+        its memory where O_DIRECT can take that too, else staged through aligned memory in
+        batches (`_staged`); a range O_DIRECT cannot take one by one through the bounce buffer."""
         failed: dict[int, Exception] = {}
         if len(io) == 0:
             return failed
@@ -192,9 +197,10 @@ class SSDTier(Tier):
         aligned = not self._direct or (io.offset | io.length) % ALIGN_BYTES == 0
         in_range = 0 <= io.offset and 0 <= io.length and io.offset + io.length <= self.slot_bytes and self._fds
         native: list[int] = []
+        staged: list[int] = []
         for i, (slot, address) in enumerate(zip(io.slots, io.addresses)):
-            if in_range and 0 <= slot < self.num_slots and aligned and (not self._direct or int(address) % ALIGN_BYTES == 0):
-                native.append(i)
+            if in_range and 0 <= slot < self.num_slots and aligned:
+                (native if not self._direct or int(address) % ALIGN_BYTES == 0 else staged).append(i)
                 continue
             try:  # through the bounce buffer; or the single path raises the error that names the slot
                 single(slot, host_tensor(int(address), io.length), io.offset)
@@ -202,15 +208,52 @@ class SSDTier(Tier):
                 failed[i] = e
         if native and io.length:
             failed.update(self._native(io, native, writing))
+        if staged and io.length:
+            failed.update(self._staged(io, staged, writing))
         return failed
 
-    def _native(self, io: SpanIO, chosen: list[int], writing: bool) -> dict[int, Exception]:
-        """`pread`/`pwrite` of the `chosen` slots of `io` in one `kvtier.moving._movers` call."""
+    def _staged(self, io: SpanIO, chosen: list[int], writing: bool) -> dict[int, Exception]:
+        """`_native` of the `chosen` slots through the calling thread's page-aligned staging memory
+        (their own memory is not aligned for O_DIRECT), at most `MAX_STAGING_BYTES` at a time:
+        a write copies the batch's ranges there in one native pass first; a read copies out, in
+        one pass, the ranges of the slots that were read whole (a failed one's memory is left)."""
+        per_pass = max(1, MAX_STAGING_BYTES // io.length)
+        length = io.length
+        failed: dict[int, Exception] = {}
+        for start in range(0, len(chosen), per_pass):
+            part = chosen[start:start + per_pass]
+            staging = self._staging(len(part) * length)
+            rows = np.arange(len(part), dtype=np.uint64) * np.uint64(length) + np.uint64(staging.ctypes.data)
+            theirs = np.array([int(io.addresses[i]) for i in part], np.uint64)
+            lengths = np.full(len(part), length, np.uint64)
+            if writing:
+                _movers.copy(theirs, rows, lengths)
+            done = self._native(io, part, writing, rows)
+            if not writing:
+                ok = [j for j, i in enumerate(part) if i not in done]
+                if ok:
+                    _movers.copy(rows[ok], theirs[ok], lengths[ok])
+            failed.update(done)
+        return failed
+
+    def _staging(self, num_bytes: int) -> np.ndarray:
+        """The calling thread's page-aligned staging memory, at least `num_bytes` (grown on demand)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or len(buf) < num_bytes:
+            buf = np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8)
+            self._local.staging = buf
+        return buf
+
+    def _native(self, io: SpanIO, chosen: list[int], writing: bool,
+                addresses: np.ndarray | None = None) -> dict[int, Exception]:
+        """`pread`/`pwrite` of the `chosen` slots of `io` in one `kvtier.moving._movers` call, from
+        (into) `io`'s addresses or, where given, `addresses` (one per chosen slot)."""
         fds, stride, per_file = self._fds, self.slot_stride_bytes, self._num_files
         slots = [io.slots[i] for i in chosen]
         fd_of = np.array([fds[slot % per_file] for slot in slots], np.uint64)
         offsets = np.array([(slot // per_file) * stride + io.offset for slot in slots], np.uint64)
-        addresses = np.array([int(io.addresses[i]) for i in chosen], np.uint64)
+        if addresses is None:
+            addresses = np.array([int(io.addresses[i]) for i in chosen], np.uint64)
         errors = np.zeros(len(chosen), np.int32)
         move = _movers.pwrite if writing else _movers.pread
         if not move(fd_of, offsets, addresses, np.full(len(chosen), io.length, np.uint64), errors, self.io_threads):

@@ -315,6 +315,37 @@ def test_a_batch_reads_unaligned_memory_through_the_bounce_buffer(tmp_path: Path
         tier.close()
 
 
+def test_unaligned_memory_is_staged_in_batches_never_slot_by_slot(tmp_path: Path, monkeypatch) -> None:
+    """Under O_DIRECT, slots whose memory is not page-aligned (a caller's tensor) but whose range
+    is go through aligned staging memory, a few at a time (here 2 per pass), with no per-slot
+    `write`/`read`; a staged read that fails leaves that slot's memory as it was."""
+    import kvtier.tiers.ssd as ssd_module
+
+    monkeypatch.setattr(ssd_module, "MAX_STAGING_BYTES", 2 * SLOT_BYTES)
+    tier = SSDTier(tmp_path, 6 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=True)
+    single: list[int] = []
+    monkeypatch.setattr(tier, "write", lambda slot, *a: single.append(slot))
+    monkeypatch.setattr(tier, "read", lambda slot, *a: single.append(slot))
+    try:
+        base = aligned(6 * SLOT_BYTES + 1)
+        srcs = [base[1 + i * SLOT_BYTES:1 + (i + 1) * SLOT_BYTES] for i in range(6)]
+        for i, src in enumerate(srcs):
+            src.copy_(random_bytes(SLOT_BYTES, seed=10 + i))
+        blocks = [src.clone() for src in srcs]
+        assert tier.write_spans(_spans(range(6), SLOT_BYTES, srcs)) == {}
+        os.truncate(tier.paths[1], 0)  # slots 1, 3, 5
+        sentinel = torch.full((SLOT_BYTES,), 7, dtype=torch.uint8)
+        outs = aligned(6 * SLOT_BYTES + 1)[1:].view(6, SLOT_BYTES)
+        outs.copy_(sentinel.expand(6, SLOT_BYTES))
+        failed = tier.read_spans(_spans(range(6), SLOT_BYTES, list(outs)))
+        assert set(failed) == {1, 3, 5} and all("short read" in str(e) for e in failed.values())
+        assert all(torch.equal(outs[i], blocks[i]) for i in (0, 2, 4))
+        assert all(torch.equal(outs[i], sentinel) for i in (1, 3, 5))
+        assert single == []
+    finally:
+        tier.close()
+
+
 def aligned(n: int) -> torch.Tensor:
     """A page-aligned CPU buffer of `n` bytes (what O_DIRECT reads straight into)."""
     from kvtier.tiers.dram import aligned_host_memory
