@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.config import CacheMode, KVTierConfig, load_config, parse_size
+from kvtier.config import CacheMode, KVTierConfig, TierConfig, load_config, parse_size
+from kvtier.kinds import TierKind
 from kvtier.errors import CapacityError, ConfigError, TierIOError
 from kvtier.policy import PolicyKind
 from kvtier.runtime import KVTier
@@ -360,3 +361,13 @@ def test_numbers_are_checked_in_one_place_naming_the_field(value, kwargs, messag
         check_number(value, "the.field", **kwargs)
     assert check_number(7, "the.field", integral=True, positive=True, minimum=1, maximum=8) == 7
     assert check_number(0.25, "the.field", positive=True) == 0.25
+
+
+def test_a_tier_config_takes_paths_and_nodes_as_a_python_caller_passes_them(tmp_path):
+    """A string path (and a list of nodes) is what a caller building a config in Python passes:
+    taken as a Path (a tuple), not failed later, deep in the tier's build; a number is refused by name."""
+    ssd = TierConfig(TierKind.SSD, 1 << 20, path=str(tmp_path), secret_file=None)
+    assert ssd.path == tmp_path
+    assert TierConfig(TierKind.POOL, 1 << 20, nodes=["127.0.0.1:1"]).nodes == ("127.0.0.1:1",)
+    with pytest.raises(ConfigError, match="tiers.ssd.path"):
+        TierConfig(TierKind.SSD, 1 << 20, path=3)
