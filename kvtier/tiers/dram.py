@@ -103,7 +103,7 @@ class DRAMTier(SlabTier):
 def _mmap_aligned(num_bytes: int) -> torch.Tensor:
     """A zeroed, page-aligned 1-D uint8 tensor over an anonymous mmap, every page already touched.
 
-    Touched at start-up (transparent hugepages advised first) so that no store pays the page
+    Touched at start-up so that no store pays the page
     faults of a first write into a slot: a store into a never-used slot used to take ~3x as long
     as into a reused one (1,030 against 311 µs at 1 MiB). The tensor keeps the mapping alive; it is
     unmapped when the last tensor over it is freed.
