@@ -258,3 +258,30 @@ def test_a_relay_between_two_disks_is_checked_and_keeps_going_past_a_bad_block(e
     finally:
         src.close()
         dst.close()
+
+
+def test_a_mixed_batch_takes_each_ops_route_and_counts_bytes_per_pair_of_ends(engine):
+    """One batch whose copies go to two tiers from two buffers (a store that spilled past a full
+    tier): each copy takes its own pair's route, lands, and the bytes are counted under each pair
+    of names (two CPU buffers are one `buffer:cpu`)."""
+    from kvtier.tiers.dram import DRAMTier
+
+    dram = DRAMTier(4 * BLOCK, BLOCK)
+    tape = TapeTier(4)
+    engine.add_route(Medium.HOST, Tape.TAPE, engine.routes[Medium.HOST, Medium.DISK])
+    try:
+        data = blocks([1, 2, 3, 4, 5])
+        other = data[3:].clone()
+        ops = [CopyOp(1, Endpoint(buffer=data, slot=0), Endpoint(dram, 0)),
+               CopyOp(2, Endpoint(buffer=data, slot=1), Endpoint(tape, 0)),
+               CopyOp(3, Endpoint(buffer=data, slot=2), Endpoint(dram, 1)),
+               CopyOp(4, Endpoint(buffer=other[0]), Endpoint(tape, 1)),
+               CopyOp(5, Endpoint(buffer=other[1]), Endpoint(dram, 2))]
+        handle = engine.submit(ops)
+        assert handle.wait(WAIT_S) and handle.failed == {}
+        assert all(torch.equal(dram.memory_rows()[s], data[k - 1]) for k, s in ((1, 0), (3, 1), (5, 2)))
+        assert torch.equal(tape.data[0], data[1]) and torch.equal(tape.data[1], data[3])
+        assert engine.stats.bytes_moved[("buffer:cpu", "dram")] == 3 * BLOCK
+        assert engine.stats.bytes_moved[("buffer:cpu", "ssd")] == 2 * BLOCK
+    finally:
+        dram.close()

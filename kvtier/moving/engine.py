@@ -242,7 +242,15 @@ class TransferEngine:
         st, sb, dt, db = first.src.tier, first.src.buffer, first.dst.tier, first.dst.buffer
         if all(op.src.tier is st and op.dst.tier is dt and op.src.buffer is sb and op.dst.buffer is db for op in ops):
             return [self.route(first.src, first.dst)] * len(ops), [((first.src.name, first.dst.name), len(ops))]
-        return [self.route(op.src, op.dst) for op in ops], _route_names(ops)
+        # A mixed batch (a store spilling past a full tier): one route lookup per pair of ends.
+        routes, found = [], {}
+        for op in ops:
+            pair = _ends_of(op)
+            route = found.get(pair)
+            if route is None:
+                route = found[pair] = self.route(op.src, op.dst)
+            routes.append(route)
+        return routes, _route_names(ops)
 
     def _runs_inline(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
         """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`): few enough
@@ -431,21 +439,31 @@ def _by_route(routes: list[Route], live: list[int]) -> list[tuple[Route, list[in
 
 
 def _route_names(ops: Sequence[CopyOp]) -> list[tuple[tuple[str, str], int]]:
-    """How many of `ops` go between each pair of end names (the stats' labels); one pass of
-    identity checks for the usual batch whose ops all join the same two tiers (or buffer kinds)."""
+    """How many of `ops` go between each pair of end names (the stats' labels): ops counted by
+    the identity of their ends in one pass (a dict lookup each), names asked once per pair."""
     if not ops:
         return []
-    src, dst = ops[0].src, ops[0].dst
-    if all(_same_kind(op.src, src) and _same_kind(op.dst, dst) for op in ops):
-        return [((src.name, dst.name), len(ops))]
-    return list(Counter((op.src.name, op.dst.name) for op in ops).items())
+    counts: dict[tuple[int, int], list] = {}
+    for op in ops:
+        pair = _ends_of(op)
+        seen = counts.get(pair)
+        if seen is None:
+            counts[pair] = [op, 1]
+        else:
+            seen[1] += 1
+    if len(counts) == 1:
+        return [((ops[0].src.name, ops[0].dst.name), len(ops))]
+    named: Counter = Counter()
+    for op, n in counts.values():
+        named[op.src.name, op.dst.name] += n
+    return list(named.items())
 
 
-def _same_kind(end: Endpoint, other: Endpoint) -> bool:
-    """Whether two ends have one name: the same tier, or two buffers in one tensor or of one device."""
-    if end.tier is not None or other.tier is not None:
-        return end.tier is other.tier
-    return end.buffer is other.buffer or end.buffer.device == other.buffer.device
+def _ends_of(op: CopyOp) -> tuple[int, int]:
+    """What names an op's route and labels: the identity of each end's tier, or of its buffer."""
+    src, dst = op.src, op.dst
+    return (id(src.tier) if src.tier is not None else id(src.buffer),
+            id(dst.tier) if dst.tier is not None else id(dst.buffer))
 
 
 class _Lane:
