@@ -12,6 +12,7 @@ import torch
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.tiers.host_memory import allocation_failed, check_fits
 from kvtier.tiers.base import Medium, TierKind, as_byte_buffer, copy_bytes
+from kvtier.tiers.dram import aligned_host_memory
 from kvtier.tiers.slab import SlabTier
 
 
@@ -121,8 +122,11 @@ def _allocate(num_slots: int, slot_bytes: int, device: torch.device) -> torch.Te
     if device.type == "cpu":  # the stand-in takes host memory: refused, like the DRAM tier, past the machine's
         check_fits(num_slots * slot_bytes, "HBM tier (a CPU stand-in)")
     try:
+        if device.type == "cpu" and num_slots * slot_bytes:
+            # page-aligned, as the DRAM slab is: an SSD tier below writes from it with O_DIRECT
+            return aligned_host_memory(num_slots * slot_bytes, pinned=False).view(num_slots, slot_bytes)
         return torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, device=device)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:  # OSError: ENOMEM from the stand-in's mmap
         if device.type == "cpu":  # torch's CPU allocator says ENOMEM as a RuntimeError
             raise allocation_failed(e, num_slots * slot_bytes, "HBM tier (a CPU stand-in)") from None
         if not isinstance(e, torch.cuda.OutOfMemoryError):
