@@ -237,13 +237,21 @@ def main(path: str) -> int:
     try:
         llm = _build(spec)
     except Exception as e:  # reported to the test, which asserts on the message
-        print(f"STARTUP_ERROR {type(e).__name__}: {e}", flush=True)
+        _say(f"STARTUP_ERROR {type(e).__name__}: {e}")
         return 3
     phases: list[dict] = []
     for phase in spec["phases"]:
         phases.append(_run_phase(llm, phase, phases[-1] if phases else None, spec))
-    print("RESULT " + json.dumps({"phases": phases}), flush=True)
+    _say("RESULT " + json.dumps({"phases": phases}))
     return 0
+
+
+def _say(line: str) -> None:
+    """One line in one write: `print` writes the text and its newline apart, and a log record from
+    another thread (kvtier's, after a phase killed the pool node; vLLM logs to stdout) landed between
+    them once, so the RESULT line carried the record's text."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
