@@ -8,6 +8,7 @@ environment.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -58,10 +59,10 @@ class TierConfig:
     negative_cache_s: float = 1.0  # POOL only: how long a key the pool lacked is not asked for again
 
     def __post_init__(self) -> None:
-        # A path given as a string (as a YAML file or a Python caller would) is taken as one.
+        # A path given as a string or any path-like (as a YAML file or a Python caller would) is taken as one.
         for name in ("path", "secret_file"):
             value = getattr(self, name)
-            if isinstance(value, str):
+            if isinstance(value, (str, os.PathLike)) and not isinstance(value, Path):
                 object.__setattr__(self, name, Path(value))
             elif value is not None and not isinstance(value, Path):
                 raise ConfigError(f"tiers.{self.kind.name.lower()}.{name}: expected a path, got {value!r}")
