@@ -237,7 +237,8 @@ class SSDTier(Tier):
         return failed
 
     def _staging(self, num_bytes: int) -> np.ndarray:
-        """The calling thread's page-aligned staging memory, at least `num_bytes` (grown on demand)."""
+        """The calling thread's page-aligned staging memory, at least `num_bytes` (made on first use,
+        grown on demand); the bounce buffer is its start (the two are never in use at once)."""
         buf = getattr(self._local, "staging", None)
         if buf is None or len(buf) < num_bytes:
             buf = np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8)
@@ -380,12 +381,8 @@ class SSDTier(Tier):
         return fds[index], self._paths[index], (slot // self._num_files) * self.slot_stride_bytes
 
     def _bounce(self) -> np.ndarray:
-        """The calling thread's page-aligned bounce buffer of `_bounce_bytes` (made on first use)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = np.frombuffer(mmap.mmap(-1, self._bounce_bytes), dtype=np.uint8)
-            self._local.buf = buf
-        return buf
+        """The calling thread's page-aligned bounce buffer: `_bounce_bytes` of its staging memory."""
+        return self._staging(self._bounce_bytes)[:self._bounce_bytes]
 
     def _write_bounced(self, fd: int, start: int, offset: int, data: np.ndarray) -> None:
         """Writes `data` at slot byte `offset` through the bounce buffer, one aligned chunk at a time.
