@@ -243,14 +243,9 @@ class TransferEngine:
         if all(op.src.tier is st and op.dst.tier is dt and op.src.buffer is sb and op.dst.buffer is db for op in ops):
             return [self.route(first.src, first.dst)] * len(ops), [((first.src.name, first.dst.name), len(ops))]
         # A mixed batch (a store spilling past a full tier): one route lookup per pair of ends.
-        routes, found = [], {}
-        for op in ops:
-            pair = _ends_of(op)
-            route = found.get(pair)
-            if route is None:
-                route = found[pair] = self.route(op.src, op.dst)
-            routes.append(route)
-        return routes, _route_names(ops)
+        pairs, first_of = _by_ends(ops)
+        route_of = {pair: self.route(op.src, op.dst) for pair, op in first_of.items()}
+        return [route_of[pair] for pair in pairs], _names(pairs, first_of)
 
     def _runs_inline(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
         """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`): few enough
@@ -439,22 +434,25 @@ def _by_route(routes: list[Route], live: list[int]) -> list[tuple[Route, list[in
 
 
 def _route_names(ops: Sequence[CopyOp]) -> list[tuple[tuple[str, str], int]]:
-    """How many of `ops` go between each pair of end names (the stats' labels): ops counted by
-    the identity of their ends in one pass (a dict lookup each), names asked once per pair."""
-    if not ops:
-        return []
-    counts: dict[tuple[int, int], list] = {}
-    for op in ops:
-        pair = _ends_of(op)
-        seen = counts.get(pair)
-        if seen is None:
-            counts[pair] = [op, 1]
-        else:
-            seen[1] += 1
-    if len(counts) == 1:
-        return [((ops[0].src.name, ops[0].dst.name), len(ops))]
+    """How many of `ops` go between each pair of end names (the stats' labels)."""
+    return _names(*_by_ends(ops)) if ops else []
+
+
+def _by_ends(ops: Sequence[CopyOp]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], CopyOp]]:
+    """Each op's pair of ends (`_ends_of`), and the first op of each distinct pair."""
+    pairs = [_ends_of(op) for op in ops]
+    first_of: dict[tuple[int, int], CopyOp] = {}
+    for pair, op in zip(pairs, ops):
+        first_of.setdefault(pair, op)
+    return pairs, first_of
+
+
+def _names(pairs: list[tuple[int, int]], first_of: dict[tuple[int, int], CopyOp]) -> list[tuple[tuple[str, str], int]]:
+    """The stats labels of ops with these `pairs` of ends: their count per pair of names, each
+    pair's names asked of its first op only (two CPU buffers are one `buffer:cpu`)."""
     named: Counter = Counter()
-    for op, n in counts.values():
+    for pair, n in Counter(pairs).items():
+        op = first_of[pair]
         named[op.src.name, op.dst.name] += n
     return list(named.items())
 
