@@ -481,9 +481,10 @@ class PoolClient:
             NodeUnavailable: the node did not answer, refused a frame, or answered it wrongly.
         """
         statuses, stored = [int(GrantStatus.TOO_LARGE)] * len(keys), [False] * len(keys)
-        frames = _frames_within([_length(v) for v in views], conn.max_payload)
+        lengths = [_length(v) for v in views]
+        frames = _frames_within(lengths, conn.max_payload)
         requests = [Request(MsgType.MULTI_PUT, {
-            "keys": [keys[j] for j in js], "lengths": [_length(views[j]) for j in js],
+            "keys": [keys[j] for j in js], "lengths": [lengths[j] for j in js],
             "checksums": [_checksum(keys[j], views[j]) for j in js], "lease_s": self.put_lease_s},
             payload=tuple(p for j in js for p in (views[j] if isinstance(views[j], tuple) else (views[j],))))
             for js in frames]
