@@ -28,7 +28,8 @@
  * its lookup again; ids and slots here cannot be found again as cheaply.)
  *
  * Also here: `KeyList`, an OrderedDict of keys -> 0..255 built on a KeyTable (ARC's and S3-FIFO's
- * queues), and `SlotList`, an LRU order over slot numbers (the base of `SlotLRUPolicy`).
+ * queues), `SlotList`, an LRU order over slot numbers (the base of `SlotLRUPolicy`), and
+ * `ResidentPath`, the manager's verbs for a batch that stays in one memory tier.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1592,13 +1593,507 @@ static PyTypeObject SlotListType = {
     .tp_getset = SlotList_getset,
 };
 
+/* ---- ResidentPath: a batch that stays in one memory tier, in one call per verb ----------------- */
+
+/* The manager's verbs spend a few Python steps per block. For the commonest batches they amount
+ * to a handful of column updates, done here for a whole batch in one C call each:
+ *   - a load whose blocks are all READY in one memory tier (`lease`, then `release` once copied):
+ *     look each key up, lease its slot (readers + 1), count its hit, touch the tier's LRU;
+ *   - a store of new blocks into one memory tier: `absent` (no key indexed), `evict` (the tier's
+ *     oldest unprotected blocks, dropped, where the tier has too few free slots and nothing below
+ *     it), `claim` (the new copies WRITING in their slots) and, once copied, `ready`.
+ * What qualifies a batch (no tier down, nothing in flight that the general path would join, no
+ * promotion due, the tier's policy this LRU) is the manager's to check (see
+ * `TierManager.lease_resident`); `lease`, `absent` and `evict` check the per-block conditions and
+ * change nothing where one fails, so that the caller takes the general path for the whole batch.
+ * The columns are the `BlockIndex`'s (`kvtier.deciding.index`), held by reference: each call takes
+ * their buffers anew (an `array` grows in place, moving its items). */
+
+enum { COPY_FREE = 0, COPY_WRITING = 1, COPY_READY = 2, COPY_FREEING = 3, NO_TIER = 255, NUM_TIERS = 4 };
+
+typedef struct {
+    PyObject_HEAD
+    KeyTable *table;
+    PyObject *ready, *hits, *prefetched, *pins, *num_copies;  /* per id */
+    PyObject *slot;                                           /* per tier: per id */
+    PyObject *owner, *state, *readers;                        /* per tier: per slot */
+    PyObject *policies;                                       /* per tier: a SlotList or None */
+} ResidentPath;
+
+/* A writable, contiguous buffer of `obj` with items of `itemsize` bytes; 0 or -1 with an error. */
+static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_CONTIG | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != itemsize) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "ResidentPath: %s needs items of %zd bytes, got %zd", what, itemsize,
+                     view->itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static Py_ssize_t items(const Py_buffer *view) { return view->len / view->itemsize; }
+
+/* Item `tier` of the per-tier list `list` (a borrowed reference), or NULL with an error. */
+static PyObject *of_tier(PyObject *list, long tier, const char *what) {
+    if (tier < 0 || tier >= NUM_TIERS || tier >= PyList_GET_SIZE(list) || PyList_GET_ITEM(list, tier) == Py_None) {
+        PyErr_Format(PyExc_ValueError, "ResidentPath: no %s for tier %ld", what, tier);
+        return NULL;
+    }
+    return PyList_GET_ITEM(list, tier);
+}
+
+static PyObject *ResidentPath_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "ready", "hits", "prefetched", "pins", "num_copies", "slot", "owner", "state",
+                             "readers", "policies", NULL};
+    PyObject *ids, *cols[10];
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOOOOO!O!O!O!O!:ResidentPath", kwlist, &KeyTableType, &ids,
+                                     &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &PyList_Type, &cols[5],
+                                     &PyList_Type, &cols[6], &PyList_Type, &cols[7], &PyList_Type, &cols[8],
+                                     &PyList_Type, &cols[9]))
+        return NULL;
+    ResidentPath *p = (ResidentPath *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    Py_INCREF(ids);
+    p->table = (KeyTable *)ids;
+    PyObject **fields[10] = {&p->ready, &p->hits, &p->prefetched, &p->pins, &p->num_copies, &p->slot, &p->owner,
+                             &p->state, &p->readers, &p->policies};
+    for (int i = 0; i < 10; i++) {
+        Py_INCREF(cols[i]);
+        *fields[i] = cols[i];
+    }
+    return (PyObject *)p;
+}
+
+static int ResidentPath_traverse(ResidentPath *p, visitproc visit, void *arg) {
+    Py_VISIT(p->table);
+    Py_VISIT(p->ready);
+    Py_VISIT(p->hits);
+    Py_VISIT(p->prefetched);
+    Py_VISIT(p->pins);
+    Py_VISIT(p->num_copies);
+    Py_VISIT(p->slot);
+    Py_VISIT(p->owner);
+    Py_VISIT(p->state);
+    Py_VISIT(p->readers);
+    Py_VISIT(p->policies);
+    return 0;
+}
+
+static int ResidentPath_clear(ResidentPath *p) {
+    Py_CLEAR(p->table);
+    Py_CLEAR(p->ready);
+    Py_CLEAR(p->hits);
+    Py_CLEAR(p->prefetched);
+    Py_CLEAR(p->pins);
+    Py_CLEAR(p->num_copies);
+    Py_CLEAR(p->slot);
+    Py_CLEAR(p->owner);
+    Py_CLEAR(p->state);
+    Py_CLEAR(p->readers);
+    Py_CLEAR(p->policies);
+    return 0;
+}
+
+static void ResidentPath_dealloc(ResidentPath *p) {
+    PyObject_GC_UnTrack(p);
+    ResidentPath_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* The ids of `keys` (a sequence) into `ids` (n of them): 1 all indexed, 0 one is not, -1 error.
+ * Holds the table for the lookups only: the columns' buffers are taken after them, since a
+ * key's `__eq__` may run Python code. */
+static int ids_of(ResidentPath *p, PyObject *seq, int32_t *ids) {
+    KeyTable *t = p->table;
+    if (hold(t) < 0)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    int all = 1;
+    for (Py_ssize_t i = 0; i < n && all; i++) {
+        int found = lookup(t, keys[i], 0, &ids[i]);
+        if (found < 0) {
+            all = -1;
+            break;
+        }
+        all = found;
+    }
+    t->busy = 0;
+    return all;
+}
+
+/* The SlotList of `tier`, or NULL (the tier's policy is another). Borrowed. */
+static SlotList *lru_of(ResidentPath *p, long tier) {
+    if (tier < 0 || tier >= PyList_GET_SIZE(p->policies))
+        return NULL;
+    PyObject *policy = PyList_GET_ITEM(p->policies, tier);
+    return PyObject_TypeCheck(policy, &SlotListType) ? (SlotList *)policy : NULL;
+}
+
+static void lru_touch(SlotList *l, int32_t slot) {
+    if (slot != l->links.tail && slot_tracked(l, slot)) {
+        slot_unlink(l, slot);
+        slot_append(l, slot);
+    }
+}
+
+/* lease(keys, eligible, out): see the section's comment. `eligible`: 4 bytes, nonzero for the
+ * tiers a resident load may be served from. Returns the tier, its slots in `out` (int32, one per
+ * key), or -1 having changed nothing (a key not indexed, not READY in one eligible tier, or
+ * prefetched and not loaded since). */
+static PyObject *ResidentPath_lease(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "lease(keys, eligible, out)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "lease: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    long tier = -1;
+    int32_t *ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    Py_buffer eligible = {0}, out = {0}, ready = {0}, prefetched = {0}, hits = {0}, slots = {0}, readers = {0};
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int all = n > 0 ? ids_of(p, seq, ids) : 0;
+    if (all < 0)
+        goto fail;
+    if (!all)
+        goto done;
+    if (PyObject_GetBuffer(args[1], &eligible, PyBUF_SIMPLE) < 0 || column(args[2], &out, 4, "out") < 0
+        || column(p->ready, &ready, 1, "ready") < 0 || column(p->prefetched, &prefetched, 1, "prefetched") < 0)
+        goto fail;
+    if (items(&out) < n) {
+        PyErr_Format(PyExc_ValueError, "lease: out holds %zd slots for %zd keys", items(&out), n);
+        goto fail;
+    }
+    const uint8_t *rd = ready.buf, *pf = prefetched.buf, *ok = eligible.buf;
+    uint8_t first = rd[ids[0]];
+    if (first >= eligible.len || first >= NUM_TIERS || !ok[first])
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rd[ids[i]] != first || pf[ids[i]])
+            goto done;
+    PyObject *slot_col, *readers_col;
+    if ((slot_col = of_tier(p->slot, first, "slot column")) == NULL
+        || (readers_col = of_tier(p->readers, first, "readers")) == NULL || column(slot_col, &slots, 4, "slot") < 0
+        || column(readers_col, &readers, 4, "readers") < 0 || column(p->hits, &hits, 4, "hits") < 0)
+        goto fail;
+    SlotList *lru = lru_of(p, first);
+    int32_t *sl = slots.buf, *rs = readers.buf, *hs = hits.buf, *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = sl[ids[i]];
+        o[i] = s;
+        rs[s]++;
+        hs[ids[i]]++;
+        if (lru != NULL)
+            lru_touch(lru, s);
+    }
+    tier = first;
+    goto done;
+fail:
+    tier = -2;
+done:
+    PyMem_Free(ids);
+    Py_buffer *views[] = {&eligible, &out, &ready, &prefetched, &hits, &slots, &readers};
+    for (size_t i = 0; i < sizeof views / sizeof *views; i++)
+        if (views[i]->obj != NULL)
+            PyBuffer_Release(views[i]);
+    Py_DECREF(seq);
+    return tier == -2 ? NULL : PyLong_FromLong(tier);
+}
+
+/* release(tier, slots): ends the leases `lease` took; returns the slots whose copy is FREEING and
+ * now unread (the caller frees them: rare, an eviction came while they were read). */
+static PyObject *ResidentPath_release(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs) {
+    long tier;
+    if (nargs != 2 || (tier = PyLong_AsLong(args[0])) == -1) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "release(tier, slots)");
+        return NULL;
+    }
+    PyObject *readers_col, *state_col;
+    if ((readers_col = of_tier(p->readers, tier, "readers")) == NULL || (state_col = of_tier(p->state, tier, "state")) == NULL)
+        return NULL;
+    Py_buffer slots = {0}, readers = {0}, state = {0};
+    PyObject *unread = NULL;
+    if (column(args[1], &slots, 4, "slots") < 0 || column(readers_col, &readers, 4, "readers") < 0
+        || column(state_col, &state, 1, "state") < 0)
+        goto done;
+    unread = PyList_New(0);
+    if (unread == NULL)
+        goto done;
+    const int32_t *sl = slots.buf;
+    int32_t *rs = readers.buf;
+    const uint8_t *st = state.buf;
+    for (Py_ssize_t i = 0; i < items(&slots); i++) {
+        int32_t s = sl[i];
+        if (s < 0 || s >= items(&readers) || rs[s] <= 0) {
+            PyErr_Format(PyExc_ValueError, "release: slot %d of tier %ld is not leased", (int)s, tier);
+            Py_CLEAR(unread);
+            goto done;
+        }
+        if (--rs[s] == 0 && st[s] == COPY_FREEING) {
+            PyObject *v = PyLong_FromLong(s);
+            if (v == NULL || PyList_Append(unread, v) < 0) {
+                Py_XDECREF(v);
+                Py_CLEAR(unread);
+                goto done;
+            }
+            Py_DECREF(v);
+        }
+    }
+done:
+    if (slots.obj != NULL)
+        PyBuffer_Release(&slots);
+    if (readers.obj != NULL)
+        PyBuffer_Release(&readers);
+    if (state.obj != NULL)
+        PyBuffer_Release(&state);
+    return unread;
+}
+
+/* absent(keys): whether no key of `keys` is indexed. */
+static PyObject *ResidentPath_absent(ResidentPath *p, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "absent: keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    KeyTable *t = p->table;
+    PyObject *result = NULL;
+    if (hold(t) == 0) {
+        int none = 1;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items_ = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n && none == 1; i++) {
+            int32_t id;
+            int found = lookup(t, items_[i], 0, &id);
+            none = found < 0 ? -1 : !found;
+        }
+        t->busy = 0;
+        if (none >= 0)
+            result = PyBool_FromLong(none);
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
+/* evict(tier, n, out_ids, out_slots): drops the `n` oldest unprotected blocks of `tier` (READY,
+ * unread, unpinned), each its block's only copy, as `TierManager._evict` drops a victim of the
+ * last tier: out of the LRU and the index, their slots FREE (the caller puts them on the free
+ * list and their ids on the reuse list, and counts them). Returns how many of them were
+ * prefetched and never loaded, or -1 having changed nothing (fewer than n such blocks in order:
+ * a victim with another copy stops the search, as the general path would treat it otherwise). */
+static PyObject *ResidentPath_evict(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs) {
+    long tier;
+    Py_ssize_t n;
+    if (nargs != 4 || (tier = PyLong_AsLong(args[0])) == -1 || (n = PyLong_AsSsize_t(args[1])) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "evict(tier, n, out_ids, out_slots)");
+        return NULL;
+    }
+    SlotList *lru = lru_of(p, tier);
+    PyObject *slot_col, *owner_col, *state_col, *readers_col;
+    if ((slot_col = of_tier(p->slot, tier, "slot column")) == NULL || (owner_col = of_tier(p->owner, tier, "owner")) == NULL
+        || (state_col = of_tier(p->state, tier, "state")) == NULL
+        || (readers_col = of_tier(p->readers, tier, "readers")) == NULL)
+        return NULL;
+    if (lru == NULL) {
+        PyErr_Format(PyExc_ValueError, "evict: tier %ld's policy is not an LRU of slots", tier);
+        return NULL;
+    }
+    Py_buffer v[10] = {{0}};
+    long wasted = -2;
+    if (column(args[2], &v[0], 4, "out_ids") < 0 || column(args[3], &v[1], 4, "out_slots") < 0
+        || column(slot_col, &v[2], 4, "slot") < 0 || column(owner_col, &v[3], 4, "owner") < 0
+        || column(state_col, &v[4], 1, "state") < 0 || column(readers_col, &v[5], 4, "readers") < 0
+        || column(p->pins, &v[6], 4, "pins") < 0 || column(p->num_copies, &v[7], 1, "num_copies") < 0
+        || column(p->ready, &v[8], 1, "ready") < 0 || column(p->hits, &v[9], 4, "hits") < 0)
+        goto done;
+    if (items(&v[0]) < n || items(&v[1]) < n) {
+        PyErr_Format(PyExc_ValueError, "evict: out_ids and out_slots need room for %zd", n);
+        goto done;
+    }
+    int32_t *out_ids = v[0].buf, *out_slots = v[1].buf, *slot = v[2].buf, *owner = v[3].buf, *readers = v[5].buf;
+    int32_t *pins = v[6].buf, *hits = v[9].buf;
+    uint8_t *state = v[4].buf, *copies = v[7].buf, *ready = v[8].buf;
+    Py_buffer prefetched = {0};
+    if (column(p->prefetched, &prefetched, 1, "prefetched") < 0)
+        goto done;
+    uint8_t *pf = prefetched.buf;
+    Py_ssize_t found = 0;
+    for (int32_t s = lru->links.head; s != EMPTY && found < n; s = lru->links.next[s]) {
+        int32_t b = owner[s];
+        if (b < 0 || pins[b] != 0 || state[s] != COPY_READY || readers[s] != 0)
+            continue;  /* protected, as `TierManager._protected_in` says */
+        if (copies[b] != 1)
+            break;
+        out_ids[found] = b;
+        out_slots[found++] = s;
+    }
+    if (found < n) {
+        wasted = -1;
+        goto release_pf;
+    }
+    wasted = 0;
+    KeyTable *t = p->table;
+    if (hold(t) < 0) {
+        wasted = -2;
+        goto release_pf;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = out_ids[i], s = out_slots[i];
+        slot_unlink(lru, s);
+        wasted += pf[b] != 0;
+        pf[b] = 0;
+        ready[b] = NO_TIER;
+        pins[b] = 0;
+        hits[b] = 0;
+        slot[b] = -1;
+        copies[b] = 0;
+        state[s] = COPY_FREE;
+        owner[s] = -1;
+        PyObject *key = pop_id(t, b);
+        if (key == NULL) {  /* cannot happen (the id is indexed); the state is then inconsistent */
+            wasted = -2;
+            break;
+        }
+        Py_DECREF(key);
+    }
+    t->busy = 0;
+release_pf:
+    PyBuffer_Release(&prefetched);
+done:
+    for (int i = 0; i < 10; i++)
+        if (v[i].obj != NULL)
+            PyBuffer_Release(&v[i]);
+    return wasted == -2 ? NULL : PyLong_FromLong(wasted);
+}
+
+/* Applies `op` to each (id, slot) pair of `ids` and `slots` in `tier`: CLAIM makes the copy
+ * WRITING (`TierManager._claim`), READY makes it READY (`_make_ready`, the LRU told). */
+enum { CLAIM, MAKE_READY };
+
+static PyObject *apply_copies(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs, int op) {
+    long tier;
+    if (nargs != 3 || (tier = PyLong_AsLong(args[0])) == -1) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s(tier, ids, slots)", op == CLAIM ? "claim" : "ready");
+        return NULL;
+    }
+    SlotList *lru = op == MAKE_READY ? lru_of(p, tier) : NULL;
+    PyObject *slot_col, *owner_col, *state_col;
+    if ((slot_col = of_tier(p->slot, tier, "slot column")) == NULL || (owner_col = of_tier(p->owner, tier, "owner")) == NULL
+        || (state_col = of_tier(p->state, tier, "state")) == NULL)
+        return NULL;
+    if (op == MAKE_READY && lru == NULL) {
+        PyErr_Format(PyExc_ValueError, "ready: tier %ld's policy is not an LRU of slots", tier);
+        return NULL;
+    }
+    Py_buffer v[7] = {{0}};
+    int ok = 0;
+    if (column(args[1], &v[0], 4, "ids") < 0 || column(args[2], &v[1], 4, "slots") < 0
+        || column(slot_col, &v[2], 4, "slot") < 0 || column(owner_col, &v[3], 4, "owner") < 0
+        || column(state_col, &v[4], 1, "state") < 0 || column(p->num_copies, &v[5], 1, "num_copies") < 0
+        || column(p->ready, &v[6], 1, "ready") < 0)
+        goto done;
+    Py_ssize_t n = items(&v[0]);
+    if (items(&v[1]) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd ids for %zd slots", op == CLAIM ? "claim" : "ready", n, items(&v[1]));
+        goto done;
+    }
+    const int32_t *ids = v[0].buf, *sl = v[1].buf;
+    int32_t *slot = v[2].buf, *owner = v[3].buf;
+    uint8_t *state = v[4].buf, *copies = v[5].buf, *ready = v[6].buf;
+    Py_ssize_t num_ids = items(&v[2]), num_slots = items(&v[3]);
+    for (Py_ssize_t i = 0; i < n; i++) {  /* checked first: nothing changes if one is wrong */
+        int32_t b = ids[i], s = sl[i];
+        int bad = b < 0 || b >= num_ids || s < 0 || s >= num_slots;
+        if (!bad && op == CLAIM)
+            bad = slot[b] >= 0 || state[s] != COPY_FREE;
+        else if (!bad)
+            bad = slot[b] != s || state[s] != COPY_WRITING || slot_tracked(lru, s);
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "%s: block %d cannot take slot %d of tier %ld as it stands",
+                         op == CLAIM ? "claim" : "ready", (int)b, (int)s, tier);
+            goto done;
+        }
+    }
+    if (op == MAKE_READY)
+        for (Py_ssize_t i = 0; i < n; i++)  /* the LRU's arrays may grow: done first, nothing else changes if it fails */
+            if (sl[i] >= lru->cap && slot_grow(lru, sl[i]) < 0)
+                goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = ids[i], s = sl[i];
+        if (op == CLAIM) {
+            slot[b] = s;
+            state[s] = COPY_WRITING;
+            owner[s] = b;
+            copies[b]++;
+        } else {
+            state[s] = COPY_READY;
+            if (tier < ready[b])
+                ready[b] = (uint8_t)tier;
+            slot_append(lru, s);
+        }
+    }
+    ok = 1;
+done:
+    for (int i = 0; i < 7; i++)
+        if (v[i].obj != NULL)
+            PyBuffer_Release(&v[i]);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ResidentPath_claim(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs) {
+    return apply_copies(p, args, nargs, CLAIM);
+}
+
+static PyObject *ResidentPath_ready(ResidentPath *p, PyObject *const *args, Py_ssize_t nargs) {
+    return apply_copies(p, args, nargs, MAKE_READY);
+}
+
+static PyMethodDef ResidentPath_methods[] = {
+    {"lease", (PyCFunction)(void (*)(void))ResidentPath_lease, METH_FASTCALL,
+     "lease(keys, eligible, out) -> tier, or -1 (nothing changed): leases every block READY in one eligible tier"},
+    {"release", (PyCFunction)(void (*)(void))ResidentPath_release, METH_FASTCALL,
+     "release(tier, slots) -> the slots now unread and FREEING"},
+    {"absent", (PyCFunction)ResidentPath_absent, METH_O, "absent(keys) -> whether no key is indexed"},
+    {"evict", (PyCFunction)(void (*)(void))ResidentPath_evict, METH_FASTCALL,
+     "evict(tier, n, out_ids, out_slots) -> prefetched victims, or -1 (nothing changed): drops the n oldest unprotected"},
+    {"claim", (PyCFunction)(void (*)(void))ResidentPath_claim, METH_FASTCALL,
+     "claim(tier, ids, slots): each block's new copy WRITING in its slot"},
+    {"ready", (PyCFunction)(void (*)(void))ResidentPath_ready, METH_FASTCALL,
+     "ready(tier, ids, slots): each WRITING copy READY, the newest in the tier's LRU"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ResidentPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._keytable.ResidentPath",
+    .tp_doc = "The manager's verbs for a batch that stays in one memory tier (see kvtier/_keytable.c).",
+    .tp_basicsize = sizeof(ResidentPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = ResidentPath_new,
+    .tp_dealloc = (destructor)ResidentPath_dealloc,
+    .tp_traverse = (traverseproc)ResidentPath_traverse,
+    .tp_clear = (inquiry)ResidentPath_clear,
+    .tp_methods = ResidentPath_methods,
+};
+
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT, "kvtier._keytable", "Block keys -> ids without an object per key.", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable(void) {
     if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&KeyListType) < 0 || PyType_Ready(&KeyListIterType) < 0
-        || PyType_Ready(&SlotListType) < 0)
+        || PyType_Ready(&SlotListType) < 0 || PyType_Ready(&ResidentPathType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&keytable_module);
     if (m == NULL)
@@ -1618,6 +2113,12 @@ PyMODINIT_FUNC PyInit__keytable(void) {
     Py_INCREF(&SlotListType);
     if (PyModule_AddObject(m, "SlotList", (PyObject *)&SlotListType) < 0) {
         Py_DECREF(&SlotListType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ResidentPathType);
+    if (PyModule_AddObject(m, "ResidentPath", (PyObject *)&ResidentPathType) < 0) {
+        Py_DECREF(&ResidentPathType);
         Py_DECREF(m);
         return NULL;
     }

@@ -31,6 +31,7 @@ from kvtier.moving.handle import Stage, TransferHandle
 from kvtier.observing.stats import Stats
 from kvtier.plan_runner import PlanRunner
 from kvtier.policy import make_policy
+from kvtier.resident import ResidentPath
 from kvtier.tiers.base import Tier
 from kvtier.tiers.build import build_tier
 from kvtier.tiers.health import TierService
@@ -107,6 +108,8 @@ class KVTier:
         self._lock = threading.RLock()
         self._runner = PlanRunner(self.tiers, self.layout, self.manager, self.engine, self._lock, self.stats,
                                   lambda tier, failure: self._service.note(tier, failure), self.cost)
+        self._resident = ResidentPath(self.tiers, self.layout, self.manager, self.engine, self._runner, self.cost,
+                                      self._lock)
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
         # The tier other processes store into too (the pool), asked for what the index lacks.
@@ -172,6 +175,11 @@ class KVTier:
         """
         if background and sync:
             raise ValueError("store: background and sync exclude each other (nobody waits, or the caller does)")
+        if not background:
+            room = self.config.transfer.max_store_backlog_bytes - self._backlog_bytes
+            done = self._resident.store(keys, blocks, target, sync, room)
+            if done is not None:
+                return done
         buffers = self._caller_ends(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
@@ -209,6 +217,9 @@ class KVTier:
         handle at once: the copies run in its thread (no hand-off to a worker and back), the
         handle is done on return, and a hung disk or node holds the caller (no wait timeout).
         """
+        done = self._resident.load(keys, into, sync)
+        if done is not None:
+            return done
         buffers = self._caller_ends(keys, into, "into")
         with self._lock:
             plan = self.manager.prepare_load(keys)

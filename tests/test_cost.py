@@ -144,7 +144,7 @@ def test_a_background_store_never_runs_in_the_callers_thread(tmp_path):
         h = kv.store([7], data[:1], background=True)  # one small host block: inline unless background
         assert h.wait(WAIT_S) and not h.failed
         assert len(ran_in) == 1 and ran_in[0] != threading.get_ident()
-        assert kv.store([8], data[1:]).done()  # the engine's default: inline, done on return
-        assert ran_in[-1] == threading.get_ident()
+        assert kv.store([8], data[1:]).done()  # the default: in this thread, done on return
+        assert len(ran_in) == 1, "no job for the engine's workers: the resident path copied it here"
         out = torch.empty(2, LAYOUT.block_bytes, dtype=torch.uint8)
         assert kv.load([7, 8], out).wait(WAIT_S) and torch.equal(out, data)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier._keytable import KeyTable
@@ -176,6 +176,30 @@ class BlockIndex:
             self._next_id = block + 1
         self.ids[key] = block
         return block
+
+    def add_many(self, keys: Sequence[Hashable]) -> array:
+        """Indexes `keys` (none indexed yet, each once) with no copy; returns their ids."""
+        n, reuse = len(keys), self._reuse
+        taken = min(n, len(reuse))
+        fresh = n - taken
+        while self._next_id + fresh > self._allocated:
+            self._grow()
+        ids = reuse[len(reuse) - taken:]
+        ids.reverse()  # the order `add` pops them in
+        del reuse[len(reuse) - taken:]
+        ids.extend(range(self._next_id, self._next_id + fresh))
+        self._next_id += fresh
+        table = self.ids
+        for key, block in zip(keys, ids):
+            table[key] = block
+        return ids
+
+    def forget(self, blocks: array) -> None:
+        """`remove`'s bookkeeping for blocks whose key and columns `ResidentPath.evict` cleared."""
+        if self.checksums:
+            for block in blocks:
+                self.checksums.pop(block, None)
+        self._reuse.extend(blocks)
 
     def remove(self, block: int) -> None:
         """Forgets block `block` (it holds no copy any more); its id is reused."""

@@ -30,7 +30,10 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from array import array
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+
+from kvtier._keytable import ResidentPath
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.deciding.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
@@ -38,6 +41,7 @@ from kvtier.deciding.plans import (Fallback, LoadPlan, LoadSource, Move, MoveRea
                           TierSlots)
 from kvtier.policy.admission import AdmissionKind
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.lru import SlotLRUPolicy
 from kvtier.observing.stats import DropReason, Stats
 from kvtier.kinds import CacheMode, TierKind
 
@@ -172,6 +176,15 @@ class TierManager:
                                   if getattr(t.policy, "chain_aware", False))
         # Per tier number, its policy's `touch` (`touch` reads tier numbers out of the index's columns).
         self._touch_at = [self._policies[k].touch if k in self._policies else None for k in _KINDS]
+        # Batches that stay in one memory tier, one C call per verb (see `lease_resident`): the
+        # tiers whose slots are memory the caller's buffers are copied to and from directly (the
+        # runtime says which: `serve_resident`), and of those, the ones a load may be served from
+        # and a store written into that way (`_derive_resident`).
+        self._resident = ResidentPath(index.ids, index.ready, index.hits, index.prefetched, index.pins,
+                                      index.num_copies, index.slot, index.owner, index.state, index.readers,
+                                      [self._policies.get(k) for k in _KINDS])
+        self._memory_tiers: frozenset[TierKind] = frozenset()
+        self._derive_resident()
 
     def _derive_cascade(self) -> None:
         """The per-tier tables that follow from the order and the tiers out of service."""
@@ -188,6 +201,26 @@ class TierManager:
         self._watermarked = tuple((k, t, self._slots[k].free, t.high_watermark * t.num_slots)
                                   for k, t in self._tiers.items()
                                   if t.high_watermark < 1 and k not in down and self._below[k])
+
+    def _derive_resident(self) -> None:
+        """Which memory tiers a load may be served from in one call (`lease_resident`: the tier's
+        policy is kvtier's slot LRU, which the C verbs update, and no promotion out of it is due),
+        and which a store may be written into that way (`place_resident`: also, the tier takes
+        every block and keeps it, and no store writes a second copy anywhere)."""
+        lru = {k for k in self._memory_tiers if type(self._policies[k]) is SlotLRUPolicy}
+        up = self._promote_now
+        loads = bytearray(len(_KINDS))
+        for k in lru:
+            loads[k] = up is None or k <= up
+        self._resident_loads = bytes(loads)
+        single = self.mode is _EXCLUSIVE and not self._write_through
+        self._resident_stores = frozenset(k for k in lru if single and self._admits_all[k] and k not in self._may_drop)
+
+    def serve_resident(self, tiers: Collection[TierKind]) -> None:
+        """Names the tiers whose slots are memory that batches are copied to and from in one
+        native call (`lease_resident`, `place_resident`); the runtime's to say, once."""
+        self._memory_tiers = frozenset(t for t in tiers if t in self._tiers)
+        self._derive_resident()
 
     # ---- tiers in and out of service -----------------------------------------------------
 
@@ -207,6 +240,7 @@ class TierManager:
             raise KVTierError(f"tier {tier.name} is not configured")
         self._down = self._down - {tier} if available else self._down | {tier}
         self._derive_cascade()
+        self._derive_resident()
         self._rebalance()
         return self._drain()
 
@@ -613,6 +647,81 @@ class TierManager:
                 self._retire(block, tier, reason)
             else:
                 self._settle(block, tier)
+        self._rebalance()
+        return self._drain()
+
+    # ---- batches that stay in one memory tier ----------------------------------------------
+
+    def lease_resident(self, keys: Sequence[Hashable], slots: array) -> TierKind | None:
+        """`prepare_load` for the commonest load, in one C call: every block READY in one memory
+        tier that `_derive_resident` allows, no tier out of service, no promotion or prefetch in
+        flight (a load would join it), none of the blocks prefetched and not loaded since. Then
+        the plan would be one read per block from its slot, leased until `end_resident`: this
+        leases the same slots (into `slots`, one per key), counts the hits and touches the LRU.
+        None: nothing changed, take `prepare_load`."""
+        if self._down or self._inbound or self._queue is not None:
+            return None
+        tier = self._resident.lease(keys, self._resident_loads, slots)
+        if tier < 0:
+            return None
+        kind = _KINDS[tier]
+        self.stats.hits[kind] += len(keys)
+        return kind
+
+    def end_resident(self, tier: TierKind, slots: array) -> tuple[Move, ...]:
+        """`complete_load` for `lease_resident`'s leases (reads from memory do not fail)."""
+        for slot in self._resident.release(tier, slots):  # evicted while read: freed now
+            self._free(self._owner[tier][slot], tier, slot)
+        self._rebalance()
+        return self._drain()
+
+    def place_resident(self, keys: Sequence[Hashable], target: TierKind | None = None
+                       ) -> tuple[TierKind, array, array] | None:
+        """`prepare_store` for the commonest store, in a few C calls: every key new, into one
+        memory tier that `_derive_resident` allows (`target`, default the top tier) with no tier
+        out of service, which has a free slot for each or else nothing below it (its oldest
+        unprotected blocks are then dropped, as `_evict` drops a victim of the last tier, each its
+        block's only copy). Returns (tier, block ids, slots), their copies WRITING until
+        `finish_resident`; None: nothing changed, take `prepare_store`."""
+        tier = self.order[0] if target is None else target
+        if self._down or self._queue is not None or tier not in self._resident_stores:
+            return None
+        if not self._resident.absent(keys):
+            return None
+        n, free = len(keys), self._free_lists[tier]
+        short = n - len(free)
+        if short > 0:
+            if self._below[tier]:
+                return None  # its victims would be demoted: moves, the general path's
+            victims, victim_slots = array("i", bytes(4 * short)), array("i", bytes(4 * short))
+            wasted = self._resident.evict(tier, short, victims, victim_slots)
+            if wasted < 0:
+                return None
+            self.index.forget(victims)
+            self.stats.evictions[tier] += short
+            self.stats.dropped[_EVICTED] += short
+            self.stats.prefetch_wasted += wasted
+        taken = min(n, len(free))  # popped from the end, as `_free_slot` does, then the victims'
+        slots = free[len(free) - taken:]
+        slots.reverse()
+        del free[len(free) - taken:]
+        if short > 0:
+            slots.extend(victim_slots)
+        ids = self.index.add_many(keys)
+        self._resident.claim(tier, ids, slots)
+        return tier, ids, slots
+
+    def finish_resident(self, placed: tuple[TierKind, array, array], ok: bool = True) -> tuple[Move, ...]:
+        """`complete_store` for `place_resident`'s copies: all READY, or all failed (`ok` False:
+        a bug in the copy, since memory copies do not fail otherwise). Returns the demotions due."""
+        tier, ids, slots = placed
+        if ok:
+            self._resident.ready(tier, ids, slots)
+            self.stats.stores[tier] += len(ids)
+        else:
+            for block in ids:
+                self.stats.io_errors += 1
+                self._release(block, tier, DropReason.STORE_FAILED)
         self._rebalance()
         return self._drain()
 

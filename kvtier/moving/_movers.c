@@ -14,6 +14,9 @@
  *       number of mismatches. With threads > 1, `threads` native threads share the batch; plain
  *       copies (no seeds) are cut into pieces of at least PIECE_BYTES so that one large range is
  *       shared too (a checksum is one sequential pass, so a checked range stays whole).
+ *   copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1)
+ *       `copy` between rows `slots[i]` of a slab and rows `i` of a caller's buffer (see below),
+ *       its descriptors computed here from the two bases and strides and the int32 `slots`.
  *   pread(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *   pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *       For each i: the whole range read from (written to) file descriptor fds[i] at offsets[i],
@@ -215,6 +218,69 @@ done:
     return result;
 }
 
+/* copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1):
+ * `copy` of `length` bytes between row slots[i] of a slab (at slab + slots[i] * slab_stride) and
+ * row i of a caller's buffer (rows + i * row_stride), for each i: into the buffer where `to_rows`,
+ * else out of it. The descriptors are computed here, from the two bases and an int32 array of
+ * slots, so that the caller builds none. A slot outside [0, slab_rows) is a ValueError, before
+ * anything is copied. */
+static PyObject *movers_copy_slots(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"slab", "slab_stride", "slab_rows", "rows", "row_stride", "slots", "length", "to_rows",
+                            "threads", NULL};
+    unsigned long long slab, slab_stride, rows, row_stride, length;
+    Py_ssize_t slab_rows;
+    PyObject *slots;
+    int to_rows;
+    long threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKnKKOKp|l:copy_slots", names, &slab, &slab_stride, &slab_rows,
+                                     &rows, &row_stride, &slots, &length, &to_rows, &threads))
+        return NULL;
+    Arg a[1];
+    memset(a, 0, sizeof a);
+    Py_ssize_t n = -1;
+    uint64_t *descriptors = NULL, *pieces = NULL;
+    PyObject *result = NULL;
+    if (check_threads(threads) < 0 || take(&a[0], slots, "slots", 4, &n, 0) < 0)
+        goto done;
+    if (!a[0].held) {
+        PyErr_SetString(PyExc_TypeError, "copy_slots: slots is a required array");
+        goto done;
+    }
+    const int32_t *at = data(&a[0]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (at[i] < 0 || at[i] >= slab_rows) {
+            PyErr_Format(PyExc_ValueError, "copy_slots: slot %d of a slab of %zd rows", (int)at[i], slab_rows);
+            goto done;
+        }
+    }
+    descriptors = PyMem_RawMalloc(sizeof(uint64_t) * 3 * (size_t)(n ? n : 1));
+    if (descriptors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *in_slab = descriptors, *in_rows = descriptors + n, *lengths = descriptors + 2 * n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        in_slab[i] = slab + (uint64_t)at[i] * slab_stride;
+        in_rows[i] = rows + (uint64_t)i * row_stride;
+        lengths[i] = length;
+    }
+    Batch b = {.n = n, .step = copy_step, .src = to_rows ? in_slab : in_rows, .dst = to_rows ? in_rows : in_slab,
+               .lengths = lengths};
+    if (threads > 1 && split(&b, threads, &pieces) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run(&b, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(pieces);
+    PyMem_RawFree(descriptors);
+    release(a, 1);
+    return result;
+}
+
 /* ---- file I/O ----------------------------------------------------------------------------- */
 
 static void pread_step(Batch *b, Py_ssize_t i) {
@@ -299,6 +365,8 @@ static PyObject *movers_pwrite(PyObject *self, PyObject *args, PyObject *kwargs)
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))movers_copy, METH_VARARGS | METH_KEYWORDS,
      "copy(src, dst, lengths, seeds=None, sums=None, expect=None, bad=None, threads=1) -> mismatches"},
+    {"copy_slots", (PyCFunction)(void (*)(void))movers_copy_slots, METH_VARARGS | METH_KEYWORDS,
+     "copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1)"},
     {"pread", (PyCFunction)(void (*)(void))movers_pread, METH_VARARGS | METH_KEYWORDS,
      "pread(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
     {"pwrite", (PyCFunction)(void (*)(void))movers_pwrite, METH_VARARGS | METH_KEYWORDS,

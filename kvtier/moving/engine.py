@@ -44,11 +44,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from kvtier.moving.copies import BlockCopy, CopyOp, Endpoint, Route, SpanBatch, StageError, block_seed, layer_checksum
 from kvtier.moving.cpus import pin_thread
-from kvtier.errors import TierUnavailable, TransferError
+from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.moving.handle import Failure, Stage, TransferHandle
 from kvtier.model.layout import BlockLayout
 from kvtier.moving.routes import BuiltinRoutes
@@ -120,7 +121,8 @@ class TransferEngine:
         # hash is a Python call (~250 ns a medium on this host), its id a C one, and members are
         # singletons, so the id names the member.
         self._by_id: dict[tuple[int, int], Route] = {}
-        for (src, dst), route in self._builtin_routes().items():
+        self._builtin_table = self._builtin_routes()
+        for (src, dst), route in self._builtin_table.items():
             self.add_route(src, dst, route)
         self._closed = False
 
@@ -229,6 +231,40 @@ class TransferEngine:
         self._run(self._lanes[0], list(ops), routes, names, handle, on_done, None, time.perf_counter(), whole=True)
         return handle
 
+    def runs_inline(self, num_bytes: int) -> bool:
+        """Whether a batch of `num_bytes` between host memories may run in the caller's thread
+        (`inline_bytes`; never with CUDA present, whose streams order the caller's work)."""
+        return self._cuda is None and num_bytes <= self.inline_bytes
+
+    def copies_rows(self, medium: enum.Enum) -> bool:
+        """Whether `copy_rows` may copy between a tier of `medium` and host memory: the route
+        table's entries between the two are the built-in ones (a route `add_route` put there
+        must see every copy it routes)."""
+        host, routes, builtin = Medium.HOST, self._routes, self._builtin_table
+        return routes.get((medium, host)) is builtin.get((medium, host)) is not None \
+            and routes.get((host, medium)) is builtin.get((host, medium))
+
+    def copy_rows(self, tier, slots, rows: torch.Tensor, into_rows: bool) -> None:
+        """Copies whole blocks between `slots` (int32) of a tier whose slots are host memory and
+        the rows of a caller's `[len(slots), block_bytes]` host buffer, row `i` with `slots[i]`,
+        in one native call in this thread; counted in the stats as the same batch of copies
+        through the route table would be. The runtime's resident path (`kvtier.resident`): it
+        needs no ops, no route lookup and no handle of its own; the caller checks `copies_rows`.
+
+        Raises:
+            TierIOError: the tier is closed.
+        """
+        memory = tier.memory_rows()
+        if memory is None:
+            raise TierIOError(f"tier {tier.kind.name} is closed")
+        started = time.perf_counter()
+        n, length = len(slots), self.layout.block_bytes
+        self._builtin.copy_slots(memory, slots, rows, into_rows)
+        ends = (Endpoint(tier=tier).name, Endpoint(buffer=rows).name)
+        src_name, dst_name = ends if into_rows else ends[::-1]
+        self.stats.add_bytes(src_name, dst_name, n * length)
+        self.stats.observe_transfer(src_name, dst_name, time.perf_counter() - started, n)
+
     def _routes_of(self, ops: Sequence[CopyOp]) -> tuple[list[Route], list[tuple[tuple[str, str], int]]]:
         """Each op's route, and the batch's stats labels (`_route_names`); one lookup for the usual
         batch, whose copies all join the same two tiers or buffers.
@@ -250,7 +286,7 @@ class TransferEngine:
     def _runs_inline(self, ops: Sequence[CopyOp], routes: list[Route]) -> bool:
         """Whether `ops` qualify to run in the caller's thread (see `inline_bytes`): few enough
         bytes, copies between memories alone, without CUDA, none waiting on another transfer."""
-        if self._cuda is not None or len(ops) * self.layout.block_bytes > self.inline_bytes:
+        if not self.runs_inline(len(ops) * self.layout.block_bytes):
             return False
         for op, route in zip(ops, routes):
             if route.io or op.after is not None:

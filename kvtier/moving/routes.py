@@ -152,12 +152,23 @@ class BuiltinRoutes:
         self._device_copier = device_copier
         self._copy_threads = copy_threads
 
-    def _plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int) -> None:
+    def plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int) -> None:
         """One native copy of `length` bytes from each address of `src` to the same row of `dst`,
         on as many threads as the batch's size warrants."""
         n = len(src)
-        threads = min(self._copy_threads, n * length // PARALLEL_COPY_BYTES) or 1
-        _movers.copy(src, dst, np.full(n, length, np.uint64), threads=threads)
+        _movers.copy(src, dst, np.full(n, length, np.uint64), threads=self._threads(n * length))
+
+    def copy_slots(self, slab: torch.Tensor, slots, rows: torch.Tensor, to_rows: bool) -> None:
+        """One native copy of whole blocks between rows `slots` (int32) of a host `slab` and the
+        rows of a host buffer, in order (into the buffer where `to_rows`), on as many threads as
+        the batch's size warrants."""
+        length = self.layout.block_bytes
+        _movers.copy_slots(slab.data_ptr(), slab.stride(0), slab.shape[0], rows.data_ptr(), rows.stride(0), slots,
+                           length, to_rows, threads=self._threads(len(slots) * length))
+
+    def _threads(self, num_bytes: int) -> int:
+        """Threads for a plain copy of `num_bytes`: each takes at least `PARALLEL_COPY_BYTES`."""
+        return min(self._copy_threads, num_bytes // PARALLEL_COPY_BYTES) or 1
 
     # ---- memory ↔ memory ----------------------------------------------------------------------
 
@@ -169,7 +180,7 @@ class BuiltinRoutes:
             src = addresses.column([op.src for op in ops], offset)
             dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
             if dst is not None:
-                self._plain_copy(src, dst, length)
+                self.plain_copy(src, dst, length)
                 return
         plain_src: list[int] = []
         plain_dst: list[int] = []
@@ -186,7 +197,7 @@ class BuiltinRoutes:
             else:
                 summed.append((i, src, dst))
         if plain_src:
-            self._plain_copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), length)
+            self.plain_copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), length)
         if summed:
             self._summed(batch, summed, copy=True)
 

@@ -1,0 +1,132 @@
+"""The resident path: a load or store that stays in one memory tier, without a plan.
+
+Most of what an engine asks is a load whose blocks are all in DRAM, or a store of new blocks
+into DRAM. The general path spends a few Python steps per block on it (a plan entry, a copy op,
+a route lookup, a completion entry), ~7 µs a block on a 2-vCPU host, more than a 64 KiB block's
+copy. Here the same decisions are a few C calls over the manager's columns for the whole batch
+(`TierManager.lease_resident`/`end_resident`, `place_resident`/`finish_resident`) and the copy
+one native call (`TransferEngine.copy_rows`), in the caller's thread.
+
+A batch qualifies when the caller's blocks are one `[n, block_bytes]` host tensor with dense rows
+and the manager finds it plain (see its verbs); anything else (a miss, a block in flight or on
+SSD, a promotion due, a full tier with a tier below, duplicate keys, a bad argument) returns None
+before changing anything, and the caller takes the general path, which also gives the errors.
+What the general path would count (hits, stores, evictions, bytes and latency per route, the
+load-time estimate) is counted the same; `tests/test_resident.py` holds the two paths equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from kvtier.deciding.cost import LoadCost
+from kvtier.deciding.manager import TierManager
+from kvtier.kinds import TierKind
+from kvtier.model.layout import BlockLayout
+from kvtier.moving.engine import TransferEngine
+from kvtier.moving.handle import Stage, TransferHandle
+from kvtier.plan_runner import PlanRunner
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+class ResidentPath:
+    """Loads and stores of one runtime that stay in one memory tier (see the module docstring).
+
+    Args:
+        tiers, layout, manager, engine, runner, cost: the runtime's.
+        lock: the runtime's lock: the manager is asked and told only under it.
+    """
+
+    def __init__(self, tiers: Mapping[TierKind, Tier], layout: BlockLayout, manager: TierManager,
+                 engine: TransferEngine, runner: PlanRunner, cost: LoadCost, lock: threading.RLock) -> None:
+        self.tiers, self.layout, self.manager, self.engine = tiers, layout, manager, engine
+        self._runner, self._cost, self._lock = runner, cost, lock
+        memory = [kind for kind, tier in tiers.items() if _host_rows(tier)]
+        manager.serve_resident(memory)
+        self._media = tuple({tiers[kind].medium for kind in memory})
+
+    def load(self, keys: Sequence[Hashable], into, sync: bool) -> TransferHandle | None:
+        """`KVTier.load` of `keys` into `into`, done and returned as a finished handle; None where
+        the batch does not qualify (nothing changed)."""
+        rows = self._rows(keys, into, sync)
+        if rows is None:
+            return None
+        slots = array("i", bytes(4 * len(keys)))
+        with self._lock:
+            tier = self.manager.lease_resident(keys, slots)
+        if tier is None:
+            return None
+        started = time.perf_counter()
+        error = self._copy(tier, slots, rows, into_rows=True)
+        with self._lock:
+            self._runner.submit_moves(self.manager.end_resident(tier, slots))
+            self.manager.order_chain(keys)
+        if error is None:
+            self._cost.note_load(tier, len(keys), time.perf_counter() - started)
+        return self._handle(keys, error)
+
+    def store(self, keys: Sequence[Hashable], blocks, target: TierKind | None, sync: bool,
+              backlog_room: int) -> TransferHandle | None:
+        """`KVTier.store` of `keys` from `blocks` into `target`, done and returned as a finished
+        handle; None where the batch does not qualify (nothing changed). `backlog_room`: bytes
+        the store backlog has left (a batch it would not take entirely goes the general way)."""
+        rows = self._rows(keys, blocks, sync)
+        if rows is None or len(keys) * self.layout.block_bytes > backlog_room:
+            return None
+        with self._lock:
+            placed = self.manager.place_resident(keys, target)
+        if placed is None:
+            return None
+        error = self._copy(placed[0], placed[2], rows, into_rows=False)
+        with self._lock:
+            self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
+            self.manager.order_chain(keys)
+        return self._handle(keys, error)
+
+    def _rows(self, keys: Sequence[Hashable], blocks, sync: bool) -> torch.Tensor | None:
+        """`blocks` where the batch may take this path: a `[len(keys), block_bytes]` uint8 host
+        tensor with dense, disjoint rows, distinct keys, run in this thread (`sync`, or small
+        enough to run inline), the memory tiers' routes the built-in ones; else None."""
+        n, size = len(keys), self.layout.block_bytes
+        if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n
+                and (sync or self.engine.runs_inline(n * size))):
+            return None
+        if not all(self.engine.copies_rows(medium) for medium in self._media):
+            return None  # a route replaced (`TransferEngine.add_route`) must see its copies
+        if (blocks.shape[0] != n or blocks.shape[1] != size or blocks.dtype != torch.uint8 or blocks.is_cuda
+                or (size > 1 and blocks.stride(1) != 1) or (n > 1 and blocks.stride(0) < size)):
+            return None
+        if len(set(keys)) != n:
+            return None
+        return blocks
+
+    def _copy(self, tier: TierKind, slots: array, rows: torch.Tensor, into_rows: bool) -> BaseException | None:
+        """The batch's copy; the error that stopped it (a bug: memory copies do not fail), or None."""
+        try:
+            self.engine.copy_rows(self.tiers[tier], slots, rows, into_rows)
+        except Exception as e:
+            log.exception("resident copy of %d blocks failed", len(slots))
+            return e
+        return None
+
+    def _handle(self, keys: Sequence[Hashable], error: BaseException | None) -> TransferHandle:
+        handle = TransferHandle(keys, self.layout.num_layers)
+        if error is not None:
+            for key in keys:
+                handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
+        handle.finish(error)  # as the transfer engine finishes one whose route raised
+        return handle
+
+
+def _host_rows(tier: Tier) -> bool:
+    """Whether `tier`'s slots are host memory that a copy addresses directly."""
+    rows = tier.memory_rows()
+    return rows is not None and rows.is_cpu and rows.dim() == 2
