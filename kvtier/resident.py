@@ -8,7 +8,9 @@ copy. Here the same decisions are a few C calls over the manager's columns for t
 one native call (`TransferEngine.copy_rows`), in the caller's thread.
 
 A batch qualifies when the caller's blocks are one `[n, block_bytes]` host tensor with dense rows
-and the manager finds it plain (see its verbs); anything else (a miss, a block in flight or on
+and the manager finds it plain (see its verbs); a background store (an engine saving what it
+computed) is decided in the caller's thread and copied on a background worker, the others are
+copied in the caller's thread; anything else (a miss, a block in flight or on
 SSD, a promotion due, a full tier with a tier below, duplicate keys, a bad argument) returns None
 before changing anything, and the caller takes the general path, which also gives the errors.
 What the general path would count (hits, stores, evictions, bytes and latency per route, the
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -43,12 +45,15 @@ class ResidentPath:
     Args:
         tiers, layout, manager, engine, runner, cost: the runtime's.
         lock: the runtime's lock: the manager is asked and told only under it.
+        backlog: `backlog(n)`, under the lock: whether the store backlog has room for `n` more
+            bytes, taking them if so (`backlog(-n)` gives them back).
     """
 
     def __init__(self, tiers: Mapping[TierKind, Tier], layout: BlockLayout, manager: TierManager,
-                 engine: TransferEngine, runner: PlanRunner, cost: LoadCost, lock: threading.RLock) -> None:
+                 engine: TransferEngine, runner: PlanRunner, cost: LoadCost, lock: threading.RLock,
+                 backlog: Callable[[int], bool]) -> None:
         self.tiers, self.layout, self.manager, self.engine = tiers, layout, manager, engine
-        self._runner, self._cost, self._lock = runner, cost, lock
+        self._runner, self._cost, self._lock, self._backlog = runner, cost, lock, backlog
         memory = [kind for kind, tier in tiers.items() if _host_rows(tier)]
         manager.serve_resident(memory)
         self._media = tuple({tiers[kind].medium for kind in memory})
@@ -74,30 +79,46 @@ class ResidentPath:
         return self._handle(keys, error)
 
     def store(self, keys: Sequence[Hashable], blocks, target: TierKind | None, sync: bool,
-              backlog_room: int) -> TransferHandle | None:
-        """`KVTier.store` of `keys` from `blocks` into `target`, done and returned as a finished
-        handle; None where the batch does not qualify (nothing changed). `backlog_room`: bytes
-        the store backlog has left (a batch it would not take entirely goes the general way)."""
-        rows = self._rows(keys, blocks, sync)
-        if rows is None or len(keys) * self.layout.block_bytes > backlog_room:
+              background: bool) -> TransferHandle | None:
+        """`KVTier.store` of `keys` from `blocks` into `target`; None where the batch does not
+        qualify (nothing changed). Done and returned as a finished handle, or, for a `background`
+        store, copied by a background worker (the caller's thread is left to its own work) and
+        returned at once, its handle finished when the blocks are READY."""
+        rows = self._rows(keys, blocks, sync or (background and self.engine.host_only))
+        if rows is None:
             return None
+        size = len(keys) * self.layout.block_bytes
         with self._lock:
+            if not self._backlog(size):  # a batch the backlog would not take whole: the general path drops
+                return None
             placed = self.manager.place_resident(keys, target)
-        if placed is None:
-            return None
-        error = self._copy(placed[0], placed[2], rows, into_rows=False)
-        with self._lock:
-            self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
-            self.manager.order_chain(keys)
-        return self._handle(keys, error)
+            if placed is None:
+                self._backlog(-size)
+                return None
+        handle = TransferHandle(keys, self.layout.num_layers)
 
-    def _rows(self, keys: Sequence[Hashable], blocks, sync: bool) -> torch.Tensor | None:
+        def copy() -> None:
+            error = self._copy(placed[0], placed[2], rows, into_rows=False)
+            with self._lock:
+                self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
+                self.manager.order_chain(keys)
+                self._backlog(-size)
+            self._finish(handle, error)
+
+        if background:
+            self.engine.run_job(copy)
+        else:
+            copy()
+        return handle
+
+    def _rows(self, keys: Sequence[Hashable], blocks, now: bool) -> torch.Tensor | None:
         """`blocks` where the batch may take this path: a `[len(keys), block_bytes]` uint8 host
-        tensor with dense, disjoint rows, distinct keys, run in this thread (`sync`, or small
-        enough to run inline), the memory tiers' routes the built-in ones; else None."""
+        tensor with dense, disjoint rows, distinct keys, copied at once (`now`: sync, or a
+        background store; or small enough to run inline), the memory tiers' routes the built-in
+        ones; else None."""
         n, size = len(keys), self.layout.block_bytes
         if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n
-                and (sync or self.engine.runs_inline(n * size))):
+                and (now or self.engine.runs_inline(n * size))):
             return None
         if not all(self.engine.copies_rows(medium) for medium in self._media):
             return None  # a route replaced (`TransferEngine.add_route`) must see its copies
@@ -119,11 +140,15 @@ class ResidentPath:
 
     def _handle(self, keys: Sequence[Hashable], error: BaseException | None) -> TransferHandle:
         handle = TransferHandle(keys, self.layout.num_layers)
+        self._finish(handle, error)
+        return handle
+
+    @staticmethod
+    def _finish(handle: TransferHandle, error: BaseException | None) -> None:
         if error is not None:
-            for key in keys:
+            for key in handle.keys:
                 handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
         handle.finish(error)  # as the transfer engine finishes one whose route raised
-        return handle
 
 
 def _host_rows(tier: Tier) -> bool:

@@ -109,7 +109,7 @@ class KVTier:
         self._runner = PlanRunner(self.tiers, self.layout, self.manager, self.engine, self._lock, self.stats,
                                   lambda tier, failure: self._service.note(tier, failure), self.cost)
         self._resident = ResidentPath(self.tiers, self.layout, self.manager, self.engine, self._runner, self.cost,
-                                      self._lock)
+                                      self._lock, self._take_backlog)
         self._service = TierService(self.tiers, self._lock, self._set_available, self.stats,
                                     config.transfer.tier_retry_s, config.transfer.tier_retry_max_s)
         # The tier other processes store into too (the pool), asked for what the index lacks.
@@ -175,11 +175,9 @@ class KVTier:
         """
         if background and sync:
             raise ValueError("store: background and sync exclude each other (nobody waits, or the caller does)")
-        if not background:
-            room = self.config.transfer.max_store_backlog_bytes - self._backlog_bytes
-            done = self._resident.store(keys, blocks, target, sync, room)
-            if done is not None:
-                return done
+        done = self._resident.store(keys, blocks, target, sync, background)
+        if done is not None:
+            return done
         buffers = self._caller_ends(keys, blocks, "blocks")
         with self._lock:
             taken, over = self._within_backlog(keys)
@@ -368,6 +366,18 @@ class KVTier:
         return TierSlots(cfg.kind, tier.num_slots, make_policy(cfg.policy, tier.num_slots),
                          cfg.admission, cfg.high_watermark, cfg.low_watermark, write_through, tier.may_drop)
 
+    def _backlog_room(self) -> int:
+        """Bytes the store backlog has left (caller holds the lock)."""
+        return self.config.transfer.max_store_backlog_bytes - self._backlog_bytes
+
+    def _take_backlog(self, num_bytes: int) -> bool:
+        """Takes `num_bytes` of the store backlog where it has room (a negative count gives
+        them back); whether it did. Caller holds the lock."""
+        if num_bytes > self._backlog_room():
+            return False
+        self._backlog_bytes += num_bytes
+        return True
+
     def _within_backlog(self, keys: Sequence[Hashable]) -> tuple[Sequence[Hashable], Sequence[Hashable]]:
         """The leading keys whose stores fit in the backlog, and the rest (counted as dropped).
 
@@ -375,8 +385,7 @@ class KVTier:
         `transfer.max_store_backlog_bytes` a new block is dropped at once, never queued for a
         stall. Caller holds the lock.
         """
-        room = self.config.transfer.max_store_backlog_bytes - self._backlog_bytes
-        fits = max(room // self.layout.block_bytes, 0)
+        fits = max(self._backlog_room() // self.layout.block_bytes, 0)
         if fits >= len(keys):
             return keys, ()
         self.stats.dropped[DropReason.BACKLOG] += len(keys) - fits

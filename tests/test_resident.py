@@ -233,7 +233,7 @@ def test_copy_slots_moves_whole_rows_both_ways_and_checks_every_slot_first(threa
 
 RUNTIME_STEPS = st.lists(st.tuples(st.sampled_from(["store", "load", "load", "prefetch", "pin", "unpin"]),
                                    st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True),
-                                   st.booleans()),
+                                   st.sampled_from(["sync", "async", "background"])),
                          min_size=1, max_size=20)
 
 
@@ -248,9 +248,10 @@ def test_a_runtime_with_the_resident_path_serves_and_counts_as_one_without(tmp_p
     general._resident._media = ()  # the general path only
     universe = list(range(10))
     try:
-        for op, keys, sync in steps:
+        for op, keys, how in steps:
+            sync, background = how == "sync", how == "background"
             if op == "store":
-                a, b = (kv.store(keys, blocks(keys), sync=sync) for kv in (fast, general))
+                a, b = (kv.store(keys, blocks(keys), sync=sync, background=background) for kv in (fast, general))
             elif op == "load":
                 outs = [torch.zeros(len(keys), BLOCK, dtype=torch.uint8) for _ in range(2)]
                 a, b = (kv.load(keys, out, sync=sync) for kv, out in zip((fast, general), outs))

@@ -231,6 +231,22 @@ class TransferEngine:
         self._run(self._lanes[0], list(ops), routes, names, handle, on_done, None, time.perf_counter(), whole=True)
         return handle
 
+    @property
+    def host_only(self) -> bool:
+        """Whether no CUDA device is in use (then no copy waits on a stream's work)."""
+        return self._cuda is None
+
+    def run_job(self, job: Callable[[], None], background: bool = True) -> None:
+        """Runs `job` on a worker of the background lane (or the foreground's), as a batch's
+        copies run; for the resident path's background stores (`kvtier.resident`).
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        self._lanes[background].jobs.submit(job)
+
     def runs_inline(self, num_bytes: int) -> bool:
         """Whether a batch of `num_bytes` between host memories may run in the caller's thread
         (`inline_bytes`; never with CUDA present, whose streams order the caller's work)."""
