@@ -99,16 +99,26 @@ class ResidentPath:
 
         def copy() -> None:
             error = self._copy(placed[0], placed[2], rows, into_rows=False)
-            with self._lock:
-                self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
-                self.manager.order_chain(keys)
-                self._backlog(-size)
+            try:
+                with self._lock:
+                    self._backlog(-size)
+                    self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
+                    self.manager.order_chain(keys)
+            except BaseException as e:  # a bug: surfaced to every waiter by handle.wait(), never a hang
+                log.exception("completing a store of %d blocks failed", len(keys))
+                error = error or e
             self._finish(handle, error)
 
-        if background:
-            self.engine.run_job(copy)
-        else:
+        if not background:
             copy()
+            return handle
+        try:
+            self.engine.run_job(copy)
+        except RuntimeError:  # closed meanwhile: the copies are given back, as the caller is told
+            with self._lock:
+                self._runner.submit_moves(self.manager.finish_resident(placed, ok=False))
+                self._backlog(-size)
+            raise
         return handle
 
     def _rows(self, keys: Sequence[Hashable], blocks, now: bool) -> torch.Tensor | None:
@@ -118,11 +128,11 @@ class ResidentPath:
         ones; else None."""
         n, size = len(keys), self.layout.block_bytes
         if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n
-                and (now or self.engine.runs_inline(n * size))):
+                and (now or self.engine.runs_inline(n * size))) or self.engine.closed:
             return None
         if not all(self.engine.copies_rows(medium) for medium in self._media):
             return None  # a route replaced (`TransferEngine.add_route`) must see its copies
-        if (blocks.shape[0] != n or blocks.shape[1] != size or blocks.dtype != torch.uint8 or blocks.is_cuda
+        if (blocks.shape[0] != n or blocks.shape[1] != size or blocks.dtype != torch.uint8 or not blocks.is_cpu
                 or (size > 1 and blocks.stride(1) != 1) or (n > 1 and blocks.stride(0) < size)):
             return None
         if len(set(keys)) != n:

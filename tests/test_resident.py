@@ -313,3 +313,13 @@ def _refuse(verb):
     def refused(*args, **kwargs):
         raise AssertionError(f"{verb} called: the batch should have taken the resident path")
     return refused
+
+
+def test_after_close_a_store_or_load_raises_as_the_general_path_does(tmp_path):
+    kv = runtime(tmp_path, hbm=0, ssd=0)
+    assert not kv.store([1], blocks([1]), sync=True).failed
+    kv.close()
+    for call in (lambda: kv.store([2], blocks([2]), sync=True), lambda: kv.store([2], blocks([2]), background=True),
+                 lambda: kv.load([1], torch.zeros(1, BLOCK, dtype=torch.uint8), sync=True)):
+        with pytest.raises(RuntimeError, match="transfer engine is closed"):
+            call()

@@ -232,6 +232,10 @@ class TransferEngine:
         return handle
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def host_only(self) -> bool:
         """Whether no CUDA device is in use (then no copy waits on a stream's work)."""
         return self._cuda is None
