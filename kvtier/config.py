@@ -79,7 +79,8 @@ class TransferConfig:
     inline_bytes: int = 4 << 20
     # Native threads one host-memory copy of at least `PARALLEL_COPY_BYTES` (8 MiB) per thread
     # is shared among (1: never shared): on a 2-vCPU VM two threads move 1-4 MiB blocks about a
-    # third faster than one; below that, starting a thread costs more than it saves.
+    # third faster than one; below that, starting a thread costs more than it saves. Copies
+    # nobody waits for (demotions, prefetches, background stores) take one thread whatever their size.
     copy_threads: int = 2
     # A tier that fails as a whole leaves the cascade and is probed after this long, the wait
     # doubling with every failed probe up to `tier_retry_max_s` (see kvtier.tiers.health).

@@ -98,7 +98,7 @@ class ResidentPath:
         handle = TransferHandle(keys, self.layout.num_layers)
 
         def copy() -> None:
-            error = self._copy(placed[0], placed[2], rows, into_rows=False)
+            error = self._copy(placed[0], placed[2], rows, into_rows=False, background=background)
             try:
                 with self._lock:
                     self._backlog(-size)
@@ -139,10 +139,11 @@ class ResidentPath:
             return None
         return blocks
 
-    def _copy(self, tier: TierKind, slots: array, rows: torch.Tensor, into_rows: bool) -> BaseException | None:
+    def _copy(self, tier: TierKind, slots: array, rows: torch.Tensor, into_rows: bool,
+              background: bool = False) -> BaseException | None:
         """The batch's copy; the error that stopped it (a bug: memory copies do not fail), or None."""
         try:
-            self.engine.copy_rows(self.tiers[tier], slots, rows, into_rows)
+            self.engine.copy_rows(self.tiers[tier], slots, rows, into_rows, background)
         except Exception as e:
             log.exception("resident copy of %d blocks failed", len(slots))
             return e

@@ -323,3 +323,25 @@ def test_after_close_a_store_or_load_raises_as_the_general_path_does(tmp_path):
                  lambda: kv.load([1], torch.zeros(1, BLOCK, dtype=torch.uint8), sync=True)):
         with pytest.raises(RuntimeError, match="transfer engine is closed"):
             call()
+
+
+def test_copies_nobody_waits_for_take_one_thread(tmp_path, monkeypatch):
+    """A background store's copy and a demotion's take one native thread, however large; a copy
+    a caller waits for shares `copy_threads` once each thread gets `PARALLEL_COPY_BYTES`."""
+    from kvtier.moving import routes
+
+    monkeypatch.setattr(routes, "PARALLEL_COPY_BYTES", BLOCK)  # every batch of two blocks is "large"
+    threads: list[int] = []
+    for name in ("copy", "copy_slots"):
+        def spy(*args, inner=getattr(_movers, name), **kwargs):
+            threads.append(kwargs.get("threads", 1))
+            return inner(*args, **kwargs)
+        monkeypatch.setattr(routes._movers, name, spy)
+    with runtime(tmp_path, hbm=2, dram=4, ssd=0, marks=(0.5, 0.5)) as kv:
+        assert not kv.store([1, 2], blocks([1, 2]), sync=True).failed  # into HBM: resident, waited for
+        assert threads[0] == 2
+        kv.quiesce(WAIT_S)  # HBM at 2 of 2 > 50 %: demoted to DRAM on the background workers
+        assert kv.where([1, 2]).count(D) >= 1 and len(threads) >= 2 and set(threads[1:]) == {1}
+        threads.clear()
+        assert kv.store([3, 4], blocks([3, 4]), target=D, background=True).wait(WAIT_S)
+        assert threads == [1]

@@ -103,6 +103,8 @@ class SpanBatch:
         ready: the CUDA event after the caller's queued GPU work (None without CUDA), which a copy
             reading a caller's device buffer must wait on.
         workers: I/O threads a block-by-block route may spread its copies over (None: none).
+        background: nobody waits on the batch (a demotion, a prefetch, an engine's store): a route
+            spends one thread on it, leaving the host's other cores to the engine's own work.
         failed: the route's per-block failures, by index into `ops`.
         checksums: the per-layer checksums (of layers first..last) of the ops that ask for them
             (`CopyOp.checksum`), by index into `ops`.
@@ -115,6 +117,7 @@ class SpanBatch:
     length: int
     ready: object = None
     workers: Executor | None = None
+    background: bool = False
     failed: dict[int, StageError] = field(default_factory=dict)
     checksums: dict[int, Sequence[int]] = field(default_factory=dict)
 

@@ -264,12 +264,13 @@ class TransferEngine:
         return routes.get((medium, host)) is builtin.get((medium, host)) is not None \
             and routes.get((host, medium)) is builtin.get((host, medium))
 
-    def copy_rows(self, tier, slots, rows: torch.Tensor, into_rows: bool) -> None:
+    def copy_rows(self, tier, slots, rows: torch.Tensor, into_rows: bool, background: bool = False) -> None:
         """Copies whole blocks between `slots` (int32) of a tier whose slots are host memory and
         the rows of a caller's `[len(slots), block_bytes]` host buffer, row `i` with `slots[i]`,
         in one native call in this thread; counted in the stats as the same batch of copies
         through the route table would be. The runtime's resident path (`kvtier.resident`): it
         needs no ops, no route lookup and no handle of its own; the caller checks `copies_rows`.
+        `background`: nobody waits on the copy, which then takes one thread (see `SpanBatch`).
 
         Raises:
             TierIOError: the tier is closed.
@@ -279,7 +280,7 @@ class TransferEngine:
             raise TierIOError(f"tier {tier.kind.name} is closed")
         started = time.perf_counter()
         n, length = len(slots), self.layout.block_bytes
-        self._builtin.copy_slots(memory, slots, rows, into_rows)
+        self._builtin.copy_slots(memory, slots, rows, into_rows, background)
         ends = (Endpoint(tier=tier).name, Endpoint(buffer=rows).name)
         src_name, dst_name = ends if into_rows else ends[::-1]
         self.stats.add_bytes(src_name, dst_name, n * length)
@@ -403,7 +404,8 @@ class TransferEngine:
         offset = self.layout.offsets[first]
         length = self.layout.offsets[last + 1] - offset
         groups = _by_route(routes, live)
-        batches = [SpanBatch([ops[i] for i in indices], first, last, offset, length, handle.cuda_ready, lane.io)
+        batches = [SpanBatch([ops[i] for i in indices], first, last, offset, length, handle.cuda_ready, lane.io,
+                             lane is self._lanes[1])
                    for _, indices in groups]
         if len(groups) == 1:
             groups[0][0].run(batches[0])

@@ -152,23 +152,24 @@ class BuiltinRoutes:
         self._device_copier = device_copier
         self._copy_threads = copy_threads
 
-    def plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int) -> None:
+    def plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int, background: bool = False) -> None:
         """One native copy of `length` bytes from each address of `src` to the same row of `dst`,
-        on as many threads as the batch's size warrants."""
+        on as many threads as the batch's size warrants (`_threads`)."""
         n = len(src)
-        _movers.copy(src, dst, np.full(n, length, np.uint64), threads=self._threads(n * length))
+        _movers.copy(src, dst, np.full(n, length, np.uint64), threads=self._threads(n * length, background))
 
-    def copy_slots(self, slab: torch.Tensor, slots, rows: torch.Tensor, to_rows: bool) -> None:
+    def copy_slots(self, slab: torch.Tensor, slots, rows: torch.Tensor, to_rows: bool, background: bool = False) -> None:
         """One native copy of whole blocks between rows `slots` (int32) of a host `slab` and the
         rows of a host buffer, in order (into the buffer where `to_rows`), on as many threads as
-        the batch's size warrants."""
+        the batch's size warrants (`_threads`)."""
         length = self.layout.block_bytes
         _movers.copy_slots(slab.data_ptr(), slab.stride(0), slab.shape[0], rows.data_ptr(), rows.stride(0), slots,
-                           length, to_rows, threads=self._threads(len(slots) * length))
+                           length, to_rows, threads=self._threads(len(slots) * length, background))
 
-    def _threads(self, num_bytes: int) -> int:
-        """Threads for a plain copy of `num_bytes`: each takes at least `PARALLEL_COPY_BYTES`."""
-        return min(self._copy_threads, num_bytes // PARALLEL_COPY_BYTES) or 1
+    def _threads(self, num_bytes: int, background: bool) -> int:
+        """Threads for a plain copy of `num_bytes`: each takes at least `PARALLEL_COPY_BYTES`; one
+        for a copy nobody waits on (`SpanBatch.background`)."""
+        return 1 if background else min(self._copy_threads, num_bytes // PARALLEL_COPY_BYTES) or 1
 
     # ---- memory ↔ memory ----------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ class BuiltinRoutes:
             src = addresses.column([op.src for op in ops], offset)
             dst = addresses.column([op.dst for op in ops], offset) if src is not None else None
             if dst is not None:
-                self.plain_copy(src, dst, length)
+                self.plain_copy(src, dst, length, batch.background)
                 return
         plain_src: list[int] = []
         plain_dst: list[int] = []
@@ -197,7 +198,7 @@ class BuiltinRoutes:
             else:
                 summed.append((i, src, dst))
         if plain_src:
-            self.plain_copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), length)
+            self.plain_copy(np.array(plain_src, np.uint64), np.array(plain_dst, np.uint64), length, batch.background)
         if summed:
             self._summed(batch, summed, copy=True)
 
@@ -267,7 +268,7 @@ class BuiltinRoutes:
         per_chunk = max(1, RELAY_STAGING_BYTES // max(batch.length, 1))
         for start in range(0, len(batch.ops), per_chunk):
             part = SpanBatch(batch.ops[start:start + per_chunk], batch.first, batch.last, batch.offset, batch.length,
-                             batch.ready, batch.workers)
+                             batch.ready, batch.workers, batch.background)
             self._relay_part(part)
             for j, error in part.failed.items():
                 batch.fail(start + j, error)
