@@ -151,6 +151,7 @@ class BuiltinRoutes:
         self._staging = staging
         self._device_copier = device_copier
         self._copy_threads = copy_threads
+        self._span_tables: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def plain_copy(self, src: np.ndarray, dst: np.ndarray, length: int, background: bool = False) -> None:
         """One native copy of `length` bytes from each address of `src` to the same row of `dst`,
@@ -327,11 +328,7 @@ class BuiltinRoutes:
         if not items:
             return
         ops, first, last = batch.ops, batch.first, batch.last
-        offsets = self.layout.offsets
-        base = offsets[first]
-        layers = np.arange(first, last + 1, dtype=np.uint64)
-        rel = np.array([offsets[l] - base for l in range(first, last + 1)], np.uint64)
-        lengths = np.array(self.layout.layer_bytes[first:last + 1], np.uint64)
+        layers, rel, lengths = self._span_table(first, last)
         k, nl = len(items), last - first + 1
         src = (np.array([s for _, s, _ in items], np.uint64)[:, None] + rel).ravel()
         dst = (np.array([d for _, _, d in items], np.uint64)[:, None] + rel).ravel() if copy else None
@@ -358,6 +355,18 @@ class BuiltinRoutes:
                     "checksum mismatch"), layer))
             elif op.checksum:
                 batch.checksums[i] = sums[j].tolist()
+
+    def _span_table(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layers `first..last`: their numbers, offsets from the span's start, and lengths, as
+        arrays; made once per span (an engine's spans are the same few, and these cost ~10 µs)."""
+        table = self._span_tables.get((first, last))
+        if table is None:
+            offsets = self.layout.offsets
+            table = self._span_tables[first, last] = (
+                np.arange(first, last + 1, dtype=np.uint64),
+                np.array([offsets[l] - offsets[first] for l in range(first, last + 1)], np.uint64),
+                np.array(self.layout.layer_bytes[first:last + 1], np.uint64))
+        return table
 
     # ---- block by block (a CUDA end; the fallback of an end with no host address) --------------
 
