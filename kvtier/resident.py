@@ -8,9 +8,10 @@ copy. Here the same decisions are a few C calls over the manager's columns for t
 one native call (`TransferEngine.copy_rows`), in the caller's thread.
 
 A batch qualifies when the caller's blocks are one `[n, block_bytes]` host tensor with dense rows
-and the manager finds it plain (see its verbs); a background store (an engine saving what it
-computed) is decided in the caller's thread and copied on a background worker, the others are
-copied in the caller's thread; anything else (a miss, a block in flight or on
+and the manager finds it plain (see its verbs). It is decided in the caller's thread; a background
+store (an engine saving what it computed) is copied on a background worker, a load too large to
+run inline on a worker, in runs of layers each reported as it lands, the others in the caller's
+thread; anything else (a miss, a block in flight or on
 SSD, a promotion due, a full tier with a tier below, duplicate keys, a bad argument) returns None
 before changing anything, and the caller takes the general path, which also gives the errors.
 What the general path would count (hits, stores, evictions, bytes and latency per route, the
@@ -59,24 +60,45 @@ class ResidentPath:
         self._media = tuple({tiers[kind].medium for kind in memory})
 
     def load(self, keys: Sequence[Hashable], into, sync: bool) -> TransferHandle | None:
-        """`KVTier.load` of `keys` into `into`, done and returned as a finished handle; None where
-        the batch does not qualify (nothing changed)."""
-        rows = self._rows(keys, into, sync)
+        """`KVTier.load` of `keys` into `into`; None where the batch does not qualify (nothing
+        changed). Done and returned as a finished handle where `sync` or small enough to run
+        inline; else copied on a worker, in runs of layers, each reported as it lands (the
+        caller's `wait_layer(0)` returns before the last layers are in), as the general path does."""
+        now = sync or self.engine.runs_inline(len(keys) * self.layout.block_bytes)
+        rows = self._rows(keys, into, now or self.engine.host_only)
         if rows is None:
             return None
         slots = array("i", bytes(4 * len(keys)))
+        started = time.perf_counter()
         with self._lock:
             tier = self.manager.lease_resident(keys, slots)
         if tier is None:
             return None
-        started = time.perf_counter()
-        error = self._copy(tier, slots, rows, into_rows=True)
-        with self._lock:
-            self._runner.submit_moves(self.manager.end_resident(tier, slots))
-            self.manager.order_chain(keys)
-        if error is None:
-            self._cost.note_load(tier, len(keys), time.perf_counter() - started)
-        return self._handle(keys, error)
+        handle = TransferHandle(keys, self.layout.num_layers)
+
+        def copy() -> None:
+            error = self._copy(tier, slots, rows, into_rows=True, on_layers=None if now else handle.layer_done)
+            try:
+                with self._lock:
+                    self._runner.submit_moves(self.manager.end_resident(tier, slots))
+                    self.manager.order_chain(keys)
+                if error is None:
+                    self._cost.note_load(tier, len(keys), time.perf_counter() - started)
+            except BaseException as e:  # a bug: surfaced to every waiter by handle.wait(), never a hang
+                log.exception("completing a load of %d blocks failed", len(keys))
+                error = error or e
+            self._finish(handle, error)
+
+        if now:
+            copy()
+            return handle
+        try:
+            self.engine.run_job(copy, background=False)
+        except RuntimeError:  # closed meanwhile: the leases are given back, as the caller is told
+            with self._lock:
+                self._runner.submit_moves(self.manager.end_resident(tier, slots))
+            raise
+        return handle
 
     def store(self, keys: Sequence[Hashable], blocks, target: TierKind | None, sync: bool,
               background: bool) -> TransferHandle | None:
@@ -140,19 +162,14 @@ class ResidentPath:
         return blocks
 
     def _copy(self, tier: TierKind, slots: array, rows: torch.Tensor, into_rows: bool,
-              background: bool = False) -> BaseException | None:
+              background: bool = False, on_layers=None) -> BaseException | None:
         """The batch's copy; the error that stopped it (a bug: memory copies do not fail), or None."""
         try:
-            self.engine.copy_rows(self.tiers[tier], slots, rows, into_rows, background)
+            self.engine.copy_rows(self.tiers[tier], slots, rows, into_rows, background, on_layers)
         except Exception as e:
             log.exception("resident copy of %d blocks failed", len(slots))
             return e
         return None
-
-    def _handle(self, keys: Sequence[Hashable], error: BaseException | None) -> TransferHandle:
-        handle = TransferHandle(keys, self.layout.num_layers)
-        self._finish(handle, error)
-        return handle
 
     @staticmethod
     def _finish(handle: TransferHandle, error: BaseException | None) -> None:

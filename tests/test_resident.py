@@ -21,7 +21,7 @@ from kvtier.observing.stats import DropReason
 from kvtier.policy.lru import SlotLRUPolicy
 from kvtier.tiers.base import TierKind
 
-from support.runtime import BLOCK, WAIT_S, blocks, runtime
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks, runtime
 from test_manager import make_manager
 
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
@@ -345,3 +345,31 @@ def test_copies_nobody_waits_for_take_one_thread(tmp_path, monkeypatch):
         threads.clear()
         assert kv.store([3, 4], blocks([3, 4]), target=D, background=True).wait(WAIT_S)
         assert threads == [1]
+
+
+def test_a_large_resident_load_reports_each_run_of_layers_as_it_lands(tmp_path, monkeypatch):
+    """Too large to run inline, a resident load goes to a worker and copies layer by layer
+    (`chunk_bytes` 0): `wait_layer(0)` returns while the later layers are still held back."""
+    import threading
+
+    with runtime(tmp_path, hbm=0, ssd=0, chunk_bytes=0, inline_bytes=0) as kv:
+        keys = [1, 2, 3]
+        assert not kv.store(keys, blocks(keys), sync=True).failed
+        gate, spans = threading.Event(), []
+        inner = kv.engine._builtin.copy_slots
+
+        def gated(slab, slots, rows, to_rows, background=False, offset=0, length=None):
+            spans.append(offset)
+            if offset > 0:
+                assert gate.wait(WAIT_S)
+            return inner(slab, slots, rows, to_rows, background, offset, length)
+
+        monkeypatch.setattr(kv.engine._builtin, "copy_slots", gated)
+        out = torch.zeros(3, BLOCK, dtype=torch.uint8)
+        handle = kv.load(keys, out)
+        handle.wait_layer(0, WAIT_S)
+        assert not handle.done() and torch.equal(out[:, :LAYOUT.offsets[1]], blocks(keys)[:, :LAYOUT.offsets[1]])
+        gate.set()
+        assert handle.wait(WAIT_S) and not handle.failed and torch.equal(out, blocks(keys))
+        assert spans == list(LAYOUT.offsets[:-1]), "one native copy per layer, in order"
+        assert kv.stats.hits[D] == 3 and kv.stats.bytes_moved[("dram", "buffer:cpu")] == 3 * BLOCK

@@ -264,13 +264,16 @@ class TransferEngine:
         return routes.get((medium, host)) is builtin.get((medium, host)) is not None \
             and routes.get((host, medium)) is builtin.get((host, medium))
 
-    def copy_rows(self, tier, slots, rows: torch.Tensor, into_rows: bool, background: bool = False) -> None:
+    def copy_rows(self, tier, slots, rows: torch.Tensor, into_rows: bool, background: bool = False,
+                  on_layers: Callable[[int], None] | None = None) -> None:
         """Copies whole blocks between `slots` (int32) of a tier whose slots are host memory and
         the rows of a caller's `[len(slots), block_bytes]` host buffer, row `i` with `slots[i]`,
         in one native call in this thread; counted in the stats as the same batch of copies
         through the route table would be. The runtime's resident path (`kvtier.resident`): it
         needs no ops, no route lookup and no handle of its own; the caller checks `copies_rows`.
         `background`: nobody waits on the copy, which then takes one thread (see `SpanBatch`).
+        `on_layers(last)`: someone watches the layers land: the copy goes in runs of layers
+        (`chunk_bytes`), one native call each, and reports each run's last layer as it lands.
 
         Raises:
             TierIOError: the tier is closed.
@@ -279,11 +282,16 @@ class TransferEngine:
         if memory is None:
             raise TierIOError(f"tier {tier.kind.name} is closed")
         started = time.perf_counter()
-        n, length = len(slots), self.layout.block_bytes
-        self._builtin.copy_slots(memory, slots, rows, into_rows, background)
+        offsets = self.layout.offsets
+        for first, last in self._all_spans if on_layers is not None else self._whole:
+            self._builtin.copy_slots(memory, slots, rows, into_rows, background, offsets[first],
+                                     offsets[last + 1] - offsets[first])
+            if on_layers is not None:
+                on_layers(last)
+        n = len(slots)
         ends = (Endpoint(tier=tier).name, Endpoint(buffer=rows).name)
         src_name, dst_name = ends if into_rows else ends[::-1]
-        self.stats.add_bytes(src_name, dst_name, n * length)
+        self.stats.add_bytes(src_name, dst_name, n * self.layout.block_bytes)
         self.stats.observe_transfer(src_name, dst_name, time.perf_counter() - started, n)
 
     def _routes_of(self, ops: Sequence[CopyOp]) -> tuple[list[Route], list[tuple[tuple[str, str], int]]]:
