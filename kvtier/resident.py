@@ -76,28 +76,16 @@ class ResidentPath:
             return None
         handle = TransferHandle(keys, self.layout.num_layers)
 
+        def settle() -> None:
+            self._runner.submit_moves(self.manager.end_resident(tier, slots))
+
         def copy() -> None:
             error = self._copy(tier, slots, rows, into_rows=True, on_layers=None if now else handle.layer_done)
-            try:
-                with self._lock:
-                    self._runner.submit_moves(self.manager.end_resident(tier, slots))
-                    self.manager.order_chain(keys)
-                if error is None:
-                    self._cost.note_load(tier, len(keys), time.perf_counter() - started)
-            except BaseException as e:  # a bug: surfaced to every waiter by handle.wait(), never a hang
-                log.exception("completing a load of %d blocks failed", len(keys))
-                error = error or e
-            self._finish(handle, error)
+            if error is None:
+                self._cost.note_load(tier, len(keys), time.perf_counter() - started)
+            self._complete(handle, error, settle)
 
-        if now:
-            copy()
-            return handle
-        try:
-            self.engine.run_job(copy, background=False)
-        except RuntimeError:  # closed meanwhile: the leases are given back, as the caller is told
-            with self._lock:
-                self._runner.submit_moves(self.manager.end_resident(tier, slots))
-            raise
+        self._run(copy, now, False, settle)
         return handle
 
     def store(self, keys: Sequence[Hashable], blocks, target: TierKind | None, sync: bool,
@@ -119,29 +107,46 @@ class ResidentPath:
                 return None
         handle = TransferHandle(keys, self.layout.num_layers)
 
+        def settle(ok: bool = False) -> None:
+            self._backlog(-size)
+            self._runner.submit_moves(self.manager.finish_resident(placed, ok=ok))
+
         def copy() -> None:
             error = self._copy(placed[0], placed[2], rows, into_rows=False, background=background)
-            try:
-                with self._lock:
-                    self._backlog(-size)
-                    self._runner.submit_moves(self.manager.finish_resident(placed, ok=error is None))
-                    self.manager.order_chain(keys)
-            except BaseException as e:  # a bug: surfaced to every waiter by handle.wait(), never a hang
-                log.exception("completing a store of %d blocks failed", len(keys))
-                error = error or e
-            self._finish(handle, error)
+            self._complete(handle, error, lambda: settle(ok=error is None))
 
-        if not background:
-            copy()
-            return handle
-        try:
-            self.engine.run_job(copy)
-        except RuntimeError:  # closed meanwhile: the copies are given back, as the caller is told
-            with self._lock:
-                self._runner.submit_moves(self.manager.finish_resident(placed, ok=False))
-                self._backlog(-size)
-            raise
+        self._run(copy, not background, True, settle)
         return handle
+
+    def _run(self, copy: Callable[[], None], now: bool, background: bool, undo: Callable[[], None]) -> None:
+        """Runs `copy` in this thread (`now`) or on a worker of the engine's background or
+        foreground lane; where the engine closed meanwhile, `undo()`, under the lock, gives the
+        manager back what the batch took, and the error is raised as the general path raises it."""
+        if now:
+            copy()
+            return
+        try:
+            self.engine.run_job(copy, background)
+        except RuntimeError:
+            with self._lock:
+                undo()
+            raise
+
+    def _complete(self, handle: TransferHandle, error: BaseException | None, settle: Callable[[], None]) -> None:
+        """Tells the manager, under the lock, how the batch's copy went (`settle()`), then gives
+        `handle` its outcome: a bug in either fails every block and is raised by `handle.wait()`,
+        never leaves a waiter hanging."""
+        try:
+            with self._lock:
+                settle()
+                self.manager.order_chain(handle.keys)
+        except BaseException as e:
+            log.exception("completing a transfer of %d blocks failed", len(handle.keys))
+            error = error or e
+        if error is not None:
+            for key in handle.keys:
+                handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
+        handle.finish(error)  # as the transfer engine finishes one whose route raised
 
     def _rows(self, keys: Sequence[Hashable], blocks, now: bool) -> torch.Tensor | None:
         """`blocks` where the batch may take this path: a `[len(keys), block_bytes]` uint8 host
@@ -170,13 +175,6 @@ class ResidentPath:
             log.exception("resident copy of %d blocks failed", len(slots))
             return e
         return None
-
-    @staticmethod
-    def _finish(handle: TransferHandle, error: BaseException | None) -> None:
-        if error is not None:
-            for key in handle.keys:
-                handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
-        handle.finish(error)  # as the transfer engine finishes one whose route raised
 
 
 def _host_rows(tier: Tier) -> bool:
