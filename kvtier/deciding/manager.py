@@ -34,7 +34,6 @@ from array import array
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 
 from kvtier._keytable import ResidentPath
-
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.deciding.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
 from kvtier.deciding.plans import (Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StoreOutcome, StorePlan,
