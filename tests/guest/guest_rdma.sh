@@ -12,7 +12,9 @@ guest_end() {  # the status line the host reads, then power off (PID 1 must neve
     echo "KVTIER-GUEST-RC=$1"
     sync
     echo o > /proc/sysrq-trigger
-    sleep 30
+    # Wait for the power-off; `sleep` itself may fail with EIO as the disks go away, and PID 1
+    # returning would panic the kernel: loop until the machine is off.
+    while :; do sleep 30 2>/dev/null || :; done
 }
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
 hostname kvtier-guest

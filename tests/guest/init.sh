@@ -7,7 +7,7 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 say() { echo "kvtier-guest: $*"; }
-fail() { say "$*"; echo "KVTIER-GUEST-RC=125"; echo o > /proc/sysrq-trigger; sleep 5; }
+fail() { say "$*"; echo "KVTIER-GUEST-RC=125"; echo o > /proc/sysrq-trigger; while :; do sleep 5 2>/dev/null || :; done; }
 for m in $(cat /modules.list); do
     insmod "/modules/$m" 2>/dev/null || say "insmod $m failed (built in, or already loaded)"
 done
