@@ -1609,6 +1609,7 @@ static PyTypeObject SlotListType = {
  * The columns are the `BlockIndex`'s (`kvtier.deciding.index`), held by reference: each call takes
  * their buffers anew (an `array` grows in place, moving its items). */
 
+/* A copy's state and a block's `ready` with no READY copy: kvtier.deciding.index's values; the tiers: TierKind's. */
 enum { COPY_FREE = 0, COPY_WRITING = 1, COPY_READY = 2, COPY_FREEING = 3, NO_TIER = 255, NUM_TIERS = 4 };
 
 typedef struct {
@@ -1703,26 +1704,24 @@ static void ResidentPath_dealloc(ResidentPath *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* The ids of `keys` (a sequence) into `ids` (n of them): 1 all indexed, 0 one is not, -1 error.
- * Holds the table for the lookups only: the columns' buffers are taken after them, since a
- * key's `__eq__` may run Python code. */
-static int ids_of(ResidentPath *p, PyObject *seq, int32_t *ids) {
+/* Whether every key of `seq` (a sequence) is indexed (`want` 1; their ids into `ids`, n of them)
+ * or none is (`want` 0; `ids` may be NULL): 1 yes, 0 no (stopped at the first key otherwise),
+ * -1 error. Holds the table for the lookups only: the columns' buffers are taken after them,
+ * since a key's `__eq__` may run Python code. */
+static int each_key(ResidentPath *p, PyObject *seq, int want, int32_t *ids) {
     KeyTable *t = p->table;
     if (hold(t) < 0)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **keys = PySequence_Fast_ITEMS(seq);
-    int all = 1;
-    for (Py_ssize_t i = 0; i < n && all; i++) {
-        int found = lookup(t, keys[i], 0, &ids[i]);
-        if (found < 0) {
-            all = -1;
-            break;
-        }
-        all = found;
+    int as_wanted = 1;
+    for (Py_ssize_t i = 0; i < n && as_wanted == 1; i++) {
+        int32_t id;
+        int found = lookup(t, keys[i], 0, ids != NULL ? &ids[i] : &id);
+        as_wanted = found < 0 ? -1 : found == want;
     }
     t->busy = 0;
-    return all;
+    return as_wanted;
 }
 
 /* The SlotList of `tier`, or NULL (the tier's policy is another). Borrowed. */
@@ -1760,7 +1759,7 @@ static PyObject *ResidentPath_lease(ResidentPath *p, PyObject *const *args, Py_s
         PyErr_NoMemory();
         goto done;
     }
-    int all = n > 0 ? ids_of(p, seq, ids) : 0;
+    int all = n > 0 ? each_key(p, seq, 1, ids) : 0;
     if (all < 0)
         goto fail;
     if (!all)
@@ -1863,23 +1862,9 @@ static PyObject *ResidentPath_absent(ResidentPath *p, PyObject *keys) {
     PyObject *seq = PySequence_Fast(keys, "absent: keys must be a sequence");
     if (seq == NULL)
         return NULL;
-    KeyTable *t = p->table;
-    PyObject *result = NULL;
-    if (hold(t) == 0) {
-        int none = 1;
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        PyObject **items_ = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = 0; i < n && none == 1; i++) {
-            int32_t id;
-            int found = lookup(t, items_[i], 0, &id);
-            none = found < 0 ? -1 : !found;
-        }
-        t->busy = 0;
-        if (none >= 0)
-            result = PyBool_FromLong(none);
-    }
+    int none = each_key(p, seq, 0, NULL);
     Py_DECREF(seq);
-    return result;
+    return none < 0 ? NULL : PyBool_FromLong(none);
 }
 
 /* evict(tier, n, out_ids, out_slots): drops the `n` oldest unprotected blocks of `tier` (READY,
