@@ -4,14 +4,13 @@ Most of what an engine asks is a load whose blocks are all in DRAM, or a store o
 into DRAM. The general path spends a few Python steps per block on it (a plan entry, a copy op,
 a route lookup, a completion entry), ~7 µs a block on a 2-vCPU host, more than a 64 KiB block's
 copy. Here the same decisions are a few C calls over the manager's columns for the whole batch
-(`TierManager.lease_resident`/`end_resident`, `place_resident`/`finish_resident`) and the copy
-one native call (`TransferEngine.copy_rows`), in the caller's thread.
+(`TierManager.lease_resident`/`end_resident`, `place_resident`/`finish_resident`), made in the
+caller's thread, and the copy is one native call (`TransferEngine.copy_rows`): in the caller's
+thread, or for a background store (an engine saving what it computed) on a background worker,
+or for a load too large to run inline on a worker, in runs of layers each reported as it lands.
 
 A batch qualifies when the caller's blocks are one `[n, block_bytes]` host tensor with dense rows
-and the manager finds it plain (see its verbs). It is decided in the caller's thread; a background
-store (an engine saving what it computed) is copied on a background worker, a load too large to
-run inline on a worker, in runs of layers each reported as it lands, the others in the caller's
-thread; anything else (a miss, a block in flight or on
+and the manager finds it plain (see its verbs). Anything else (a miss, a block in flight or on
 SSD, a promotion due, a full tier with a tier below, duplicate keys, a bad argument) returns None
 before changing anything, and the caller takes the general path, which also gives the errors.
 What the general path would count (hits, stores, evictions, bytes and latency per route, the
@@ -64,8 +63,10 @@ class ResidentPath:
         changed). Done and returned as a finished handle where `sync` or small enough to run
         inline; else copied on a worker, in runs of layers, each reported as it lands (the
         caller's `wait_layer(0)` returns before the last layers are in), as the general path does."""
+        if not (sync or self.engine.host_only):
+            return None  # with CUDA, only a call copied in this thread (streams order the caller's work)
         now = sync or self.engine.runs_inline(len(keys) * self.layout.block_bytes)
-        rows = self._rows(keys, into, now or self.engine.host_only)
+        rows = self._rows(keys, into)
         if rows is None:
             return None
         slots = array("i", bytes(4 * len(keys)))
@@ -94,10 +95,13 @@ class ResidentPath:
         qualify (nothing changed). Done and returned as a finished handle, or, for a `background`
         store, copied by a background worker (the caller's thread is left to its own work) and
         returned at once, its handle finished when the blocks are READY."""
-        rows = self._rows(keys, blocks, sync or (background and self.engine.host_only))
+        size = len(keys) * self.layout.block_bytes
+        now = sync or (not background and self.engine.runs_inline(size))
+        if not (now or (background and self.engine.host_only)):
+            return None  # a store too large to run inline, or a background one with CUDA
+        rows = self._rows(keys, blocks)
         if rows is None:
             return None
-        size = len(keys) * self.layout.block_bytes
         with self._lock:
             if not self._backlog(size):  # a batch the backlog would not take whole: the general path drops
                 return None
@@ -115,7 +119,7 @@ class ResidentPath:
             error = self._copy(placed[0], placed[2], rows, into_rows=False, background=background)
             self._complete(handle, error, lambda: settle(ok=error is None))
 
-        self._run(copy, not background, True, settle)
+        self._run(copy, now, True, settle)
         return handle
 
     def _run(self, copy: Callable[[], None], now: bool, background: bool, undo: Callable[[], None]) -> None:
@@ -148,14 +152,12 @@ class ResidentPath:
                 handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
         handle.finish(error)  # as the transfer engine finishes one whose route raised
 
-    def _rows(self, keys: Sequence[Hashable], blocks, now: bool) -> torch.Tensor | None:
+    def _rows(self, keys: Sequence[Hashable], blocks) -> torch.Tensor | None:
         """`blocks` where the batch may take this path: a `[len(keys), block_bytes]` uint8 host
-        tensor with dense, disjoint rows, distinct keys, copied at once (`now`: sync, or a
-        background store; or small enough to run inline), the memory tiers' routes the built-in
-        ones; else None."""
+        tensor with dense, disjoint rows, distinct keys, an open engine whose memory tiers' routes
+        are the built-in ones; else None."""
         n, size = len(keys), self.layout.block_bytes
-        if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n
-                and (now or self.engine.runs_inline(n * size))) or self.engine.closed:
+        if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n) or self.engine.closed:
             return None
         if not all(self.engine.copies_rows(medium) for medium in self._media):
             return None  # a route replaced (`TransferEngine.add_route`) must see its copies

@@ -358,7 +358,7 @@ def test_a_large_resident_load_reports_each_run_of_layers_as_it_lands(tmp_path, 
         gate, spans = threading.Event(), []
         inner = kv.engine._builtin.copy_slots
 
-        def gated(slab, slots, rows, to_rows, background=False, offset=0, length=None):
+        def gated(slab, slots, rows, to_rows, background, offset, length):
             spans.append(offset)
             if offset > 0:
                 assert gate.wait(WAIT_S)

@@ -44,7 +44,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from types import MappingProxyType
 
-import numpy as np
 import torch
 
 from kvtier.moving.copies import BlockCopy, CopyOp, Endpoint, Route, SpanBatch, StageError, block_seed, layer_checksum
@@ -242,7 +241,7 @@ class TransferEngine:
 
     def run_job(self, job: Callable[[], None], background: bool = True) -> None:
         """Runs `job` on a worker of the background lane (or the foreground's), as a batch's
-        copies run; for the resident path's background stores (`kvtier.resident`).
+        copies run; for the resident path's background stores and large loads (`kvtier.resident`).
 
         Raises:
             RuntimeError: the engine is closed.
@@ -254,7 +253,7 @@ class TransferEngine:
     def runs_inline(self, num_bytes: int) -> bool:
         """Whether a batch of `num_bytes` between host memories may run in the caller's thread
         (`inline_bytes`; never with CUDA present, whose streams order the caller's work)."""
-        return self._cuda is None and num_bytes <= self.inline_bytes
+        return self.host_only and num_bytes <= self.inline_bytes
 
     def copies_rows(self, medium: enum.Enum) -> bool:
         """Whether `copy_rows` may copy between a tier of `medium` and host memory: the route

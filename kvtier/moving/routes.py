@@ -159,13 +159,11 @@ class BuiltinRoutes:
         n = len(src)
         _movers.copy(src, dst, np.full(n, length, np.uint64), threads=self._threads(n * length, background))
 
-    def copy_slots(self, slab: torch.Tensor, slots, rows: torch.Tensor, to_rows: bool, background: bool = False,
-                   offset: int = 0, length: int | None = None) -> None:
-        """One native copy of the bytes `[offset, offset + length)` (default: the whole block) of
-        every block between rows `slots` (int32) of a host `slab` and the rows of a host buffer, in
-        order (into the buffer where `to_rows`), on as many threads as the batch's size warrants
-        (`_threads`)."""
-        length = self.layout.block_bytes - offset if length is None else length
+    def copy_slots(self, slab: torch.Tensor, slots, rows: torch.Tensor, to_rows: bool, background: bool,
+                   offset: int, length: int) -> None:
+        """One native copy of the bytes `[offset, offset + length)` of every block between rows
+        `slots` (int32) of a host `slab` and the rows of a host buffer, in order (into the buffer
+        where `to_rows`), on as many threads as the batch's size warrants (`_threads`)."""
         _movers.copy_slots(slab.data_ptr() + offset, slab.stride(0), slab.shape[0], rows.data_ptr() + offset,
                            rows.stride(0), slots, length, to_rows, threads=self._threads(len(slots) * length, background))
 
