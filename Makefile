@@ -47,7 +47,7 @@ build-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "make: kvtier's build needs Debian packages: $$missing (sudo apt-get install $$missing)"; exit 1; fi
 
-$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/moving/_movers.c | build-deps
+$(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/moving/_movers.c kvtier/moving/_xxh3_avx2.c | build-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"

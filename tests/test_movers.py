@@ -40,6 +40,25 @@ def test_copy_moves_every_range_and_sums_as_xxhash(lengths, threads, seed, summe
                                  for s, n, k in zip(starts, lengths, seeds)]
 
 
+# Lengths on each side of xxh3's own boundaries (16, 128, 240 bytes, a 1 KiB stripe block, a
+# 64 KiB block) and odd tails, where a vector build could part from the portable one.
+_XXH3_LENGTHS = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 1025, 4096 + 5, 65536, 65536 + 63, 1 << 20]
+
+
+@pytest.mark.parametrize("length", _XXH3_LENGTHS)
+def test_both_xxh3_builds_give_pythons_digest(length):
+    data = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8).tobytes()
+    for seed in (0, 1, 2**63 + 12345, 2**64 - 1):
+        want = xxhash.xxh3_64_intdigest(data, seed=seed)
+        assert _movers.xxh3(data, seed) == want
+        assert _movers.xxh3(data, seed, portable=True) == want
+
+
+def test_the_hash_in_use_is_named_and_avx2_where_the_cpu_has_it():
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    assert _movers.XXH3_VECTOR == ("avx2" if "avx2" in flags else "portable")
+
+
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.sampled_from([0, 1, 4095, 512 << 10, (512 << 10) + 3, 3 << 20, (5 << 20) + 17]),
                         min_size=1, max_size=5), threads=st.integers(2, 4))
