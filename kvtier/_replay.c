@@ -254,8 +254,8 @@ static void free_copy(Engine *e, int32_t b, int ti) {
         e->hits[b] = 0;
 }
 
-/* `TierManager._release`: a copy (out of its LRU order) leaves service, freed once unread. */
-static void release(Engine *e, int32_t b, int ti, int reason) {
+/* `TierManager._retire_unlisted`: a copy (out of its LRU order) leaves service, freed once unread. */
+static void retire_unlisted(Engine *e, int32_t b, int ti, int reason) {
     Tier *t = &e->tier[ti];
     if (t->state[b] != FREEING) {
         t->state[b] = FREEING;
@@ -280,16 +280,16 @@ static void release(Engine *e, int32_t b, int ti, int reason) {
         free_copy(e, b, ti);
 }
 
-/* `TierManager._retire`: `_release` for a copy that may still be in its LRU order. */
+/* `TierManager._retire`: `_retire_unlisted` for a copy that may still be in its LRU order. */
 static void retire(Engine *e, int32_t b, int ti, int reason) {
     Tier *t = &e->tier[ti];
     if (t->state[b] == READY && lru_tracked(t, b))
         lru_unlink(t, b);
-    release(e, b, ti, reason);
+    retire_unlisted(e, b, ti, reason);
 }
 
-/* `TierManager._settle`. */
-static void settle(Engine *e, int32_t b, int ti) {
+/* `TierManager._free_if_unread`. */
+static void free_if_unread(Engine *e, int32_t b, int ti) {
     Tier *t = &e->tier[ti];
     if (t->state[b] == FREEING && t->readers[b] == 0)
         free_copy(e, b, ti);
@@ -319,13 +319,13 @@ static void evict(Engine *e, int32_t b, int ti) {
         for (int i = 0; i < e->num_tiers; i++) {
             uint8_t s = e->tier[i].state[b];
             if (i != ti && s != FREE && s != FREEING) {
-                release(e, b, ti, DROP_EVICTED);  /* never the last copy */
+                retire_unlisted(e, b, ti, DROP_EVICTED);  /* never the last copy */
                 return;
             }
         }
     }
     if (ti == e->num_tiers - 1) {
-        release(e, b, ti, DROP_EVICTED);
+        retire_unlisted(e, b, ti, DROP_EVICTED);
         return;
     }
     int refused = 0;
@@ -352,10 +352,10 @@ static void evict(Engine *e, int32_t b, int ti) {
         enqueue(e, b, ti, lo, DEMOTE);
         return;
     }
-    release(e, b, ti, refused ? DROP_ADMISSION : DROP_LOWER_FULL);
+    retire_unlisted(e, b, ti, refused ? DROP_ADMISSION : DROP_LOWER_FULL);
 }
 
-/* `TierManager._free_slot`: takes a free slot of `ti` for a block it admits, evicting one victim
+/* `TierManager._take_slot`: takes a free slot of `ti` for a block it admits, evicting one victim
  * if that frees one now; returns whether it took one. */
 static int take_slot(Engine *e, int ti, int demoted, int64_t hits) {
     Tier *t = &e->tier[ti];
@@ -410,7 +410,7 @@ static int finish_demotion(Engine *e, int32_t b, int src, int dst) {
     if (s->readers[b] || e->num_copies[b] != 2) {
         make_ready(e, b, dst);
         e->demotions[src][dst]++;
-        release(e, b, src, DROP_EVICTED);
+        retire_unlisted(e, b, src, DROP_EVICTED);
         return 0;
     }
     if (d->state[b] != WRITING) {
@@ -434,7 +434,7 @@ static void finish_promotion(Engine *e, int32_t b, int src, int dst) {
     make_ready(e, b, dst);
     e->promotions[src][dst]++;
     if (e->inclusive)
-        settle(e, b, src);
+        free_if_unread(e, b, src);
     else
         retire(e, b, src, DROP_EVICTED);  /* never the last copy: dst is READY */
     rebalance(e);
@@ -513,7 +513,7 @@ static void load(Engine *e, const int32_t *keys, int64_t len) {
         if (t->state[b] == FREE)
             continue;  /* the manager skips a source whose copy is gone; a leased copy never goes */
         t->readers[b]--;
-        settle(e, b, ti);
+        free_if_unread(e, b, ti);
     }
     rebalance(e);
     complete_queued(e);

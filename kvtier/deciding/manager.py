@@ -443,7 +443,7 @@ class TierManager:
         for key in keys:
             if key in self._ids:
                 break
-            slot = self._free_slot(tier, False, 0)
+            slot = self._take_slot(tier, False, 0)
             if slot is None:
                 break
             block = self.index.add(key)
@@ -553,7 +553,7 @@ class TierManager:
             block = ids[p.key]
             if failed and (p.key, p.tier) in failed:
                 self.stats.io_errors += 1
-                self._release(block, p.tier, None if p.key in retrying else DropReason.STORE_FAILED)
+                self._retire_unlisted(block, p.tier, None if p.key in retrying else DropReason.STORE_FAILED)
                 continue
             self._make_ready(block, p.tier)
             stores[p.tier] += 1
@@ -645,7 +645,7 @@ class TierManager:
                 self._count_bad_read(reason)
                 self._retire(block, tier, reason)
             else:
-                self._settle(block, tier)
+                self._free_if_unread(block, tier)
         self._rebalance()
         return self._drain()
 
@@ -700,7 +700,7 @@ class TierManager:
             self.stats.evictions[tier] += short
             self.stats.dropped[_EVICTED] += short
             self.stats.prefetch_wasted += wasted
-        taken = min(n, len(free))  # popped from the end, as `_free_slot` does, then the victims'
+        taken = min(n, len(free))  # popped from the end, as `_take_slot` does, then the victims'
         slots = free[len(free) - taken:]
         slots.reverse()
         del free[len(free) - taken:]
@@ -720,7 +720,7 @@ class TierManager:
         else:
             for block in ids:
                 self.stats.io_errors += 1
-                self._release(block, tier, DropReason.STORE_FAILED)
+                self._retire_unlisted(block, tier, DropReason.STORE_FAILED)
         self._rebalance()
         return self._drain()
 
@@ -751,7 +751,7 @@ class TierManager:
             source, readers = slots[tier][block], self._readers[tier]
             readers[source] += 1  # so that making room in `target` cannot evict the source itself
             evicted = self.stats.evictions[target]
-            slot = self._free_slot(target, False, self._hits[block])
+            slot = self._take_slot(target, False, self._hits[block])
             if slot is not None:
                 moves.append(self._start_move(block, tier, target, slot, MoveReason.PREFETCH))
             readers[source] -= 1
@@ -906,7 +906,7 @@ class TierManager:
         a fallback that failed too is only found bad when it is a source itself)."""
         if self._slot[fallback.tier][block] == fallback.slot:
             self._readers[fallback.tier][fallback.slot] -= 1
-            self._settle(block, fallback.tier)
+            self._free_if_unread(block, fallback.tier)
 
     def _drop_bad_copy(self, block: int, tier: TierKind, failure: str) -> None:
         """A copy that could not be read (`failure`) although its block was delivered: discarded
@@ -932,7 +932,7 @@ class TierManager:
         if self.mode is _EXCLUSIVE:
             self._retire(block, src, _EVICTED)  # never the last copy: dst is READY
         else:
-            self._settle(block, src)
+            self._free_if_unread(block, src)
 
     def _finish_demotion(self, block: int, src: TierKind, dst: TierKind) -> bool:
         """The destination copy becomes READY and the source (already out of its policy) leaves.
@@ -945,7 +945,7 @@ class TierManager:
         if self._readers[src][source] or self._num_copies[block] != 2:
             self._make_ready(block, dst)
             self.stats.demotions[src, dst] += 1
-            self._release(block, src, _EVICTED)  # never the last copy: dst is READY
+            self._retire_unlisted(block, src, _EVICTED)  # never the last copy: dst is READY
             return False
         # The same where it is simplest, inlined (once per block demoted): the source is unread,
         # so it frees now, and `dst` is the only copy left, hence the fastest READY one.
@@ -955,7 +955,7 @@ class TierManager:
         state[slot] = READY
         self._policies[dst].insert(slot)
         self.stats.demotions[src, dst] += 1
-        self._slot[src][block] = -1  # `_release(block, src, EVICTED)`, from here on
+        self._slot[src][block] = -1  # `_retire_unlisted(block, src, EVICTED)`, from here on
         self._state[src][source] = FREE
         self._owner[src][source] = -1
         self._free_lists[src].append(source)  # `SlotAllocator.release`, without its range check
@@ -965,7 +965,7 @@ class TierManager:
 
     def _fail_move(self, block: int, move: Move, failure: str | None) -> None:
         # The source may already be leaving (discarded by a failed read): then this was the last copy.
-        self._release(block, move.dst, failure or DropReason.MOVE_ABORTED)
+        self._retire_unlisted(block, move.dst, failure or DropReason.MOVE_ABORTED)
         if failure in (DropReason.CHECKSUM, DropReason.READ_FAILED):
             self._count_bad_read(failure)
             self._retire(block, move.src, failure)
@@ -979,22 +979,22 @@ class TierManager:
             self._retire(block, move.src, failure)  # it was already evicted from above
         else:
             self.stats.io_errors += failure is not None
-            self._settle(block, move.src)
+            self._free_if_unread(block, move.src)
 
     def _demote_past(self, block: int, src: TierKind, failed: TierKind) -> None:
         """A demotion from `src` that `failed` could not take goes on to the next tier in service
         below it that admits it and has (or can make) room; only when none does is it dropped."""
         if self._state[src][self._slot[src][block]] == FREEING:  # discarded meanwhile (a load found it corrupt)
-            self._settle(block, src)
+            self._free_if_unread(block, src)
             return
         for lower in self._below[failed]:
             if self._slot[lower][block] >= 0:
                 continue
-            slot = self._free_slot(lower, True, self._hits[block])
+            slot = self._take_slot(lower, True, self._hits[block])
             if slot is not None:
                 self._start_move(block, src, lower, slot, _DEMOTE)
                 return
-        self._release(block, src, DropReason.DEMOTION_FAILED)  # already out of its policy
+        self._retire_unlisted(block, src, DropReason.DEMOTION_FAILED)  # already out of its policy
 
     def _keep_evicted(self, block: int, tier: TierKind) -> None:
         """A victim that could not be read out of `tier`, because the tier is down, stays there:
@@ -1004,7 +1004,7 @@ class TierManager:
         that keeps it): it leaves with that one, so its policy must not take it back."""
         slot = self._slot[tier][block]
         if self._state[tier][slot] != READY:
-            self._settle(block, tier)
+            self._free_if_unread(block, tier)
         elif not self._leaving(block, tier):
             self._policies[tier].insert(slot)
 
@@ -1038,7 +1038,7 @@ class TierManager:
             slots = self._slot[tier]
             if block is not None and slots[block] >= 0:
                 continue  # a copy of an earlier life is still leaving this tier
-            slot = self._free_slot(tier, False, 0)
+            slot = self._take_slot(tier, False, 0)
             if slot is None:
                 continue
             if block is None:
@@ -1054,7 +1054,7 @@ class TierManager:
                 break
         return claimed
 
-    def _free_slot(self, tier: TierKind, demoted: bool, hits: int) -> int | None:
+    def _take_slot(self, tier: TierKind, demoted: bool, hits: int) -> int | None:
         """A free slot of `tier` for a block it admits, evicting one victim if that frees one now."""
         if not self._admits_all[tier] and not self._tiers[tier].admission.admits(demoted=demoted, hits=hits):
             return None
@@ -1099,14 +1099,14 @@ class TierManager:
                 slot = slots[t][block]
                 if slot >= 0 and t != tier and state[t][slot] != FREEING:
                     if t not in may_drop:
-                        self._release(block, tier, _EVICTED)  # never the last copy
+                        self._retire_unlisted(block, tier, _EVICTED)  # never the last copy
                         return
                     kept = True
         # A copy only in a tier that may drop it on its own (a shared pool node, evicting by its own
         # recency) does not keep the block: the victim is demoted past it, to a tier that keeps it.
         below = self._below[tier]
         if not below:  # the last tier in service: a drop
-            self._release(block, tier, _EVICTED if tier is self._last or kept else DropReason.LOWER_DOWN)
+            self._retire_unlisted(block, tier, _EVICTED if tier is self._last or kept else DropReason.LOWER_DOWN)
             return
         refused = started = False
         admits_all, free_lists = self._admits_all, self._free_lists
@@ -1117,7 +1117,7 @@ class TierManager:
             if not admits_all[lower] and not self._tiers[lower].admission.admits(demoted=True, hits=self._hits[block]):
                 refused = True
                 continue
-            # The rest of `_free_slot(lower, True, hits)`, inlined: a call per block demoted
+            # The rest of `_take_slot(lower, True, hits)`, inlined: a call per block demoted
             # cost ~5 % of a three-tier replay, and another one per block dropped from the last.
             free = free_lists[lower]
             if not free:
@@ -1148,7 +1148,7 @@ class TierManager:
             # one has room (the source is let go once both moves have read it).
             started = kept = True
         if not started:
-            self._release(block, tier, _EVICTED if kept else DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
+            self._retire_unlisted(block, tier, _EVICTED if kept else DropReason.ADMISSION if refused else DropReason.LOWER_FULL)
 
     def _rebalance(self) -> None:
         """Demotes from every tier above its high watermark down to its low watermark.
@@ -1199,7 +1199,7 @@ class TierManager:
             return self._lease_inbound(inbound)
         up = self._promote_now
         if up is not None and tier > up and self._slot[up][block] < 0:
-            dst = self._free_slot(up, False, self._hits[block])
+            dst = self._take_slot(up, False, self._hits[block])
             if dst is not None:
                 move = self._start_move(block, tier, up, dst, MoveReason.PROMOTE)
                 self._readers[tier][slot] -= 1  # the move holds its own lease
@@ -1278,7 +1278,13 @@ class TierManager:
             self._ready[block] = tier
         self._policies[tier].insert(slot)
 
-    def _release(self, block: int, tier: TierKind, reason: str | None) -> None:
+    # ---- a copy leaves: two steps, two verbs ---------------------------------------------
+    # `_retire`: the copy leaves service (FREEING: no new reader, out of its policy; the block is
+    # dropped, and counted, if it was its last live copy). `_free`: its slot goes back, once no
+    # read of it is left (`_free_if_unread`). `_retire_unlisted` is `_retire` for a copy its
+    # policy has already let go (a victim it handed out, a copy never READY).
+
+    def _retire_unlisted(self, block: int, tier: TierKind, reason: str | None) -> None:
         """Takes a copy (already out of its policy) out of service; frees it once unread.
 
         If it was the block's last live copy, the block is dropped and counted under `reason`
@@ -1308,17 +1314,18 @@ class TierManager:
                     if reason is not None:
                         self.stats.dropped[reason] += 1
                     self._pins[block] = 0
-        if self._readers[tier][slot] == 0:  # what `_settle` checks; the copy is FREEING by now
+        if self._readers[tier][slot] == 0:  # what `_free_if_unread` checks; the copy is FREEING by now
             self._free(block, tier, slot)
 
     def _retire(self, block: int, tier: TierKind, reason: str) -> None:
-        """Like `_release`, for a copy that may still be in its policy."""
+        """Like `_retire_unlisted`, for a copy that may still be in its policy."""
         slot = self._slot[tier][block]
         if self._state[tier][slot] == READY:
             self._policies[tier].remove(slot)
-        self._release(block, tier, reason)
+        self._retire_unlisted(block, tier, reason)
 
-    def _settle(self, block: int, tier: TierKind) -> None:
+    def _free_if_unread(self, block: int, tier: TierKind) -> None:
+        """`_free` for a retired copy whose last reader has ended."""
         slot = self._slot[tier][block]
         if self._state[tier][slot] == FREEING and self._readers[tier][slot] == 0:
             self._free(block, tier, slot)

@@ -147,7 +147,7 @@ def test_a_key_twice_in_one_load_joins_its_own_promotion():
 def test_a_copy_released_while_still_read_is_freed_when_the_read_ends():
     """Block 2 listed twice: its first read finds no room in HBM (the victim's slot is busy with its
     demotion), the second promotes it; the promotion retires the DRAM copy while the first read
-    still holds it, and the load's end frees it (`_release` with readers, then `_settle`). Found
+    still holds it, and the load's end frees it (`_retire_unlisted` with readers, then `_free_if_unread`). Found
     by hypothesis: the rarest path of both engines."""
     trace = make_trace([([2, 4], 8, False), ([0], 4, False), ([1], 4, False), ([3], 4, False), ([4, 2, 2], 12, False)])
     tiers = (VirtualTier(H, 4, 1.0), VirtualTier(D, 1, 1.0), VirtualTier(P, 2, 1.0))
