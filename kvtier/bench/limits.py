@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 from kvtier.errors import TierIOError
-from kvtier.pool.client.api import byte_view
+from kvtier.pool.buffers import byte_view
 from kvtier.tiers.base import copy_bytes
 from kvtier.tiers.dram import aligned_host_memory
 

@@ -15,7 +15,8 @@ import logging
 import pytest
 
 from kvtier.pool.buffers import block_checksum
-from kvtier.pool.client.api import PoolClient, _frames_within
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.client.node_calls import _frames_within
 from kvtier.pool.node.config import NodeConfig
 from kvtier.pool.node.server import PoolNode
 from kvtier.pool.protocol import (REPLIES, REQUESTS, GrantStatus, MsgType, ProtocolError, check_header,

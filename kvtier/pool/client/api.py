@@ -5,16 +5,9 @@ client with the same node list agrees, and losing a node moves only that node's 
 home is the highest-ranked node that is not marked down. Calls are batched per node, nodes run in
 parallel, and every call has a timeout.
 
-put:  PUT_BEGIN (a slot under a write lease) -> one-sided WRITE of the bytes -> PUT_COMMIT (visible).
-      Over TCP one MULTI_PUT frame per node carries all three for the batch, bytes included (one
-      PUT frame per block to a node older than MULTI_PUT): one round trip, as a raw socket
-      (a block the node holds already is sent anyway, then dropped and counted in the node's
-      `duplicate_put_bytes`; `PoolNode._put` says why that beats asking first).
-get:  GET (location + read lease + checksum) -> one-sided READ -> xxh3-64 check (seeded with the
-      key: `block_checksum`); the lease is released with the next GET to that node (or expires),
-      which saves a round trip per get. A node that answers LIMIT (this client holds as many
-      leases as it may) leased nothing: its keys are misses.
-      Over TCP the GET asks for the hits' bytes inline instead: one round trip, as a raw socket.
+Each node's share of a call is one batch of `NodeCalls` (`kvtier.pool.client.node_calls`): a put
+or a get in one round trip over TCP, as a raw socket, or under leases with one-sided accesses
+over RDMA; every block checked against its key-seeded xxh3-64 (`block_checksum`).
 
 Faults are misses, never errors and never wrong bytes: a node that is down, slow or dies mid-call
 yields False for its keys; a block whose bytes do not match their checksum is a miss. A wrong
@@ -28,6 +21,7 @@ TCP otherwise. The choice and its reason are kept per node (`transport_facts`), 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
@@ -40,10 +34,11 @@ import xxhash
 
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
-from kvtier.pool.buffers import block_checksum, byte_view
-from kvtier.pool.client.connection import AuthFailed, NodeConnection, NodeLink, NodeUnavailable, RemoteError, Request
+from kvtier.pool.buffers import byte_view
+from kvtier.pool.client.connection import AuthFailed, NodeLink, NodeUnavailable
+from kvtier.pool.client.node_calls import STORED, NodeCalls, grant_status
 from kvtier.pool.detect import TransportKind, choose_transport
-from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, ErrorCode, GrantStatus, MsgType
+from kvtier.pool.protocol import MAX_BATCH, GrantStatus, MsgType
 from kvtier.pool.client.tcp import TCPTransport
 from kvtier.units import parse_address
 
@@ -108,7 +103,8 @@ class PoolClient:
             self.transports = [_rdma_transport(link, verbs) for link in self.links]
         self._host_memory: list[tuple[int, int, object]] = []  # see register_memory
         self._names = tuple(names)  # placement's node names, as `rendezvous_order` takes them
-        self._releases: list[list[int]] = [[] for _ in names]
+        self.nodes = [NodeCalls(link, functools.partial(self._data_plane, i), self._count_all, lease_s, put_lease_s)
+                      for i, link in enumerate(self.links)]
         self._lock = threading.Lock()
         self._counters: Counter = Counter()
         self._fanout = ThreadPoolExecutor(len(names), thread_name_prefix="kvtier-pool") if len(names) > 1 else None
@@ -135,7 +131,7 @@ class PoolClient:
     def batch_put(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[bool]:
         """Stores each block under its key. True: stored now or already there. False: not stored
         (the node is full of leased blocks, the quota is spent, the node is unreachable...)."""
-        return [status in _STORED for status in self.batch_put_status(keys, blocks)]
+        return [status in STORED for status in self.batch_put_status(keys, blocks)]
 
     def batch_put_status(self, keys: Sequence[bytes], blocks: Sequence[Any]) -> list[GrantStatus | None]:
         """As `batch_put`, with each block's outcome: GRANTED (stored now), EXISTS (stored already),
@@ -146,7 +142,7 @@ class PoolClient:
         the block's bytes, with no copy to join them)."""
         views = [tuple(byte_view(p, writable=False, what=f"block {i}") for p in b) if isinstance(b, tuple)
                  else byte_view(b, writable=False, what=f"block {i}") for i, b in enumerate(blocks)]
-        out = self._per_node(keys, lambda i, ks, js: self._put_on(i, ks, [views[j] for j in js]))
+        out = self._per_node(keys, lambda i, ks, js: self.nodes[i].put(ks, [views[j] for j in js]))
         return [status if status is not False else None for status in out]
 
     def batch_get(self, keys: Sequence[bytes], intos: Sequence[Any]) -> list[bool]:
@@ -158,7 +154,7 @@ class PoolClient:
         """
         views = [byte_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(intos)]
         choose = lambda j, length: [views[j]] if length == len(views[j]) else None
-        return self._per_node(keys, lambda i, ks, js: self._get_on(i, ks, lambda k, n: choose(js[k], n), strict=True))
+        return self._per_node(keys, lambda i, ks, js: self.nodes[i].get(ks, lambda k, n: choose(js[k], n), strict=True))
 
     def batch_get_parts(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None]) -> list[bool]:
         """As `batch_get`, into consecutive buffers chosen by the stored length: `get_streamed_many`
@@ -195,8 +191,8 @@ class PoolClient:
             views = None if got is None else [byte_view(b, writable=True, what=f"part {i}") for i, b in enumerate(got)]
             return views if views is not None and sum(map(len, views)) == length else None
 
-        return self._per_node(keys, lambda i, ks, js: self._get_on(
-            i, ks, lambda k, n: choose(js, k, n), strict=False,
+        return self._per_node(keys, lambda i, ks, js: self.nodes[i].get(
+            ks, lambda k, n: choose(js, k, n), strict=False,
             landed=None if landed is None else lambda k, part: landed(js[k], part),
             checks_parts=None if checks_parts is None else lambda k, n: checks_parts(js[k], n)))
 
@@ -248,7 +244,7 @@ class PoolClient:
                 MsgType.ALLOC, {"keys": ks[s: s + MAX_BATCH], "lengths": [length] * len(ks[s: s + MAX_BATCH])})["grants"]]
             out: list[Slot | TransferError] = []
             for key, grant in zip(ks, grants):
-                status = _status(grant[0])
+                status = grant_status(grant[0])
                 if status is GrantStatus.GRANTED:
                     out.append(Slot(node, key, Location(grant[1], grant[2], length, grant[3])))
                 else:
@@ -331,7 +327,7 @@ class PoolClient:
     def close(self) -> None:
         """Releases pending leases (best effort) and closes every connection. Idempotent."""
         for i, link in enumerate(self.links):
-            leases = self._take_releases(i)
+            leases = self.nodes[i].take_releases()
             if leases and not link.down:
                 try:
                     link.call(MsgType.RELEASE, {"leases": leases})
@@ -404,217 +400,6 @@ class PoolClient:
             log.debug("%s", e)
             return [False] * len(keys)
 
-    def _put_on(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[GrantStatus | None]:
-        if self._data_plane(node).inline:
-            return self._put_inline(node, keys, views)
-        with self.links[node].connection() as conn:  # the write leases are this connection's: see _get_on
-            return self._put_leased(node, conn, keys, views)
-
-    def _put_leased(self, node: int, conn: NodeConnection, keys: list[bytes],
-                    views: list[memoryview]) -> list[GrantStatus | None]:
-        """PUT_BEGIN, one-sided writes and PUT_COMMIT (or PUT_ABORT) on `conn`, which holds the leases."""
-        sums: list[int] = []
-        grants = conn.request(Request(MsgType.PUT_BEGIN, {"keys": keys, "lengths": [_length(v) for v in views],
-                                                          "lease_s": self.put_lease_s}),
-                              overlap=lambda: sums.extend(map(_checksum, keys, views)))["grants"]
-        out: list[GrantStatus | None] = [_status(g[0]) for g in grants]
-        todo = [j for j, g in enumerate(grants) if g[0] == GrantStatus.GRANTED]
-        counts = {"put_exists": out.count(GrantStatus.EXISTS)}
-        for g in grants:
-            if g[0] not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
-                counts[_rejection(g[0])] = counts.get(_rejection(g[0]), 0) + 1
-        self._count_all(counts)
-        for j in todo:
-            out[j] = None  # until written and committed
-        if not todo:
-            return out
-        transport = self.transports[node]
-        ios, owner = [], []  # one io per buffer; owner: the block each belongs to
-        for j in todo:
-            location, at = Location(grants[j][1], grants[j][2], _length(views[j]), grants[j][3]), 0
-            parts = views[j] if isinstance(views[j], tuple) else (views[j],)
-            if transport.inline and len(parts) > 1:
-                raise ValueError("a block of several buffers needs the put's own commit, not WRITE_COMMIT")
-            for part in parts:
-                ios.append(RemoteIO(location.sub(at, len(part)), part, sums[j] if transport.inline else None))
-                owner.append(j)
-                at += len(part)
-        written = transport.write_many(ios)
-        bad = {j for j, ok in zip(owner, written) if not ok}
-        done = [j for j in todo if j not in bad]
-        lost = [j for j in todo if j in bad]
-        if lost:  # a write or commit that did not go through: free the slot now, not at lease expiry
-            conn.call(MsgType.PUT_ABORT, {"keys": [keys[j] for j in lost], "gens": [grants[j][3] for j in lost]})
-        if done and not transport.inline:
-            ok = conn.call(MsgType.PUT_COMMIT, {"keys": [keys[j] for j in done], "gens": [grants[j][3] for j in done],
-                                                "checksums": [sums[j] for j in done]})["ok"]
-            done = [j for j, committed in zip(done, ok) if committed]
-        for j in done:
-            out[j] = GrantStatus.GRANTED
-        self._count("puts", len(done))
-        return out
-
-    def _put_inline(self, node: int, keys: list[bytes], views: list[memoryview]) -> list[GrantStatus | None]:
-        """The batch's blocks with their bytes in the request: one round trip instead of two. The
-        price: a block the node holds already is sent anyway (the node drains it, answers EXISTS
-        and counts the bytes in its `duplicate_put_bytes`; see `PoolNode._put`). One MULTI_PUT
-        frame for the batch (more only past the node's frame limit), or, to a node older than
-        MULTI_PUT, one PUT frame per block, pipelined."""
-        with self.links[node].connection() as conn:  # its handshake tells the link whether MULTI_PUT is served
-            put = self._put_multi if self.links[node].multi_put else self._put_each
-            statuses, stored = put(node, conn, keys, views)
-        out: list[GrantStatus | None] = [
-            GrantStatus.GRANTED if ok else None if s == GrantStatus.GRANTED else _status(s)
-            for s, ok in zip(statuses, stored)]
-        counts = {"put_exists": statuses.count(GrantStatus.EXISTS), "puts": out.count(GrantStatus.GRANTED)}
-        for s in statuses:
-            if s not in (GrantStatus.GRANTED, GrantStatus.EXISTS):
-                counts[_rejection(s)] = counts.get(_rejection(s), 0) + 1
-        self._count_all(counts)
-        return out
-
-    def _put_multi(self, node: int, conn: NodeConnection, keys: list[bytes], views: list) -> tuple[list[int], list[bool]]:
-        """MULTI_PUT frames of the batch, each at most the node's frame limit in bytes (a block
-        above it alone is TOO_LARGE); returns (status, stored) per block.
-
-        Raises:
-            NodeUnavailable: the node did not answer, refused a frame, or answered it wrongly.
-        """
-        statuses, stored = [int(GrantStatus.TOO_LARGE)] * len(keys), [False] * len(keys)
-        lengths = [_length(v) for v in views]
-        frames = _frames_within(lengths, conn.max_payload)
-        requests = [Request(MsgType.MULTI_PUT, {
-            "keys": [keys[j] for j in js], "lengths": [lengths[j] for j in js],
-            "checksums": [_checksum(keys[j], views[j]) for j in js], "lease_s": self.put_lease_s},
-            payload=tuple(p for j in js for p in (views[j] if isinstance(views[j], tuple) else (views[j],))))
-            for js in frames]
-        try:
-            replies = conn.call_many(requests)
-        except NodeUnavailable as e:
-            if e.code is ErrorCode.MALFORMED:
-                self.links[node].multi_put = None  # the node may have been replaced by an older one: ask again
-            raise
-        self._count("put_frames", len(requests))
-        for js, reply in zip(frames, replies):
-            results = reply.get("results") if isinstance(reply, dict) else None
-            if results is None or len(results) != len(js):
-                raise NodeUnavailable(f"pool node {self.links[node].name}: multi-put of {len(js)} blocks: "
-                                      f"{reply if results is None else f'{len(results)} results'}")
-            for j, (status, ok) in zip(js, results):
-                statuses[j], stored[j] = status, ok
-        return statuses, stored
-
-    def _put_each(self, node: int, conn: NodeConnection, keys: list[bytes], views: list) -> tuple[list[int], list[bool]]:
-        """A PUT frame per block, pipelined (a node older than MULTI_PUT); returns as `_put_multi`."""
-        sent = [j for j, v in enumerate(views) if _length(v) <= conn.max_payload]
-        replies = conn.call_many([Request(MsgType.PUT, {"key": keys[j], "lease_s": self.put_lease_s,
-                                                        "checksum": _checksum(keys[j], views[j])},
-                                          payload=views[j]) for j in sent])
-        self._count("put_frames", len(sent))
-        statuses, stored = [int(GrantStatus.TOO_LARGE)] * len(keys), [False] * len(keys)
-        for j, reply in zip(sent, replies):
-            if isinstance(reply, RemoteError):
-                raise NodeUnavailable(f"pool node {self.links[node].name}: put of {keys[j].hex()}: {reply}")
-            statuses[j], stored[j] = reply["status"], reply["stored"]
-        return statuses, stored
-
-    def _get_on(self, node: int, keys: list[bytes], choose: Callable[[int, int], list[memoryview] | None],
-                strict: bool, landed: Callable[[int, int], None] | None = None,
-                checks_parts: Callable[[int, int], bool] | None = None) -> list[bool]:
-        """One GET of `keys` on `node`, each hit's bytes into `choose(j, stored length)` (None: a
-        length the caller does not read; `strict`: a ValueError once the reply is in, else a
-        miss counted `wrong_size`), `landed(j, i)` as part i of key j is in (see
-        `get_streamed_many`)."""
-        transport = self._data_plane(node)
-        chosen: list[list[memoryview] | None] = [None] * len(keys)
-        owners: list[tuple[int, int]] = []  # per buffer of an inline reply: (key, part), part -1 for scratch
-
-        def inline_buffers(header: dict) -> list[memoryview]:
-            """Where an inline reply's bytes go, hit by hit (a length not read lands in scratch)."""
-            out: list[memoryview] = []
-            for j, h in enumerate(header["hits"][: len(keys)]):
-                if h[0] and h[7]:
-                    chosen[j] = choose(j, h[3])
-                    if chosen[j] is None:
-                        out.append(memoryview(bytearray(h[3])))
-                        owners.append((j, -1))
-                    else:
-                        out.extend(chosen[j])
-                        owners.extend((j, i) for i in range(len(chosen[j])))
-            return out
-
-        def on_inline_part(b: int) -> None:
-            j, part = owners[b]
-            if part >= 0:
-                landed(j, part)
-
-        request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self._take_releases(node),
-                                        "inline": transport.inline}, into=inline_buffers,
-                          max_reply_payload=MAX_INLINE_BYTES, landed=None if landed is None else on_inline_part)
-        # One loan for the GET and the reads of its leased hits: the node ends a connection's
-        # leases when it closes, and a connection handed back may be closed at once (pool full).
-        with self.links[node].connection() as conn:
-            try:
-                hits = conn.request(request)["hits"]
-            except RemoteError as e:
-                if e.code is not ErrorCode.LIMIT:
-                    raise
-                self._count_all({"misses": len(keys), "lease_limit": 1})  # the node leased nothing
-                return [False] * len(keys)
-            found, read = self._read_leased(node, keys, hits, choose, chosen, strict, landed)
-        out = [False] * len(keys)
-        stale = corrupt = wrong = 0
-        for j in found:
-            if chosen[j] is None:
-                wrong += 1
-                continue
-            moved = read.get(j, True)  # an inline hit came with the reply
-            checked = checks_parts is not None and checks_parts(j, hits[j][3])
-            out[j] = moved and (checked or _checksum(keys[j], _one_or_tuple(chosen[j])) == hits[j][5])
-            stale += not moved
-            corrupt += moved and not out[j]
-        self._count_all({"hits": sum(out), "stale": stale, "checksum_errors": corrupt, "wrong_size": wrong})
-        return out
-
-    def _read_leased(self, node: int, keys: list[bytes], hits: list,
-                     choose: Callable[[int, int], list[memoryview] | None], chosen: list[list[memoryview] | None],
-                     strict: bool, landed: Callable[[int, int], None] | None) -> tuple[list[int], dict[int, bool]]:
-        """Checks a GET's answer, queues its leases for release, chooses the leased hits' buffers
-        (into `chosen`) and reads them; returns the positions found and, per leased one read,
-        whether its bytes moved.
-
-        Raises:
-            NodeUnavailable: an answer of the wrong length.
-            ValueError: `strict`, and a hit of a length the caller does not read.
-        """
-        if len(hits) != len(keys):
-            raise NodeUnavailable(f"pool node {self.links[node].name}: {len(hits)} answers to {len(keys)} keys")
-        found = [j for j, h in enumerate(hits) if h[0]]
-        leased = [j for j in found if not hits[j][7]]
-        if leased or len(found) < len(keys):  # before anything below can raise
-            with self._lock:
-                self._releases[node] += [hits[j][6] for j in leased]
-                self._counters["misses"] += len(keys) - len(found)
-        for j in leased:
-            chosen[j] = choose(j, hits[j][3])
-        for j in found if strict else ():
-            if chosen[j] is None:
-                raise ValueError(f"pool block {keys[j].hex()}: stored {hits[j][3]} bytes, not the buffer's size")
-        ios, owner = [], []  # owner: per io, (key, part)
-        for j in leased:
-            location, at = Location(*hits[j][1:5]), 0
-            for i, view in enumerate(chosen[j] or ()):
-                ios.append(RemoteIO(location.sub(at, len(view)), view))
-                owner.append((j, i))
-                at += len(view)
-        if not ios:
-            return found, {}
-        moved: dict[int, bool] = {}
-        on_io = None if landed is None else lambda b: landed(*owner[b])
-        for (j, _), ok in zip(owner, self.transports[node].read_many(ios, on_io)):
-            moved[j] = moved.get(j, True) and ok
-        return found, moved
-
     def _data_plane(self, node: int) -> Transport:
         """The node's transport; under `auto`, chosen on first use from what the node serves.
 
@@ -638,13 +423,6 @@ class PoolClient:
                         self._reasons[node] = f"auto: node serves {link.transport} only"
         return self.transports[node]
 
-    def _take_releases(self, node: int) -> list[int]:
-        if not self._releases[node]:  # a read without the lock: a lease added meanwhile goes next time
-            return []
-        with self._lock:
-            leases, self._releases[node] = self._releases[node][:MAX_BATCH], self._releases[node][MAX_BATCH:]
-        return leases
-
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
@@ -653,54 +431,6 @@ class PoolClient:
         with self._lock:
             for name, n in counts.items():
                 self._counters[name] += n
-
-
-_STORED = (GrantStatus.GRANTED, GrantStatus.EXISTS)
-
-
-def _frames_within(lengths: Sequence[int], max_bytes: int) -> list[list[int]]:
-    """Positions of blocks of `lengths` cut into consecutive frames of at most `max_bytes` each (a
-    block longer than that is in none: the node could not take it)."""
-    frames: list[list[int]] = []
-    room = 0
-    for j, n in enumerate(lengths):
-        if n > max_bytes:
-            continue
-        if not frames or n > room:
-            frames.append([])
-            room = max_bytes
-        frames[-1].append(j)
-        room -= n
-    return frames
-
-
-def _length(block: memoryview | tuple[memoryview, ...]) -> int:
-    return sum(map(len, block)) if isinstance(block, tuple) else len(block)
-
-
-def _one_or_tuple(views: list[memoryview]) -> memoryview | tuple[memoryview, ...]:
-    return views[0] if len(views) == 1 else tuple(views)
-
-
-def _checksum(key: bytes, block: memoryview | tuple[memoryview, ...]) -> int:
-    """`block_checksum` of a block, given whole or as consecutive buffers."""
-    if not isinstance(block, tuple):
-        return block_checksum(key, block)
-    digest = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(key))
-    for part in block:
-        digest.update(part)
-    return digest.intdigest()
-
-
-def _status(status: int) -> GrantStatus | None:
-    """A node's grant status as the enum; None for one this client does not know (a newer node)."""
-    return GrantStatus(status) if status in GrantStatus._value2member_map_ else None
-
-
-def _rejection(status: int) -> str:
-    """The counter a put refused with `status` adds to."""
-    known = status in GrantStatus._value2member_map_
-    return f"put_rejected_{GrantStatus(status).name.lower() if known else status}"
 
 
 def _rdma_transport(link: NodeLink, verbs: str) -> Transport:
