@@ -7,7 +7,8 @@ batches of `--batch` fresh blocks stored into a full DRAM tier, with each config
 tiers below it (an SSD on `--ssd-dir`, a real `kvtier pool serve` node on 127.0.0.1), each batch
 waited for, then every demotion; reported per block stored: this process's CPU (every thread),
 the pool node's CPU, and the wall time. DRAM alone is the baseline: a store that evicts into
-nothing.
+nothing. This process's CPU is also split into user and system time: what kvtier's own code costs
+(Python, copies, checksums) and what the kernel does for it (the disk's and the socket's I/O).
 
     python bench/bench_store_cpu.py [--block 64KiB] [--calls 300] [--configs dram,dram+ssd,...] [--json FILE]
 """
@@ -93,15 +94,18 @@ def measure(config: str, args: argparse.Namespace, workdir: str) -> dict:
                 store()
             kv.quiesce(TIMEOUT_S)
             node_cpu0 = process_cpu_s(node.proc.pid) if node else 0.0
-            cpu0, wall0 = time.process_time(), time.perf_counter()
+            times0, wall0 = os.times(), time.perf_counter()
             for _ in range(args.calls):
                 store()
             kv.quiesce(TIMEOUT_S)
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            times, wall = os.times(), time.perf_counter() - wall0
+            user, system = times.user - times0.user, times.system - times0.system
             node_cpu = process_cpu_s(node.proc.pid) - node_cpu0 if node else 0.0
             dropped = sum(kv.snapshot().get("dropped", {}).values())
         blocks = args.calls * args.batch
-        return {"config": config, "block_bytes": block, "blocks": blocks, "cpu_us_per_block": cpu / blocks * 1e6,
+        return {"config": config, "block_bytes": block, "blocks": blocks,
+                "cpu_us_per_block": (user + system) / blocks * 1e6, "user_us_per_block": user / blocks * 1e6,
+                "system_us_per_block": system / blocks * 1e6,
                 "node_cpu_us_per_block": node_cpu / blocks * 1e6 if node else None,
                 "wall_us_per_block": wall / blocks * 1e6, "dropped": dropped}
     finally:
@@ -117,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{config}: {args.calls} calls of {args.batch} x {args.block} blocks ...", file=sys.stderr, flush=True)
             results.append(measure(config, args, workdir))
     base = next((r["cpu_us_per_block"] for r in results if r["config"] == "dram"), None)
-    print(f"{'configuration':>15} {'cpu µs/block':>13} {'x dram':>7} {'node cpu µs/block':>18} {'wall µs/block':>14}")
+    print(f"{'configuration':>15} {'cpu µs/block':>13} {'user':>7} {'system':>7} {'x dram':>7} "
+          f"{'node cpu µs/block':>18} {'wall µs/block':>14}")
     for r in results:
         ratio = f"{r['cpu_us_per_block'] / base:.1f}" if base else "-"
         node = f"{r['node_cpu_us_per_block']:.1f}" if r["node_cpu_us_per_block"] is not None else "-"
-        print(f"{r['config']:>15} {r['cpu_us_per_block']:>13.1f} {ratio:>7} {node:>18} {r['wall_us_per_block']:>14.1f}")
+        print(f"{r['config']:>15} {r['cpu_us_per_block']:>13.1f} {r['user_us_per_block']:>7.1f} "
+              f"{r['system_us_per_block']:>7.1f} {ratio:>7} {node:>18} {r['wall_us_per_block']:>14.1f}")
     if args.json:
         args.json.write_text(json.dumps({"args": {"block_bytes": args.block_bytes, "batch": args.batch,
                                                   "calls": args.calls}, "rows": results}, indent=2))

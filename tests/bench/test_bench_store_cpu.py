@@ -31,9 +31,11 @@ def test_every_configuration_gives_a_row_of_real_stores(bench, tmp_path, capsys)
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == list(bench.CONFIGS)
     assert all(r["blocks"] == 20 and r["block_bytes"] == 16 << 10 and r["cpu_us_per_block"] > 0 for r in rows)
+    assert all(r["user_us_per_block"] + r["system_us_per_block"] == pytest.approx(r["cpu_us_per_block"])
+               for r in rows)
     assert [r["node_cpu_us_per_block"] is not None for r in rows] == ["pool" in r["config"] for r in rows]
     table = capsys.readouterr().out
-    assert all(c in table for c in bench.CONFIGS) and "x dram" in table
+    assert all(c in table for c in bench.CONFIGS) and "x dram" in table and "system" in table
     assert not list(tmp_path.glob("kvtier-bench-store-cpu-*"))  # the SSD files went with the run
 
 
