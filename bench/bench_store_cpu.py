@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -94,12 +95,12 @@ def measure(config: str, args: argparse.Namespace, workdir: str) -> dict:
                 store()
             kv.quiesce(TIMEOUT_S)
             node_cpu0 = process_cpu_s(node.proc.pid) if node else 0.0
-            times0, wall0 = os.times(), time.perf_counter()
+            times0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(args.calls):
                 store()
             kv.quiesce(TIMEOUT_S)
-            times, wall = os.times(), time.perf_counter() - wall0
-            user, system = times.user - times0.user, times.system - times0.system
+            times, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall0
+            user, system = times.ru_utime - times0.ru_utime, times.ru_stime - times0.ru_stime
             node_cpu = process_cpu_s(node.proc.pid) - node_cpu0 if node else 0.0
             dropped = sum(kv.snapshot().get("dropped", {}).values())
         blocks = args.calls * args.batch
