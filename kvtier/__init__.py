@@ -6,7 +6,7 @@ What an engine uses, importable from here:
 
     kv = KVTier(load_config("kvtier.yaml"))
     keys = block_keys(Namespace(model, kv_dtype, block_tokens), token_ids)
-    kv.store(keys, blocks); kv.load(keys, into=buffers)
+    kv.store(keys, blocks); kv.load(keys, into=buffers)   # blocks, buffers: host_rows(n, block_bytes)
 
 Names are resolved on first use (PEP 562), so `import kvtier` alone loads neither torch nor YAML and
 a pool node or the command line starts without them.
@@ -21,7 +21,7 @@ _EXPORTS = {
     "KVTier": "kvtier.runtime",
     "KVTierConfig": "kvtier.config", "load_config": "kvtier.config", "config_from_dict": "kvtier.config",
     "Namespace": "kvtier.model.keys", "block_keys": "kvtier.model.keys",
-    "TierKind": "kvtier.kinds", "CacheMode": "kvtier.kinds",
+    "TierKind": "kvtier.kinds", "CacheMode": "kvtier.kinds", "host_rows": "kvtier.tiers.dram",
     **{name: "kvtier.errors" for name in ("KVTierError", "ConfigError", "GeometryError", "CapacityError",
                                          "TierIOError", "TierUnavailable", "IntegrityError", "TransferError")},
 }
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvtier.model.keys import Namespace, block_keys
     from kvtier.kinds import CacheMode, TierKind
     from kvtier.runtime import KVTier
+    from kvtier.tiers.dram import host_rows
 
 
 def __getattr__(name: str) -> Any:

@@ -142,6 +142,21 @@ def aligned_host_memory(num_bytes: int, pinned: bool) -> torch.Tensor:
     return _pinned_aligned(num_bytes) if pinned else _mmap_aligned(num_bytes)
 
 
+def host_rows(num_blocks: int, block_bytes: int, pinned: bool = False, zeroed: bool = False) -> torch.Tensor:
+    """A `[num_blocks, block_bytes]` uint8 host tensor (uninitialised unless `zeroed`; pinned when
+    asked) whose rows start on 4 KiB pages wherever `block_bytes` is a multiple of 4 KiB.
+
+    What an engine should hand `KVTier.store`/`load`: an SSD tier opened with O_DIRECT reads and
+    writes such rows straight, where rows off a page boundary are staged through aligned memory
+    (one more copy of every block). Costs what `torch.empty` does plus one page: no mapping of
+    its own, no page touched.
+    """
+    raw = (torch.zeros if zeroed else torch.empty)(num_blocks * block_bytes + PAGE_BYTES, dtype=torch.uint8,
+                                                   pin_memory=pinned)
+    skip = (-raw.data_ptr()) % PAGE_BYTES
+    return raw[skip: skip + num_blocks * block_bytes].view(num_blocks, block_bytes)
+
+
 def _pinned_aligned(num_bytes: int) -> torch.Tensor:
     """A zeroed, pinned, 4 KiB-aligned 1-D uint8 tensor.
 
@@ -157,4 +172,4 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-__all__ = ("DRAMTier", "PAGE_BYTES", "aligned_host_memory")
+__all__ = ("DRAMTier", "PAGE_BYTES", "aligned_host_memory", "host_rows")

@@ -346,6 +346,30 @@ def test_unaligned_memory_is_staged_in_batches_never_slot_by_slot(tmp_path: Path
         tier.close()
 
 
+def test_host_rows_go_to_disk_and_back_without_staging(tmp_path: Path, monkeypatch) -> None:
+    """`kvtier.host_rows` (what the integrations stage blocks in) starts every row on a page, so
+    O_DIRECT reads and writes them straight: no staging memory is ever asked for."""
+    from kvtier import host_rows
+
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=True)
+
+    def no_staging(num_bytes: int):
+        raise AssertionError(f"staged {num_bytes} bytes")
+
+    monkeypatch.setattr(tier, "_staging", no_staging)
+    try:
+        rows = host_rows(4, SLOT_BYTES)
+        assert all(rows[i].data_ptr() % ALIGN_BYTES == 0 for i in range(4))
+        rows.copy_(torch.stack([random_bytes(SLOT_BYTES, seed=40 + i) for i in range(4)]))
+        assert tier.write_spans(_spans(range(4), SLOT_BYTES, list(rows))) == {}
+        back = host_rows(4, SLOT_BYTES, zeroed=True)
+        assert int(back.sum()) == 0
+        assert tier.read_spans(_spans(range(4), SLOT_BYTES, list(back))) == {}
+        assert torch.equal(back, rows)
+    finally:
+        tier.close()
+
+
 def test_staged_io_from_several_threads_keeps_each_threads_bytes(tmp_path: Path) -> None:
     """Each thread stages through its own memory: four threads writing and reading their own
     slots from unaligned memory at once each get back exactly what they wrote."""

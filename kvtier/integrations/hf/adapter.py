@@ -39,6 +39,7 @@ from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
 from kvtier.model.keys import BlockKey, Namespace
 from kvtier.runtime import KVTier
 from kvtier.model.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
+from kvtier.tiers.dram import host_rows
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,8 @@ class HFKVTier:
     # ---- used by the caches --------------------------------------------------------------
 
     def staging(self, num_blocks: int) -> torch.Tensor:
-        """A host buffer of `num_blocks` blocks (pinned when the model runs on CUDA)."""
-        pin = self.device.type == "cuda"
-        return torch.empty(num_blocks, self.codec.layout.block_bytes, dtype=torch.uint8, pin_memory=pin)
+        """A host buffer of `num_blocks` blocks (pinned when the model runs on CUDA; page-aligned rows)."""
+        return host_rows(num_blocks, self.codec.layout.block_bytes, pinned=self.device.type == "cuda")
 
     def load_prefix(self, keys: Sequence[BlockKey]) -> tuple[torch.Tensor, int]:
         """Loads `keys` and waits; returns the staging buffer and how many leading blocks arrived."""

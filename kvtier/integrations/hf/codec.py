@@ -21,6 +21,7 @@ from kvtier.errors import ConfigError, GeometryError
 from kvtier.model.geometry import KVDtype, LayerKind, from_hf_config
 from kvtier.model.keys import Namespace
 from kvtier.model.layout import BlockLayout
+from kvtier.tiers.dram import host_rows
 
 _KV_DTYPES = {torch.float32: KVDtype.FP32, torch.float16: KVDtype.FP16, torch.bfloat16: KVDtype.BF16}
 
@@ -56,7 +57,7 @@ class BlockCodec:
         Args:
             layers: per layer, K and V `[1, kv_heads, tokens, head_dim]` covering those tokens.
         """
-        out = torch.empty(num_blocks, self.layout.block_bytes, dtype=torch.uint8)
+        out = host_rows(num_blocks, self.layout.block_bytes)
         num_tokens = num_blocks * self.block_tokens
         for layer, kv in enumerate(layers):
             offset, length = self.layout.layer_range(layer)

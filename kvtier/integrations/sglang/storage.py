@@ -71,6 +71,7 @@ from kvtier.integrations.sglang.page_keys import PageKeys, UnkeyableCall
 from kvtier.model.keys import BlockKey
 from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
+from kvtier.tiers.dram import host_rows
 
 try:
     from sglang.srt.mem_cache.hicache_storage import (
@@ -213,7 +214,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         host = self._host_for(keys, host_indices)
         if host is None:
             return [False] * len(keys)
-        staging = torch.empty(len(keys), self.runtime.layout.block_bytes, dtype=torch.uint8)
+        staging = host_rows(len(keys), self.runtime.layout.block_bytes)
         ok = self._load(keys, list(staging), extra_info)
         for i, good in enumerate(ok):
             if good:

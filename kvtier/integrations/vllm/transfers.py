@@ -41,6 +41,7 @@ from kvtier.integrations.vllm.shards import Sharding
 from kvtier.model.keys import BlockKey
 from kvtier.model.layout import BlockLayout
 from kvtier.moving.native import PagedLayer, gather_blocks, scatter_blocks
+from kvtier.tiers.dram import host_rows
 
 log = logging.getLogger(__name__)
 
@@ -305,10 +306,14 @@ class WorkerSide:
 
     def _staging(self, num_blocks: int) -> torch.Tensor:
         # vLLM runs the model under inference mode; kvtier's threads write these rows outside it,
-        # which an inference tensor refuses.
+        # which an inference tensor refuses. A smaller group's block: its rest is zero. On the
+        # host, rows on page boundaries: an SSD tier reads and writes them without staging.
+        device = self.layers[0].device
         with torch.inference_mode(False):
-            make = torch.zeros if self._padded else torch.empty  # a smaller group's block: its rest is zero
-            return make((num_blocks, self.layout.block_bytes), dtype=torch.uint8, device=self.layers[0].device)
+            if device.type == "cpu":
+                return host_rows(num_blocks, self.layout.block_bytes, zeroed=self._padded)
+            make = torch.zeros if self._padded else torch.empty
+            return make((num_blocks, self.layout.block_bytes), dtype=torch.uint8, device=device)
 
     def _place_next_layer(self, load: _Load) -> None:
         layer = load.num_layers_placed
