@@ -60,8 +60,8 @@ def notes(result: BenchResult) -> list[str]:
         direct = "O_DIRECT active" if s["o_direct"] else "O_DIRECT NOT active (buffered I/O)"
         out.append(f"SSD: {s['dir']} ({s['filesystem']}), {direct}: {s['reason']}")
     m = f["machine"]
-    out.append(f"machine: {m['cpus']} CPUs, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}; "
-               f"{result.elapsed_s:.1f} s")
+    out.append(f"machine: {m['cpus']} CPUs, torch {m['torch']}{', ' + m['gpu'] if m.get('gpu') else ''}, "
+               f"xxh3 checksums: {m.get('checksum_code', '?')} code; {result.elapsed_s:.1f} s")
     out.append("ratio = median over paired ops of limit time / kvtier time; GB/s = bytes per op x depth / p50; "
                "end-to-end ops are one call of qd blocks")
     return out

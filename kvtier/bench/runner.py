@@ -25,6 +25,7 @@ from kvtier.bench.limits import check_ssd_dir, filesystem_of
 from kvtier.bench.measure import Budget, Measured
 from kvtier.bench.paths import PATHS, BenchEnv, num_blocks_for
 from kvtier.errors import ConfigError, TransferError
+from kvtier.moving import _movers
 
 KIB, MIB = 1 << 10, 1 << 20
 ALL_PATHS = (*PATHS, *E2E_PATHS)
@@ -209,7 +210,7 @@ def _start_pool(stack: ExitStack, env: BenchEnv, options: BenchOptions, need_byt
 
 def machine_facts() -> dict:
     facts = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-             "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+             "torch": torch.__version__, "cuda": torch.cuda.is_available(), "checksum_code": _movers.XXH3_VECTOR}
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
     return facts
