@@ -122,6 +122,42 @@ class ResidentPath:
         self._run(copy, now, True, settle)
         return handle
 
+    def reserve(self, keys: Sequence[Hashable], target: TierKind | None) -> Reservation | None:
+        """Slots for new blocks that the caller writes in place (see `Reservation`), placed as a
+        store of them would be; None where such a store would not take this path, nothing changed."""
+        n = len(keys)
+        if not (self._media and n) or self.engine.closed or len(set(keys)) != n:
+            return None
+        if not all(self.engine.copies_rows(medium) for medium in self._media):
+            return None  # a route replaced (`TransferEngine.add_route`) must see the blocks come in
+        with self._lock:
+            placed = self.manager.place_resident(keys, target)
+        if placed is None:
+            return None
+        rows = self.tiers[placed[0]].memory_rows()
+        if rows is None:  # closed meanwhile
+            with self._lock:
+                self.manager.withdraw_resident(placed)
+            return None
+        return Reservation(self, tuple(keys), placed, rows)
+
+    def _commit(self, reservation: Reservation, written: Sequence[bool]) -> None:
+        """`Reservation.commit`, under the lock: the written blocks READY, the rest withdrawn."""
+        tier, ids, slots = reservation.placed
+        keep = [i for i, ok in enumerate(written) if ok]
+        drop = [i for i, ok in enumerate(written) if not ok]
+        with self._lock:
+            if self.engine.closed:
+                raise RuntimeError("kvtier is closed: the reserved blocks were not kept")
+            moves = ()
+            if keep:
+                moves += self.manager.finish_resident((tier, _pick(ids, keep), _pick(slots, keep)))
+            if drop:
+                moves += self.manager.withdraw_resident((tier, _pick(ids, drop), _pick(slots, drop)))
+            self._runner.submit_moves(moves)
+            if keep:
+                self.manager.order_chain([reservation.keys[i] for i in keep])
+
     def _run(self, copy: Callable[[], None], now: bool, background: bool, undo: Callable[[], None]) -> None:
         """Runs `copy` in this thread (`now`) or on a worker of the engine's background or
         foreground lane; where the engine closed meanwhile, `undo()`, under the lock, gives the
@@ -177,6 +213,52 @@ class ResidentPath:
             log.exception("resident copy of %d blocks failed", len(slots))
             return e
         return None
+
+
+class Reservation:
+    """Slots of a host memory tier held for new blocks that the caller writes in place, row
+    `slots[i]` of `rows` for `keys[i]`: an engine gathers what it computed straight into them,
+    one copy where a store would make two (its own into a buffer, kvtier's into the tier).
+
+    Until `commit` the blocks are WRITING: never served, never evicted, found by no lookup.
+    `commit(written)` makes the blocks written READY (stored, counted, in the policy, as a store
+    of them would leave them) and gives the other slots back. A reservation not committed
+    keeps its slots: commit it, with nothing written if need be, before dropping it.
+
+    Attributes:
+        keys: the blocks, one per slot.
+        rows: the tier's `[num_slots, block_bytes]` uint8 host memory.
+        slots: int64, the row of each key (as `native.gather_blocks(..., slots=)` takes them).
+    """
+
+    def __init__(self, path: ResidentPath, keys: tuple[Hashable, ...], placed: tuple[TierKind, array, array],
+                 rows: torch.Tensor) -> None:
+        self.keys, self.placed, self.rows = keys, placed, rows
+        self.slots = torch.tensor(placed[2], dtype=torch.int64)
+        self._path: ResidentPath | None = path
+
+    @property
+    def tier(self) -> TierKind:
+        return self.placed[0]
+
+    def commit(self, written: Sequence[bool] | None = None) -> None:
+        """Ends the reservation: block i is kept where `written[i]` (default: every block).
+
+        Raises:
+            ValueError: `written` is not one flag per key.
+            RuntimeError: committed already, or the runtime is closed (nothing is kept).
+        """
+        written = [True] * len(self.keys) if written is None else [bool(w) for w in written]
+        if len(written) != len(self.keys):
+            raise ValueError(f"commit: {len(written)} flags for {len(self.keys)} reserved blocks")
+        path, self._path = self._path, None
+        if path is None:
+            raise RuntimeError("commit: this reservation is committed already")
+        path._commit(self, written)
+
+
+def _pick(values: array, positions: list[int]) -> array:
+    return values if len(positions) == len(values) else array(values.typecode, (values[i] for i in positions))
 
 
 def _host_rows(tier: Tier) -> bool:

@@ -31,7 +31,7 @@ from kvtier.moving.handle import Stage, TransferHandle
 from kvtier.observing.stats import Stats
 from kvtier.plan_runner import PlanRunner
 from kvtier.policy import make_policy
-from kvtier.resident import ResidentPath
+from kvtier.resident import Reservation, ResidentPath
 from kvtier.tiers.base import Tier
 from kvtier.tiers.build import build_tier
 from kvtier.tiers.health import TierService
@@ -204,6 +204,19 @@ class KVTier:
             self.engine.submit(ops, on_done, handle=first, background=background,
                                inline=not background and not plan.through)
         return caller
+
+    def reserve(self, keys: Sequence[Hashable], target: TierKind | None = None) -> Reservation | None:
+        """Slots of a host memory tier for new blocks the caller writes in place, then commits
+        (`kvtier.resident.Reservation`): one copy of each block (the caller's) where `store`
+        makes two. None where a store of `keys` would not stay in that tier (a key already held,
+        a full tier whose victims would be demoted, write-through, duplicate keys, no host
+        memory tier): nothing changed; store them instead.
+
+        Args:
+            keys: one key per block, all new.
+            target: the tier (default the fastest), as for `store`.
+        """
+        return self._resident.reserve(keys, target)
 
     def load(self, keys: Sequence[Hashable], into: torch.Tensor | Sequence[torch.Tensor], *,
              sync: bool = False) -> TransferHandle:

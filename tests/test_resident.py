@@ -21,7 +21,7 @@ from kvtier.observing.stats import DropReason
 from kvtier.policy.lru import SlotLRUPolicy
 from kvtier.tiers.base import TierKind
 
-from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks, runtime
+from support.runtime import BLOCK, LAYOUT, WAIT_S, blocks, runtime, store
 from test_manager import make_manager
 
 H, D, S = TierKind.HBM, TierKind.DRAM, TierKind.SSD
@@ -142,6 +142,27 @@ def test_the_resident_verbs_take_the_common_batches():
     _store(up, [1, 2, 3], None, False)
     assert [up.where(k) for k in (1, 2, 3)] == [H, H, D]
     assert _load(up, [2], True) and not _load(up, [3], True), "a load from DRAM promotes into HBM: a move"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=STEPS, new=st.lists(st.integers(20, 25), min_size=1, max_size=3, unique=True))
+def test_a_withdrawn_placement_leaves_the_manager_as_it_found_it(steps, new):
+    """`withdraw_resident` (a reservation not written): after any history, placing new blocks
+    into free slots and withdrawing them leaves the index, the LRU orders, the free lists and
+    every counter as they were."""
+    m = make_manager((2, 3, 6))
+    m.serve_resident({H, D})
+    for verb, keys, target in steps:
+        if verb == "store":
+            _store(m, keys, target, True)
+        elif verb == "load" and all(m.where(k) is not None for k in keys):
+            _load(m, keys, True)
+    before = _observed(m)
+    placed = m.place_resident(new, None)
+    if placed is None or len(new) > len(before["free"][placed[0].name]):
+        return  # not placed, or placed over dropped victims: then the victims stay dropped
+    assert not m.withdraw_resident(placed)
+    assert _observed(m) == before
 
 
 def test_a_copy_released_while_a_resident_load_read_it_is_freed_when_the_load_ends():
@@ -373,3 +394,63 @@ def test_a_large_resident_load_reports_each_run_of_layers_as_it_lands(tmp_path, 
         assert handle.wait(WAIT_S) and not handle.failed and torch.equal(out, blocks(keys))
         assert spans == list(LAYOUT.offsets[:-1]), "one native copy per layer, in order"
         assert kv.stats.hits[D] == 3 and kv.stats.bytes_moved[("dram", "buffer:cpu")] == 3 * BLOCK
+
+
+# ---- reservations: blocks the caller writes in place ---------------------------------------------
+
+def test_reserved_blocks_are_hidden_until_committed_then_served_as_stored(tmp_path):
+    """`KVTier.reserve`: slots of DRAM for new blocks, WRITING (found by no lookup or load) until
+    `commit`; then READY, counted as stores, served byte for byte; a block not written is given
+    back (its slot free again, nothing counted, never found)."""
+    with runtime(tmp_path, hbm=0, ssd=0) as kv:
+        reservation = kv.reserve([1, 2, 3])
+        assert reservation is not None and reservation.tier is D and reservation.rows.shape == (3, BLOCK)
+        assert sorted(reservation.slots.tolist()) == [0, 1, 2]
+        reservation.rows[reservation.slots] = blocks([1, 2, 3])
+        assert kv.lookup([1]) == 0 and set(kv.load([1], torch.zeros(1, BLOCK, dtype=torch.uint8),
+                                                   sync=True).failed) == {1}
+        reservation.commit([True, False, True])
+        assert (kv.lookup([1]), kv.lookup([2]), kv.lookup([3])) == (1, 0, 1)
+        out = torch.zeros(2, BLOCK, dtype=torch.uint8)
+        assert not kv.load([1, 3], out, sync=True).failed and torch.equal(out, blocks([1, 3]))
+        assert kv.stats.stores[D] == 2 and sum(kv.stats.dropped.values()) == 0
+        again = kv.reserve([4])  # the slot key 2 had is free again
+        assert again is not None and again.slots.tolist() == [reservation.slots.tolist()[1]]
+        again.commit([False])
+
+
+def test_a_reservation_is_refused_where_a_store_would_not_stay_in_the_tier(tmp_path):
+    """None, nothing changed, for what the general path must decide: a key held already (or
+    reserved), duplicate keys, a full DRAM whose victims would be demoted into a tier below."""
+    with runtime(tmp_path, hbm=0, dram=3, ssd=6) as kv:
+        store(kv, [1], D)
+        assert kv.reserve([1, 2]) is None and kv.reserve([2, 2]) is None
+        held = kv.reserve([2, 3])
+        assert held is not None and kv.reserve([3]) is None  # 3 is WRITING under the first reservation
+        assert kv.reserve([4]) is None  # DRAM is full: its victim would be demoted to the SSD
+        held.commit()
+        assert kv.where([1, 2, 3, 4]) == [D, D, D, None] and kv.stats.stores[D] == 3
+
+
+def test_a_reservation_in_the_last_tier_drops_its_oldest_blocks_counted(tmp_path):
+    with runtime(tmp_path, hbm=0, dram=3, ssd=0) as kv:
+        store(kv, [1, 2, 3], D)
+        reservation = kv.reserve([4, 5])
+        assert reservation is not None and kv.where([1, 2, 3]) == [None, None, D]
+        assert kv.stats.dropped[DropReason.EVICTED] == 2 and kv.stats.evictions[D] == 2
+        reservation.commit()
+
+
+def test_a_reservation_is_committed_once_with_a_flag_per_block_and_not_after_close(tmp_path):
+    kv = runtime(tmp_path, hbm=0, ssd=0)
+    reservation = kv.reserve([1, 2])
+    with pytest.raises(ValueError, match="1 flags for 2 reserved blocks"):
+        reservation.commit([True])
+    reservation.commit()
+    with pytest.raises(RuntimeError, match="committed already"):
+        reservation.commit()
+    late = kv.reserve([3])
+    kv.close()
+    with pytest.raises(RuntimeError, match="kvtier is closed"):
+        late.commit()
+    assert kv.reserve([4]) is None

@@ -724,6 +724,16 @@ class TierManager:
         self._rebalance()
         return self._drain()
 
+    def withdraw_resident(self, placed: tuple[TierKind, array, array]) -> tuple[Move, ...]:
+        """Gives back `place_resident`'s copies that the caller never filled (a reservation it
+        does not commit): each freed as if never placed, nothing counted, its slot back where
+        `place_resident` took it from (the last first). Returns the demotions due."""
+        tier, ids, _ = placed
+        for block in reversed(ids):
+            self._retire_unlisted(block, tier, None)
+        self._rebalance()
+        return self._drain()
+
     # ---- prefetch ------------------------------------------------------------------------
 
     def prepare_prefetch(self, keys: Iterable[Hashable], target: TierKind, budget_blocks: int) -> tuple[Move, ...]:

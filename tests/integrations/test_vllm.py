@@ -42,6 +42,8 @@ from kvtier.integrations.vllm.settings import (
     read_settings,
 )
 from kvtier.integrations.vllm.transfers import WorkerSide
+from kvtier.config import config_from_dict
+from kvtier.moving.native import gather_blocks
 from kvtier.model.keys import block_keys
 from kvtier.runtime import KVTier
 from kvtier.tiers.base import SpanIO, TierKind, host_tensor
@@ -625,6 +627,70 @@ def test_a_failed_block_is_reported_and_taints_stores_computed_on_it(worker):
     stored, missing = side.take_reports()
     assert (stored, missing) == (list(clean.keys), [keys[1], *tainted.keys])  # failed load, dropped store
     assert side.stats.num_blocks_failed == 1 and side.stats.num_blocks_not_stored == 1
+
+
+@pytest.fixture
+def dram_worker(tmp_path, tiny_model):
+    """A WorkerSide over 12 engine blocks and a KVTier of DRAM (room for 6 blocks, no watermark
+    demotions) over an SSD."""
+    settings = read_settings({"kvtier_config": str(_yaml(tmp_path / "dram.yaml", tiny_model,
+                                                         {"dram": {"capacity": "1MiB"}}))}, _facts())
+    block = settings.layout.block_bytes
+    config = config_from_dict({"model": settings.config.model, "transfer": {"skip_slow_loads": False}, "tiers": {
+        "dram": {"capacity": 6 * block, "high_watermark": 1.0, "low_watermark": 1.0},
+        "ssd": {"capacity": 64 * block, "path": str(tmp_path / "ssd"), "o_direct": False}}})
+    kvtier = KVTier(config, layout=settings.layout)
+    layers = [torch.randn(12, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(NUM_LAYERS)]
+    side = WorkerSide(kvtier, settings.layout, layers, timeout_s=10)
+    yield side, kvtier, settings
+    side.close(10)
+    kvtier.close()
+
+
+def _held(kvtier: KVTier, keys, layout) -> torch.Tensor:
+    out = torch.zeros(len(keys), layout.block_bytes, dtype=torch.uint8)
+    handle = kvtier.load(list(keys), out)
+    assert handle.wait(10) and not handle.failed
+    return out
+
+
+def test_a_host_engines_stores_are_gathered_straight_into_dram_slots(dram_worker):
+    """Blocks kvtier takes whole into DRAM are gathered into its slots (no staging rows, no copy
+    of kvtier's own), READY once the step ends, byte for byte what staging would have held; a
+    block computed on a failed load is given back, never found, its slot free again; once DRAM
+    has no free slot for a step's blocks (its victims would go down to the SSD), that step
+    stores through staging, as before."""
+    side, kvtier, settings = dram_worker
+    keys = tuple(block_keys(settings.namespace, P1[:3 * BLOCK]))
+    other = tuple(block_keys(settings.namespace, Q[:BLOCK]))
+    _save(side, [StoreSpec("a", keys, (0, 1, 2), (0, 1, 2)), StoreSpec("b", other, (3,), (3,))])
+    assert side.take_reports() == ([*keys, *other], [])
+    assert (side.stats.num_blocks_stored, side.stats.num_blocks_stored_in_place) == (4, 4)
+    assert set(kvtier.where(keys + other)) == {TierKind.DRAM}
+    staged = torch.zeros(4, settings.layout.block_bytes, dtype=torch.uint8)
+    gather_blocks(side.layers, [0, 1, 2, 3], staged, settings.layout, None)
+    assert torch.equal(_held(kvtier, keys + other, settings.layout), staged)
+
+    missing = tuple(block_keys(settings.namespace, SPILL[0][:BLOCK]))  # never stored: its load fails
+    tainted = StoreSpec("c", tuple(block_keys(settings.namespace, SPILL[0][:2 * BLOCK]))[1:], (5,), (4, 5))
+    side.start_loads([LoadSpec("c", missing, (4,))])
+    for layer in range(NUM_LAYERS):
+        side.wait_layer(layer)
+        side.save_layer(layer, [tainted])
+    assert side.end_step([tainted]) == {4}
+    assert kvtier.lookup(tainted.keys) == 0 and kvtier.where(tainted.keys) == [None]
+    assert (side.stats.num_blocks_stored_in_place, side.stats.num_blocks_not_stored) == (4, 1)
+
+    two = tuple(block_keys(settings.namespace, SPILL[1][:2 * BLOCK]))  # the 2 slots left: in place
+    _save(side, [StoreSpec("d", two, (6, 7), (6, 7))])
+    assert side.stats.num_blocks_stored_in_place == 6
+    more = tuple(block_keys(settings.namespace, SPILL[2][:3 * BLOCK]))  # DRAM full, the SSD below
+    _save(side, [StoreSpec("e", more, (8, 9, 10), (8, 9, 10))])
+    assert (side.stats.num_blocks_stored_in_place, side.stats.num_blocks_stored) == (6, 9)
+    assert kvtier.lookup(more) == 3
+    staged = torch.zeros(3, settings.layout.block_bytes, dtype=torch.uint8)
+    gather_blocks(side.layers, [8, 9, 10], staged, settings.layout, None)
+    assert torch.equal(_held(kvtier, more, settings.layout), staged)
 
 
 def test_a_backend_that_raises_fails_the_load_and_drops_the_store(worker):

@@ -24,6 +24,7 @@ from kvtier.kinds import TierKind
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.settings import Settings
+    from kvtier.resident import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Backend(Protocol):
             `handle.failed` and their bytes are garbage.
         store(keys, blocks, background=True) -> a handle; the caller keeps `blocks` unchanged until
             it is done. `background`: off the caller's thread, at low priority (the connector's stores).
+        reserve(keys) -> host memory slots the connector gathers new blocks into, then commits
+            (`kvtier.resident.Reservation`), or None: store them instead.
         note_compute(num_tokens, seconds) -> the engine's measured compute time of one forward pass.
         close() -> waits for transfers in flight and releases everything.
     Any of them may raise when the backend is broken or unreachable: the connector turns that into
@@ -59,6 +62,8 @@ class Backend(Protocol):
     def load(self, keys: Sequence[BlockKey], into: torch.Tensor) -> TransferHandle: ...
 
     def store(self, keys: Sequence[BlockKey], blocks: torch.Tensor, *, background: bool = False) -> TransferHandle: ...
+
+    def reserve(self, keys: Sequence[BlockKey]) -> Reservation | None: ...
 
     def note_compute(self, num_tokens: int, seconds: float) -> None: ...
 

@@ -36,6 +36,8 @@ _CONNECTOR = {
     "num_layer_waits": ("kvtier_vllm_layer_waits", "Times the forward waited for a layer of a load"),
     "layer_wait_s": ("kvtier_vllm_layer_wait_seconds", "Time the forward spent waiting for loaded layers"),
     "num_blocks_stored": ("kvtier_vllm_blocks_stored", "Blocks the connector stored"),
+    "num_blocks_stored_in_place": ("kvtier_vllm_blocks_stored_in_place",
+                                   "Blocks stored by gathering them straight into kvtier's DRAM slots (one copy)"),
     "num_blocks_not_stored": ("kvtier_vllm_blocks_not_stored", "Blocks the connector dropped instead of storing "
                                                                "(a failed store, or KV computed on a failed load)"),
 }

@@ -8,7 +8,9 @@ One engine step, as vLLM drives it:
     end_step() -> failed ids  after the forward: finishes the loads, sends the stores
 
 Loads and stores go through host or device staging rows of kvtier's layer-major block layout;
-`native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's caches, given
+a host engine's stores, where kvtier takes them whole into its DRAM tier (`KVTier.reserve`), are
+gathered straight into that tier's slots instead, committed at the end of the step: one copy of
+each block where staging makes two. `native.gather_blocks` / `scatter_blocks` copy between those rows and the engine's caches, given
 as block-major views (`engine_block_view`, `kv_dim=None`): one copy, no permute, so a block's bytes
 keep the engine's own interior order (`vllm_pages.PageFormat` names it), whether the block is one
 contiguous page (LBHNC, LBNHC, BL*) or one run per KV head (LHBNC, BHLNC).
@@ -41,6 +43,7 @@ from kvtier.integrations.vllm.shards import Sharding
 from kvtier.model.keys import BlockKey
 from kvtier.model.layout import BlockLayout
 from kvtier.moving.native import PagedLayer, gather_blocks, scatter_blocks
+from kvtier.resident import Reservation
 from kvtier.tiers.dram import host_rows
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class WorkerStats:
     num_layer_waits: int = 0
     layer_wait_s: float = 0.0  # time the forward spent in wait_layer: what loading cost the engine
     num_blocks_stored: int = 0
+    num_blocks_stored_in_place: int = 0  # of those, gathered straight into kvtier's DRAM slots (one copy)
     num_blocks_not_stored: int = 0  # dropped: a store that failed, or computed on a block that failed to load
 
 
@@ -132,9 +136,11 @@ class _Load:
 @dataclass
 class _Stores:
     specs: list[StoreSpec]
-    staging: torch.Tensor
+    staging: torch.Tensor  # the rows the blocks are gathered into: staging, or a reserved tier's memory
     block_ids: list[int]
     layers_gathered: set[int] = field(default_factory=set)
+    reservation: Reservation | None = None  # the tier slots they are gathered into, where reserved
+    slots: torch.Tensor | None = None  # the rows of `staging` they go to (None: rows 0..n-1)
 
 
 @dataclass
@@ -221,11 +227,10 @@ class WorkerSide:
         started = time.perf_counter()
         stores = self._stores.get(group)
         if stores is None:
-            block_ids = [b for s in specs for b in s.block_ids]
-            stores = self._stores[group] = _Stores(specs, self._staging(len(block_ids)), block_ids)
+            stores = self._stores[group] = self._new_stores(specs)
         if layer not in stores.layers_gathered:
             gather_blocks([self.groups[group][layer]], stores.block_ids, stores.staging, self.layout,
-                          None, layers=[layer])
+                          None, slots=stores.slots, layers=[layer])
             stores.layers_gathered.add(layer)
         self._step_kvtier_s += time.perf_counter() - started
 
@@ -365,7 +370,52 @@ class WorkerSide:
             self.stats.num_blocks_loaded += len(load.spec.keys) - len(rows)
         return failed
 
+    def _new_stores(self, specs: list[StoreSpec]) -> _Stores:
+        """Where this step's blocks of one group are gathered: the slots of kvtier's DRAM tier
+        (`KVTier.reserve`) where the engine runs on the host, every block is whole (no smaller
+        group's zero padding) and kvtier takes them all; else staging rows."""
+        block_ids = [b for s in specs for b in s.block_ids]
+        if self.layers[0].device.type == "cpu" and not self._padded:
+            keys = [k for s in specs for k in self.sharding.keys(s.keys)]
+            try:
+                reservation = self.backend.reserve(keys)
+            except Exception as e:  # a broken backend: staged, and its store reports the failure
+                log.warning("kvtier reserve of %d blocks failed: %r", len(keys), e)
+                reservation = None
+            if reservation is not None:
+                return _Stores(specs, reservation.rows, block_ids, reservation=reservation, slots=reservation.slots)
+        return _Stores(specs, self._staging(len(block_ids)), block_ids)
+
+    def _commit(self, stores: _Stores, failed_block_ids: set[int]) -> None:
+        """Ends a reservation: the specs gathered whole and not computed on a failed load are
+        kept (stored now), the rest given back."""
+        kept: list[bool] = []
+        for spec in stores.specs:
+            ok = not failed_block_ids.intersection(spec.prefix_block_ids)
+            kept += [ok] * len(spec.keys)
+        if len(stores.layers_gathered) < len(self.groups[stores.specs[0].group]):
+            kept = [False] * len(kept)  # not every layer was gathered: never keep a partial block
+        try:
+            stores.reservation.commit(kept)
+        except Exception as e:  # a broken or closed backend: the blocks are simply not cached
+            log.warning("kvtier commit of %d reserved blocks failed: %r", len(kept), e)
+            kept = [False] * len(kept)
+        row = 0
+        for spec in stores.specs:
+            stored = kept[row] if spec.keys else False
+            row += len(spec.keys)
+            if stored:
+                self._stored += spec.keys
+                self.stats.num_blocks_stored += len(spec.keys)
+                self.stats.num_blocks_stored_in_place += len(spec.keys)
+            else:
+                self._missing += spec.keys
+                self.stats.num_blocks_not_stored += len(spec.keys)
+
     def _send(self, stores: _Stores, failed_block_ids: set[int]) -> None:
+        if stores.reservation is not None:
+            self._commit(stores, failed_block_ids)
+            return
         row = 0
         for spec in stores.specs:
             rows = stores.staging[row: row + len(spec.keys)]
