@@ -225,6 +225,10 @@ class Reservation:
     of them would leave them) and gives the other slots back. A reservation not committed
     keeps its slots: commit it, with nothing written if need be, before dropping it.
 
+    `rows` is the whole tier, every other block's bytes included, handed over so that one
+    native gather can write the reserved rows; write rows `slots` only (DRAM reads are not
+    checksummed: a byte written elsewhere is another block's, served as it is).
+
     Attributes:
         keys: the blocks, one per slot.
         rows: the tier's `[num_slots, block_bytes]` uint8 host memory.
