@@ -11,9 +11,10 @@ Loads and stores go through host or device staging rows of kvtier's layer-major 
 a host engine's stores, where kvtier takes them whole into its DRAM tier (`KVTier.reserve`), are
 gathered straight into that tier's slots instead, committed at the end of the step: one copy of
 each block where staging makes two. `native.gather_blocks` / `scatter_blocks` copy between those
-rows and the engine's caches, given as block-major views (`engine_block_view`, `kv_dim=None`): one copy, no permute, so a block's bytes
-keep the engine's own interior order (`vllm_pages.PageFormat` names it), whether the block is one
-contiguous page (LBHNC, LBNHC, BL*) or one run per KV head (LHBNC, BHLNC).
+rows and the engine's caches, given as block-major views (`engine_block_view`, `kv_dim=None`):
+one copy, no permute, so a block's bytes keep the engine's own interior order
+(`vllm_pages.PageFormat` names it), whether the block is one contiguous page (LBHNC, LBNHC, BL*)
+or one run per KV head (LHBNC, BHLNC).
 
 A block that fails to load at any layer is reported by engine block id; the KV that this step
 computed on top of it is wrong, so every store whose prefix holds such a block is dropped.
