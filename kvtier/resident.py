@@ -125,11 +125,8 @@ class ResidentPath:
     def reserve(self, keys: Sequence[Hashable], target: TierKind | None) -> Reservation | None:
         """Slots for new blocks that the caller writes in place (see `Reservation`), placed as a
         store of them would be; None where such a store would not take this path, nothing changed."""
-        n = len(keys)
-        if not (self._media and n) or self.engine.closed or len(set(keys)) != n:
+        if not self._plain(keys):
             return None
-        if not all(self.engine.copies_rows(medium) for medium in self._media):
-            return None  # a route replaced (`TransferEngine.add_route`) must see the blocks come in
         with self._lock:
             placed = self.manager.place_resident(keys, target)
         if placed is None:
@@ -188,21 +185,26 @@ class ResidentPath:
                 handle.fail(key, Stage.WRITE, 0, f"internal error in the transfer: {error!r}")
         handle.finish(error)  # as the transfer engine finishes one whose route raised
 
-    def _rows(self, keys: Sequence[Hashable], blocks) -> torch.Tensor | None:
-        """`blocks` where the batch may take this path: a `[len(keys), block_bytes]` uint8 host
-        tensor with dense, disjoint rows, distinct keys, an open engine whose memory tiers' routes
-        are the built-in ones; else None."""
-        n, size = len(keys), self.layout.block_bytes
-        if not (self._media and isinstance(blocks, torch.Tensor) and blocks.dim() == 2 and n) or self.engine.closed:
-            return None
+    def _plain(self, keys: Sequence[Hashable]) -> bool:
+        """Whether a batch of `keys` may take this path at all: some keys, all distinct, an open
+        engine whose memory tiers' routes are the built-in ones."""
+        n = len(keys)
+        if not (self._media and n) or self.engine.closed:
+            return False
         if not all(self.engine.copies_rows(medium) for medium in self._media):
-            return None  # a route replaced (`TransferEngine.add_route`) must see its copies
+            return False  # a route replaced (`TransferEngine.add_route`) must see its copies
+        return len(set(keys)) == n
+
+    def _rows(self, keys: Sequence[Hashable], blocks) -> torch.Tensor | None:
+        """`blocks` where the batch may take this path (`_plain`): a `[len(keys), block_bytes]`
+        uint8 host tensor with dense, disjoint rows; else None."""
+        n, size = len(keys), self.layout.block_bytes
+        if not (isinstance(blocks, torch.Tensor) and blocks.dim() == 2):
+            return None
         if (blocks.shape[0] != n or blocks.shape[1] != size or blocks.dtype != torch.uint8 or not blocks.is_cpu
                 or (size > 1 and blocks.stride(1) != 1) or (n > 1 and blocks.stride(0) < size)):
             return None
-        if len(set(keys)) != n:
-            return None
-        return blocks
+        return blocks if self._plain(keys) else None
 
     def _copy(self, tier: TierKind, slots: array, rows: torch.Tensor, into_rows: bool,
               background: bool = False, on_layers=None) -> BaseException | None:
