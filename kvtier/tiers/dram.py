@@ -139,7 +139,7 @@ def _unregister(cudart, ptr: int) -> None:
 def aligned_host_memory(num_bytes: int, pinned: bool) -> torch.Tensor:
     """A zeroed, 4 KiB-aligned 1-D uint8 host tensor whose pages are backed now; pinned when asked,
     by torch's pinned allocator (the benches' host buffers; the DRAM tier registers its own mmap)."""
-    return _pinned_aligned(num_bytes) if pinned else _mmap_aligned(num_bytes)
+    return host_rows(1, num_bytes, pinned=True, zeroed=True)[0] if pinned else _mmap_aligned(num_bytes)
 
 
 def host_rows(num_blocks: int, block_bytes: int, pinned: bool = False, zeroed: bool = False) -> torch.Tensor:
@@ -148,24 +148,14 @@ def host_rows(num_blocks: int, block_bytes: int, pinned: bool = False, zeroed: b
 
     What an engine should hand `KVTier.store`/`load`: an SSD tier opened with O_DIRECT reads and
     writes such rows straight, where rows off a page boundary are staged through aligned memory
-    (one more copy of every block). Costs what `torch.empty` does plus one page: no mapping of
-    its own, no page touched.
+    (one more copy of every block). Costs what `torch.empty` (`torch.zeros`) does plus one page:
+    no mapping of its own. Torch's allocators, the pinned one's cache included, do not promise
+    page alignment, so the tensor starts at the first aligned byte of one a page longer.
     """
     raw = (torch.zeros if zeroed else torch.empty)(num_blocks * block_bytes + PAGE_BYTES, dtype=torch.uint8,
                                                    pin_memory=pinned)
     skip = (-raw.data_ptr()) % PAGE_BYTES
     return raw[skip: skip + num_blocks * block_bytes].view(num_blocks, block_bytes)
-
-
-def _pinned_aligned(num_bytes: int) -> torch.Tensor:
-    """A zeroed, pinned, 4 KiB-aligned 1-D uint8 tensor.
-
-    cudaHostAlloc returns page-aligned memory, but torch's caching host allocator does not promise
-    it, so one extra page is allocated and the tensor starts at the first aligned byte.
-    """
-    raw = torch.zeros(num_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-    skip = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[skip : skip + num_bytes]
 
 
 def _round_up(n: int, multiple: int) -> int:
