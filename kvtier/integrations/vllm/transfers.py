@@ -269,11 +269,8 @@ class WorkerSide:
                 continue
             failed = store.handle.failed if store.handle is not None else None
             ok = [k for k, b in zip(store.keys, store.backend_keys) if failed is not None and b not in failed]
-            self._stored += ok
             landed = set(ok)
-            self._missing += [k for k in store.keys if k not in landed]
-            self.stats.num_blocks_stored += len(ok)
-            self.stats.num_blocks_not_stored += len(store.keys) - len(ok)
+            self._report(ok, [k for k in store.keys if k not in landed])
         self._in_flight = still
 
     @property
@@ -390,28 +387,23 @@ class WorkerSide:
     def _commit(self, stores: _Stores, failed_block_ids: set[int]) -> None:
         """Ends a reservation: the specs gathered whole and not computed on a failed load are
         kept (stored now), the rest given back."""
-        kept: list[bool] = []
-        for spec in stores.specs:
-            ok = not failed_block_ids.intersection(spec.prefix_block_ids)
-            kept += [ok] * len(spec.keys)
-        if len(stores.layers_gathered) < len(self.groups[stores.specs[0].group]):
-            kept = [False] * len(kept)  # not every layer was gathered: never keep a partial block
+        whole = len(stores.layers_gathered) == len(self.groups[stores.specs[0].group])  # never a partial block
+        kept = [whole and not failed_block_ids.intersection(spec.prefix_block_ids) for spec in stores.specs]
         try:
-            stores.reservation.commit(kept)
+            stores.reservation.commit([ok for spec, ok in zip(stores.specs, kept) for _ in spec.keys])
         except Exception as e:  # a broken or closed backend: the blocks are simply not cached
-            log.warning("kvtier commit of %d reserved blocks failed: %r", len(kept), e)
+            log.warning("kvtier commit of %d reserved blocks failed: %r", len(stores.block_ids), e)
             kept = [False] * len(kept)
-        row = 0
-        for spec in stores.specs:
-            stored = kept[row] if spec.keys else False
-            row += len(spec.keys)
-            if stored:
-                self._stored += spec.keys
-                self.stats.num_blocks_stored += len(spec.keys)
-                self.stats.num_blocks_stored_in_place += len(spec.keys)
-            else:
-                self._missing += spec.keys
-                self.stats.num_blocks_not_stored += len(spec.keys)
+        for spec, ok in zip(stores.specs, kept):
+            self._report(spec.keys if ok else (), () if ok else spec.keys)
+            self.stats.num_blocks_stored_in_place += len(spec.keys) if ok else 0
+
+    def _report(self, stored: Sequence[BlockKey], not_stored: Sequence[BlockKey]) -> None:
+        """Blocks whose store landed and blocks not stored, for the scheduler and the counters."""
+        self._stored += stored
+        self._missing += not_stored
+        self.stats.num_blocks_stored += len(stored)
+        self.stats.num_blocks_not_stored += len(not_stored)
 
     def _send(self, stores: _Stores, failed_block_ids: set[int]) -> None:
         if stores.reservation is not None:
@@ -422,8 +414,7 @@ class WorkerSide:
             rows = stores.staging[row: row + len(spec.keys)]
             row += len(spec.keys)
             if failed_block_ids.intersection(spec.prefix_block_ids):
-                self.stats.num_blocks_not_stored += len(spec.keys)
-                self._missing += spec.keys
+                self._report((), spec.keys)
                 continue
             keys = self.sharding.keys(spec.keys)
             try:
