@@ -311,7 +311,8 @@ class BuiltinRoutes:
         if not direct:
             return
         io = SpanIO([batch.ops[i].src.slot for i, _ in direct], batch.offset, batch.length,
-                    [a for _, a in direct], [batch.ops[i].key for i, _ in direct])
+                    [a for _, a in direct], [batch.ops[i].key for i, _ in direct],
+                    [batch.ops[i].verify is not None for i, _ in direct])
         failed = tier.read_spans(io)
         for j, error in failed.items():
             batch.fail(direct[j][0], StageError(Stage.READ, error))

@@ -35,6 +35,10 @@ class SpanIO:
             returns.
         keys: the block each slot holds or is about to hold: a shared tier files it under its key
             (as `bind`); the others ignore it.
+        verified: of a read, per slot: True where the caller checks every byte read against
+            checksums of its own (a route and `CopyOp.verify`), so a tier may skip a check of its
+            own over the same bytes (a pass over them saved); empty: none is. A tier that skips
+            one still fails a block it cannot read whole.
     """
 
     slots: Sequence[int]
@@ -42,6 +46,7 @@ class SpanIO:
     length: int
     addresses: Sequence[int]
     keys: Sequence[Hashable]
+    verified: Sequence[bool] = ()
 
     def __len__(self) -> int:
         return len(self.slots)

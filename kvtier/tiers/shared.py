@@ -13,8 +13,10 @@ process of the tenant finds it (`find`, which `KVTier.lookup` asks for the keys 
             that one. A block this tier saw in the store already (found, or put before) is asked
             for instead (`_contains`) and not sent again if the store still holds it: deduplicated.
     read    a keyed get of the whole blocks of a batch (`_get`), each checked against its
-            key-seeded checksum (a block the store dropped or that fails its check is a
-            `TierIOError`: a miss, never wrong bytes). A read of part of a block (a layer range)
+            key-seeded checksum, or by the caller where it checks the bytes against checksums
+            of its own (`SpanIO.verified`: one pass over them, not two); a block the store
+            dropped or that fails a check is a `TierIOError` or a failed check: a miss, never
+            wrong bytes. A read of part of a block (a layer range)
             fetches the whole block once and keeps it for the reads of its other parts
             (`_read_parts`; `PoolTier` streams it instead, layer by layer as it lands).
     find    one `_contains` for the keys asked, behind a short negative cache, so a miss asked
@@ -138,9 +140,10 @@ class SharedTier(Tier):
         per store node. Never raises for a store that is down (its blocks are REFUSED)."""
 
     @abstractmethod
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
         """Reads whole blocks into `intos` (host tensors of `slot_bytes`), each checked against its
-        key-seeded checksum; one call per store node. Per key None (a verified hit) or why not."""
+        key-seeded checksum unless `verified` says the caller checks it (`SpanIO.verified`); one
+        call per store node. Per key None (a hit, checked or to be checked) or why not."""
 
     @abstractmethod
     def _contains(self, keys: list[bytes]) -> list[bool]:
@@ -254,8 +257,8 @@ class SharedTier(Tier):
     # ---- batches ---------------------------------------------------------------------------
 
     def _spans(self, io: SpanIO, batch) -> dict[int, Exception]:
-        """`io`'s slots checked and bound, then `batch(slots, keys, offset, tensors)` over the good
-        ones; the failures by index into `io`."""
+        """`io`'s slots checked and bound, then `batch(slots, keys, offset, tensors, verified)` over
+        the good ones; the failures by index into `io`."""
         failed: dict[int, Exception] = {}
         todo = []
         for i, slot in enumerate(io.slots):
@@ -274,17 +277,21 @@ class SharedTier(Tier):
         if not todo or not io.length:
             return failed
         buffers = [host_tensor(io.addresses[i], io.length) for i in todo]
-        done = batch([io.slots[i] for i in todo], keys, io.offset, buffers)
+        verified = [bool(io.verified[i]) for i in todo] if io.verified else [False] * len(todo)
+        done = batch([io.slots[i] for i in todo], keys, io.offset, buffers, verified)
         return {**failed, **{todo[j]: e for j, e in done.items()}}
 
     def _write_batch(self, slots: list[int], keys: list[bytes | None], offset: int,
-                     srcs: list[torch.Tensor]) -> dict[int, Exception]:
+                     srcs: list[torch.Tensor], _verified: Sequence[bool] = ()) -> dict[int, Exception]:
         return _split(keys, lambda js: self._write_shared(_pick(slots, js), _pick(keys, js), offset, _pick(srcs, js)),
                       lambda js: self._write_private(_pick(slots, js), offset, _pick(srcs, js)))
 
     def _read_batch(self, slots: list[int], keys: list[bytes | None], offset: int,
-                    dsts: list[torch.Tensor]) -> dict[int, Exception]:
-        return _split(keys, lambda js: self._read_shared(_pick(slots, js), _pick(keys, js), offset, _pick(dsts, js)),
+                    dsts: list[torch.Tensor], verified: Sequence[bool] = ()) -> dict[int, Exception]:
+        """`verified`: as `SpanIO.verified`, per position (empty: none is)."""
+        verified = verified or [False] * len(slots)
+        return _split(keys, lambda js: self._read_shared(_pick(slots, js), _pick(keys, js), offset, _pick(dsts, js),
+                                                         _pick(verified, js)),
                       lambda js: self._read_private(_pick(slots, js), offset, _pick(dsts, js)))
 
     # ---- shared blocks ---------------------------------------------------------------------
@@ -346,16 +353,17 @@ class SharedTier(Tier):
             pause = min(2 * pause, 0.05)
 
     def _read_shared(self, slots: list[int], keys: list[bytes], offset: int,
-                     dsts: list[torch.Tensor]) -> dict[int, Exception]:
+                     dsts: list[torch.Tensor], verified: list[bool]) -> dict[int, Exception]:
         """Whole blocks: one `_get` straight into `dsts`. Parts of blocks: `_read_parts`."""
         if offset == 0 and dsts[0].numel() == self.slot_bytes:
-            return self._get_whole(slots, keys, dsts)
+            return self._get_whole(slots, keys, dsts, verified)
         return self._read_parts(slots, keys, offset, dsts)
 
-    def _get_whole(self, slots: list[int], keys: list[bytes], intos: list[torch.Tensor]) -> dict[int, Exception]:
+    def _get_whole(self, slots: list[int], keys: list[bytes], intos: list[torch.Tensor],
+                   verified: list[bool]) -> dict[int, Exception]:
         """`_get`, each miss forgotten (`KeyMemory.forget`) and failed by index."""
         failed: dict[int, Exception] = {}
-        for j, why in enumerate(self._get(keys, intos)):
+        for j, why in enumerate(self._get(keys, intos, verified)):
             if why is not None:
                 self._memory.forget(keys[j])
                 failed[j] = self._failure(keys[j])(f"POOL slot {slots[j]}: block {keys[j].hex()[:16]}: {why}")
@@ -371,7 +379,8 @@ class SharedTier(Tier):
         failed: dict[int, Exception] = {}
         if missing:
             fresh = torch.empty((len(missing), self.slot_bytes), dtype=torch.uint8)
-            got = self._get_whole([slots[j] for j in missing], [keys[j] for j in missing], list(fresh))
+            got = self._get_whole([slots[j] for j in missing], [keys[j] for j in missing], list(fresh),
+                                  [False] * len(missing))  # kept for later ranges: checked whole here
             failed = {missing[m]: e for m, e in got.items()}
             for m, j in enumerate(missing):
                 blocks[j] = fresh[m]

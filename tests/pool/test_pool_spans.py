@@ -19,6 +19,7 @@ import torch
 from kvtier.errors import TierIOError
 from kvtier.pool.client import connection
 from kvtier.pool.client.api import PoolClient
+from kvtier.pool import wire
 from kvtier.pool.client.tier import PoolTier
 from kvtier.pool.node.process import NodeProcess, start_nodes
 from kvtier.pool.protocol import MsgType
@@ -140,6 +141,80 @@ def test_a_block_a_node_dropped_fails_alone_never_wrong_bytes(nodes):
     assert tier.write_spans(span(data, keys)) == {}
     assert tier.read_spans(span(out, keys)) == {} and torch.equal(out, data)
     tier.close()
+
+
+class FlipOnArrival:
+    """Corrupts the bytes of every received payload of `length` bytes (one bit of its middle
+    byte) in this process: a node or a wire that returns wrong bytes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, length: int) -> None:
+        inner = wire.FrameSocket.recv_into
+        self.flipped = 0
+
+        def flipping(frames, view, deadline=None):
+            inner(frames, view, deadline)
+            if len(view) == length:
+                view[length // 2] ^= 1
+                self.flipped += 1
+
+        monkeypatch.setattr(wire.FrameSocket, "recv_into", flipping)
+
+
+def test_wrong_bytes_fail_the_tiers_own_check_unless_the_caller_checks_them(nodes, monkeypatch):
+    """One pass over a block's bytes checks it: the tier's (the block's key-seeded checksum), or,
+    where the caller checks the bytes against checksums of its own (`SpanIO.verified`: the
+    runtime's per-layer checksums), the caller's alone."""
+    tier = make_tier(nodes, SMALL)
+    keys = [secrets.token_bytes(16) for _ in range(4)]
+    data = rows(SMALL, 7)[:4]
+    assert tier.write_spans(span(data, keys)) == {}
+    flips = FlipOnArrival(monkeypatch, SMALL)
+    out = torch.zeros_like(data)
+    failed = tier.read_spans(span(out, keys))
+    assert flips.flipped == 4 and set(failed) == {0, 1, 2, 3}
+    assert all("failed its checksum" in str(e) for e in failed.values())
+    assert tier.client_counters()["checksum_errors"] == 4 and tier.client_counters().get("hits", 0) == 0
+    io = span(out, keys)
+    checked_by_caller = SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, [True, True, False, True])
+    failed = tier.read_spans(checked_by_caller)
+    assert set(failed) == {2}, "the tier checks only the block its caller does not"
+    assert tier.client_counters()["checksum_errors"] == 5 and tier.client_counters()["hits"] == 3
+    tier.close()
+
+
+def test_the_runtime_checks_each_pool_block_once_and_never_serves_wrong_bytes(nodes, monkeypatch):
+    """Through `KVTier.load`: blocks this process demoted to the pool carry its per-layer
+    checksums, so the route checks them and the pool client does not hash them again; bytes
+    corrupted on the way are a VERIFY failure, never served."""
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.model.layout import BlockLayout
+    from kvtier.moving.handle import Stage
+    from kvtier.runtime import KVTier
+    from kvtier.tiers.base import TierKind
+
+    layout = BlockLayout.uniform(16, 4, SMALL // 4)
+    config = KVTierConfig(model="kvtier-test", tiers=(
+        TierConfig(TierKind.HBM, 2 * SMALL, high_watermark=1e-6, low_watermark=1e-6, device="cpu"),
+        TierConfig(TierKind.POOL, 8 * SMALL, high_watermark=1.0, low_watermark=1.0, write_through=False,
+                   nodes=(nodes[0].address,), timeout_s=5)), promote_to=None)
+    keys = [secrets.token_bytes(16) for _ in range(2)]
+    data = rows(SMALL, 8)[:2]
+    with KVTier(config, layout=layout) as kv:
+        assert not kv.store(keys, data, target=TierKind.HBM, sync=True).failed
+        kv.quiesce(30)
+        assert kv.where(keys) == [TierKind.POOL, TierKind.POOL]
+        client = kv.tiers[TierKind.POOL]._client
+        hashed = []
+        monkeypatch.setattr("kvtier.pool.client.node_calls._checksum",
+                            lambda key, data: hashed.append(key) or 0)
+        out = torch.zeros_like(data)
+        assert not kv.load(keys, out, sync=True).failed and torch.equal(out, data)
+        assert hashed == [] and client.counters["hits"] == 2, "checked by the route alone"
+        flips = FlipOnArrival(monkeypatch, SMALL)
+        handle = kv.load(keys, out, sync=True)
+        assert flips.flipped == 2 and set(handle.failed) == set(keys)
+        assert all(f.stage is Stage.VERIFY for f in handle.failed.values())
+        assert kv.stats.checksum_errors == 2 and client.counters.get("checksum_errors", 0) == 0
 
 
 def test_layer_spans_of_large_blocks_are_gathered_and_put_once_per_node(nodes):

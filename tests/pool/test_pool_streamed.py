@@ -176,16 +176,16 @@ def test_a_whole_block_read_lands_in_the_callers_buffer_in_one_part_after_its_he
     with runtime(node.address, 1 << 20) as kv:
         assert kv.lookup(keys) == 2
         client, seen = kv.tiers[P]._client, []
-        inner = client.batch_get_parts
+        inner = client.get_streamed_many
 
-        def get(keys, parts):
+        def get(keys, parts, landed=None, checks_parts=None):
             def recorded(j, length):
                 got = parts(j, length)
                 seen.append([g.numel() for g in got])
                 return got
-            return inner(keys, recorded)
+            return inner(keys, recorded, landed, checks_parts)
 
-        client.batch_get_parts = get
+        client.get_streamed_many = get
         out = torch.zeros_like(rows)
         assert kv.load(keys, out).wait(WAIT_S) and torch.equal(out, rows)
         frame = kv.tiers[P]._frame

@@ -156,11 +156,6 @@ class PoolClient:
         choose = lambda j, length: [views[j]] if length == len(views[j]) else None
         return self._per_node(keys, lambda i, ks, js: self.nodes[i].get(ks, lambda k, n: choose(js[k], n), strict=True))
 
-    def batch_get_parts(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None]) -> list[bool]:
-        """As `batch_get`, into consecutive buffers chosen by the stored length: `get_streamed_many`
-        with nothing reported as it lands."""
-        return self.get_streamed_many(keys, parts)
-
     def get_streamed(self, key: bytes, parts: Callable[[int], Sequence[Any] | None],
                      landed: Callable[[int], None] | None = None,
                      checks_parts: Callable[[int], bool] | None = None) -> bool:
@@ -182,9 +177,10 @@ class PoolClient:
         reported landed are then not to be used.
 
         `parts` and `landed` run on the receiving thread; they must be quick and not raise.
-        `checks_parts(j, length)`: True where the caller checks every part itself as it lands (a
-        framed block, chunk by chunk against its header), so the whole block's checksum is not
-        computed again here (a pass over its bytes saved).
+        `checks_parts(j, length)`: True where the caller checks every part itself (a framed
+        block chunk by chunk against its header as it lands, or the whole block against
+        checksums of its own once read), so the whole block's checksum is not computed again
+        here (a pass over its bytes saved).
         """
         def choose(js: Sequence[int], k: int, length: int) -> list[memoryview] | None:
             got = parts(js[k], length)

@@ -151,9 +151,10 @@ class PoolTier(SharedTier):
                 out.append(PutResult(Put.REFUSED, _REFUSALS.get(status, getattr(status, "name", str(status)))))
         return out
 
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
         """One GET per node for the batch, each block straight into its buffer (a framed block's
-        header into scratch, its format checked), checked as a whole (nothing chunk by chunk)."""
+        header into scratch, its format checked), checked as a whole (nothing chunk by chunk)
+        unless the caller checks it (`verified`)."""
         headers = torch.empty((len(keys), self._frame.header_bytes), dtype=torch.uint8)
         framed = [False] * len(keys)
 
@@ -162,7 +163,7 @@ class PoolTier(SharedTier):
             framed[j] = got is not None and len(got) > 1
             return got
 
-        hits = self._client.batch_get_parts(keys, parts)
+        hits = self._client.get_streamed_many(keys, parts, checks_parts=lambda j, _: verified[j])
         return [None if hit and (not framed[j] or self._frame.checksums(headers[j]) is not None) else
                 "not on the pool any more (evicted, node down or restarted) or failed its checksum"
                 for j, hit in enumerate(hits)]

@@ -87,7 +87,8 @@ class MooncakeTier(SharedTier):
             return [PutResult(Put.REFUSED, str(e))] * len(keys)
         return [STORED if ok else PutResult(Put.REFUSED, "no room, or the master is unreachable") for ok in stored]
 
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
+        """One batch get; the client checks every block (its check is not split from the read)."""
         try:
             outcomes = self._client.batch_get_outcomes(keys, intos)
         except TransferError as e:
