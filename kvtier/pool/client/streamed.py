@@ -59,10 +59,10 @@ class BlockFrame:
         return _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks) + struct.pack(
             f"<{self.num_chunks}Q", *sums)
 
-    def checksums(self, header: torch.Tensor) -> list[int] | None:
-        """The chunk checksums a header holds; None where it is not this layout's (another format,
-        version or block size: a miss, never bytes taken as good)."""
-        raw = header.numpy().tobytes()
+    def checksums(self, header: torch.Tensor | memoryview) -> list[int] | None:
+        """The chunk checksums a header (a CPU uint8 tensor or a buffer) holds; None where it is
+        not this layout's (another format, version or block size: a miss, never bytes taken as good)."""
+        raw = bytes(header.numpy() if isinstance(header, torch.Tensor) else header)
         if len(raw) != self.header_bytes:
             return None
         magic, version, _, chunk, count = _HEAD.unpack_from(raw)
@@ -74,7 +74,7 @@ class BlockFrame:
         a, b = self.bounds[chunk]
         return self._sum(key, chunk, memoryview(block.numpy())[a:b]) == sums[chunk]
 
-    def parts(self, header: torch.Tensor, block: torch.Tensor, length: int,
+    def parts(self, header: torch.Tensor | memoryview, block: torch.Tensor, length: int,
               chunked: bool = True) -> list[torch.Tensor] | None:
         """Where a get puts a stored object of `length` bytes: framed, the header then each chunk
         of `block` (`chunked`, for a reader that checks each as it lands) or `block` whole; plain,

@@ -155,7 +155,9 @@ class PoolTier(SharedTier):
         """One GET per node for the batch, each block straight into its buffer (a framed block's
         header into scratch, its format checked), checked as a whole (nothing chunk by chunk)
         unless the caller checks it (`verified`)."""
-        headers = torch.empty((len(keys), self._frame.header_bytes), dtype=torch.uint8)
+        size = self._frame.header_bytes
+        scratch = memoryview(bytearray(len(keys) * size))  # a bytearray: ~0.2 µs, a tensor ~5
+        headers = [scratch[j * size: (j + 1) * size] for j in range(len(keys))]
         framed = [False] * len(keys)
 
         def parts(j: int, length: int):
