@@ -24,8 +24,11 @@ import struct
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import xxhash
+
+from kvtier.moving import _movers
 
 from kvtier.errors import TierIOError
 
@@ -47,17 +50,23 @@ class BlockFrame:
         self.header_bytes = _HEAD.size + 8 * self.num_chunks
         self.bounds = [(i * self.chunk_bytes, min((i + 1) * self.chunk_bytes, slot_bytes))
                        for i in range(self.num_chunks)]
+        self._starts = np.array([a for a, _ in self.bounds], np.uint64)
+        self._lengths = np.array([b - a for a, b in self.bounds], np.uint64)
+        self._chunk_seeds = np.arange(self.num_chunks, dtype=np.uint64)
         pages = -(-slot_bytes // _PAGE)
         extra = -(-(slot_bytes + self.header_bytes) // _PAGE) - pages
         self.framed = extra * 64 <= pages  # what a writer stores (see the module docstring)
         self.stored_bytes = slot_bytes + (self.header_bytes if self.framed else 0)
 
     def header(self, key: bytes, block: torch.Tensor) -> bytes:
-        """The header of `block` (a CPU uint8 tensor of `slot_bytes`) stored under `key`."""
-        data = memoryview(block.numpy())
-        sums = [self._sum(key, i, data[a:b]) for i, (a, b) in enumerate(self.bounds)]
-        return _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks) + struct.pack(
-            f"<{self.num_chunks}Q", *sums)
+        """The header of `block` (a contiguous CPU uint8 tensor of `slot_bytes`) stored under
+        `key`: every chunk's checksum in one native pass (as `_sum` computes each)."""
+        if block.numel() != self.slot_bytes or not block.is_contiguous():
+            raise ValueError(f"a block frame needs {self.slot_bytes} contiguous bytes, got {tuple(block.shape)}")
+        seeds = self._chunk_seeds + np.uint64((xxhash.xxh3_64_intdigest(key) + 1) & _U64)  # wraps mod 2**64
+        sums = np.zeros(self.num_chunks, np.uint64)
+        _movers.copy(self._starts + np.uint64(block.data_ptr()), None, self._lengths, seeds, sums)
+        return _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks) + sums.astype("<u8").tobytes()
 
     def checksums(self, header: torch.Tensor | memoryview) -> list[int] | None:
         """The chunk checksums a header (a CPU uint8 tensor or a buffer) holds; None where it is
