@@ -98,6 +98,56 @@ def test_copy_without_a_destination_only_checks():
                         None, expect, bad) == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(layer_lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=6), blocks=st.integers(0, 5),
+       layer0=st.integers(0, 40), seed=st.integers(0, 2**64 - 1), copied=st.booleans(), threads=st.integers(1, 3))
+def test_copy_layers_is_copy_over_every_layer_of_every_block(layer_lengths, blocks, layer0, seed, copied, threads):
+    """`copy_layers` makes the k x L descriptors `copy` would be given: the same bytes moved, the
+    same sums (seed: the block's plus layer0 plus the layer's index, wrapping at 2**64), the same
+    mismatches flagged."""
+    span = sum(layer_lengths) + 5  # blocks apart by more than their layers
+    rng = np.random.default_rng(blocks * 31 + len(layer_lengths))
+    src = rng.integers(0, 256, max(1, blocks) * span, dtype=np.uint8)
+    dst, ref = np.zeros_like(src), np.zeros_like(src)
+    rel = np.cumsum([0, *layer_lengths[:-1]]).astype(np.uint64)
+    lengths = np.array(layer_lengths, np.uint64)
+    bases = np.arange(blocks, dtype=np.uint64) * np.uint64(span)
+    seeds = np.array([(seed + 977 * j) % 2**64 for j in range(blocks)], np.uint64)
+    starts = [int(b + r) for b in bases for r in rel]
+    flat_seeds = np.array([(int(s) + layer0 + l) % 2**64 for s in seeds for l in range(len(layer_lengths))], np.uint64)
+    want = np.zeros(len(starts), np.uint64)
+    _movers.copy(addresses(src, starts), addresses(ref, starts), np.tile(lengths, blocks), flat_seeds, want)
+    expect = want.copy()
+    if len(expect) > 1:
+        expect[1] ^= 1
+    sums, bad = np.zeros(len(starts), np.uint64), np.zeros(len(starts), np.uint8)
+    got = _movers.copy_layers(bases + np.uint64(src.ctypes.data), bases + np.uint64(dst.ctypes.data) if copied else None,
+                              rel, lengths, seeds, layer0, sums, expect, bad, threads=threads)
+    assert sums.tolist() == want.tolist()
+    assert got == int(bad.sum()) == (1 if len(expect) > 1 else 0) and (len(expect) < 2 or bad[1] == 1)
+    if copied:
+        if len(expect) > 1:  # the flagged layer is not copied
+            a = starts[1]
+            ref[a:a + int(lengths[1 % len(lengths)])] = 0
+        assert np.array_equal(dst, ref)
+    else:
+        assert not dst.any()
+
+
+def test_copy_layers_refuses_arrays_that_do_not_fit():
+    k2, l3 = np.zeros(2, np.uint64), np.zeros(3, np.uint64)
+    with pytest.raises(ValueError, match="sums has 5 items for 2 blocks of 3 layers"):
+        _movers.copy_layers(k2, None, l3, l3, k2, 0, np.zeros(5, np.uint64))
+    with pytest.raises(ValueError, match="seeds: 3 items where the batch has 2"):
+        _movers.copy_layers(k2, None, l3, l3, l3, 0, np.zeros(6, np.uint64))
+    with pytest.raises(ValueError, match="lengths: 2 items where the batch has 3"):
+        _movers.copy_layers(k2, None, l3, k2, k2, 0, np.zeros(6, np.uint64))
+    with pytest.raises(TypeError, match="required arrays"):
+        _movers.copy_layers(k2, None, l3, l3, None, 0, np.zeros(6, np.uint64))
+    with pytest.raises(ValueError, match="expect and bad go together"):
+        _movers.copy_layers(k2, None, l3, l3, k2, 0, np.zeros(6, np.uint64), np.zeros(6, np.uint64))
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_pwrite_then_pread_round_trips_and_fails_per_descriptor(tmp_path, threads):
     path = tmp_path / "f"

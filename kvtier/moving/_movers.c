@@ -14,6 +14,9 @@
  *       number of mismatches. With threads > 1, `threads` native threads share the batch; plain
  *       copies (no seeds) are cut into pieces of at least PIECE_BYTES so that one large range is
  *       shared too (a checksum is one sequential pass, so a checked range stays whole).
+ *   copy_layers(src, dst, rel, lengths, seeds, layer0, sums, expect=None, bad=None, threads=1) -> int
+ *       `copy` of the same layers of k blocks (block j's layer l at src[j] + rel[l], seeded
+ *       seeds[j] + layer0 + l), its k x L descriptors computed here (see below).
  *   copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1)
  *       `copy` between rows `slots[i]` of a slab and rows `i` of a caller's buffer (see below),
  *       its descriptors computed here from the two bases and strides and the int32 `slots`.
@@ -295,6 +298,70 @@ done:
     return result;
 }
 
+/* copy_layers(src, dst, rel, lengths, seeds, layer0, sums, expect=None, bad=None, threads=1) -> mismatches:
+ * `copy` of the same layers of k blocks, its k x L descriptors computed here: layer l of block j
+ * at src[j] + rel[l] (to dst[j] + rel[l]; dst None: checked only), lengths[l] bytes, seeded
+ * seeds[j] + layer0 + l (mod 2**64: the block's seed plus the layer's number), its checksum into
+ * sums[j * L + l], checked against expect[j * L + l] where given. A caller then builds k-item
+ * arrays, not k x L ones (NumPy calls cost several µs each, more than hashing a 64 KiB block). */
+static PyObject *movers_copy_layers(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"src", "dst", "rel", "lengths", "seeds", "layer0", "sums", "expect", "bad", "threads",
+                            NULL};
+    PyObject *src, *dst, *rel, *lengths, *seeds, *sums, *expect = Py_None, *bad = Py_None;
+    unsigned long long layer0;
+    long threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOKO|OOl:copy_layers", names, &src, &dst, &rel, &lengths,
+                                     &seeds, &layer0, &sums, &expect, &bad, &threads))
+        return NULL;
+    Arg a[8];
+    memset(a, 0, sizeof a);
+    Py_ssize_t k = -1, layers = -1, all = -1;
+    uint64_t *descriptors = NULL;
+    PyObject *result = NULL;
+    if (check_threads(threads) < 0 || take(&a[0], src, "src", 8, &k, 0) < 0 || take(&a[1], dst, "dst", 8, &k, 0) < 0 ||
+        take(&a[2], seeds, "seeds", 8, &k, 0) < 0 || take(&a[3], rel, "rel", 8, &layers, 0) < 0 ||
+        take(&a[4], lengths, "lengths", 8, &layers, 0) < 0 || take(&a[5], sums, "sums", 8, &all, 1) < 0 ||
+        take(&a[6], expect, "expect", 8, &all, 0) < 0 || take(&a[7], bad, "bad", 1, &all, 1) < 0)
+        goto done;
+    if (!a[0].held || !a[2].held || !a[3].held || !a[4].held || !a[5].held) {
+        PyErr_SetString(PyExc_TypeError, "copy_layers: src, rel, lengths, seeds and sums are required arrays");
+        goto done;
+    }
+    if (all != k * layers) {
+        PyErr_Format(PyExc_ValueError, "copy_layers: sums has %zd items for %zd blocks of %zd layers", all, k, layers);
+        goto done;
+    }
+    if ((expect == Py_None) != (bad == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "copy_layers: expect and bad go together (bad flags each mismatch)");
+        goto done;
+    }
+    descriptors = PyMem_RawMalloc(sizeof(uint64_t) * 4 * (size_t)(all ? all : 1));
+    if (descriptors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *from = descriptors, *to = descriptors + all, *size = descriptors + 2 * all, *seed = descriptors + 3 * all;
+    const uint64_t *s = data(&a[0]), *d = data(&a[1]), *bs = data(&a[2]), *r = data(&a[3]), *len = data(&a[4]);
+    for (Py_ssize_t j = 0, i = 0; j < k; j++) {
+        for (Py_ssize_t l = 0; l < layers; l++, i++) {
+            from[i] = s[j] + r[l];
+            to[i] = d != NULL ? d[j] + r[l] : 0;
+            size[i] = len[l];
+            seed[i] = bs[j] + (uint64_t)layer0 + (uint64_t)l;
+        }
+    }
+    Batch b = {.n = all, .step = copy_step, .src = from, .dst = d != NULL ? to : NULL, .lengths = size,
+               .seeds = seed, .sums = data(&a[5]), .expect = data(&a[6]), .bad = data(&a[7])};
+    Py_BEGIN_ALLOW_THREADS
+    run(&b, threads);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(b.failed);
+done:
+    PyMem_RawFree(descriptors);
+    release(a, 8);
+    return result;
+}
+
 /* ---- file I/O ----------------------------------------------------------------------------- */
 
 static void pread_step(Batch *b, Py_ssize_t i) {
@@ -392,6 +459,8 @@ static PyObject *movers_pwrite(PyObject *self, PyObject *args, PyObject *kwargs)
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))movers_copy, METH_VARARGS | METH_KEYWORDS,
      "copy(src, dst, lengths, seeds=None, sums=None, expect=None, bad=None, threads=1) -> mismatches"},
+    {"copy_layers", (PyCFunction)(void (*)(void))movers_copy_layers, METH_VARARGS | METH_KEYWORDS,
+     "copy_layers(src, dst, rel, lengths, seeds, layer0, sums, expect=None, bad=None, threads=1) -> mismatches"},
     {"copy_slots", (PyCFunction)(void (*)(void))movers_copy_slots, METH_VARARGS | METH_KEYWORDS,
      "copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1)"},
     {"xxh3", (PyCFunction)(void (*)(void))movers_xxh3, METH_VARARGS | METH_KEYWORDS,
