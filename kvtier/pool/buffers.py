@@ -3,6 +3,7 @@ checksum that binds a block's bytes to its key."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import xxhash
@@ -22,9 +23,14 @@ def byte_view(buf: Any, *, writable: bool, what: str) -> memoryview:
         ValueError: the buffer is not contiguous, or is read-only where it must be written.
     """
     if hasattr(buf, "numpy") and hasattr(buf, "is_contiguous"):  # a torch tensor, without importing torch
-        if buf.device.type != "cpu" or not buf.is_contiguous():
+        if not buf.is_cpu or not buf.is_contiguous():
             raise ValueError(f"{what}: expected a contiguous CPU tensor")
-        buf = buf.view(-1).numpy() if buf.dim() else buf.numpy()
+        size = buf.numel() * buf.element_size()
+        if size:  # a ctypes array over its bytes (~1 µs; through NumPy ~3): it holds the tensor alive
+            window = (ctypes.c_uint8 * size).from_address(buf.data_ptr())
+            window.owner = buf
+            return memoryview(window).cast("B")
+        buf = buf.numpy()
     view = memoryview(buf)
     if not view.contiguous:
         raise ValueError(f"{what}: expected a contiguous buffer")
