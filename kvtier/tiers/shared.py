@@ -283,6 +283,8 @@ class SharedTier(Tier):
 
     def _write_batch(self, slots: list[int], keys: list[bytes | None], offset: int,
                      srcs: list[torch.Tensor], _verified: Sequence[bool] = ()) -> dict[int, Exception]:
+        if None not in keys:  # every block shared: the usual batch
+            return self._write_shared(slots, keys, offset, srcs)
         return _split(keys, lambda js: self._write_shared(_pick(slots, js), _pick(keys, js), offset, _pick(srcs, js)),
                       lambda js: self._write_private(_pick(slots, js), offset, _pick(srcs, js)))
 
@@ -290,6 +292,8 @@ class SharedTier(Tier):
                     dsts: list[torch.Tensor], verified: Sequence[bool] = ()) -> dict[int, Exception]:
         """`verified`: as `SpanIO.verified`, per position (empty: none is)."""
         verified = verified or [False] * len(slots)
+        if None not in keys:  # every block shared: the usual batch
+            return self._read_shared(slots, keys, offset, dsts, verified)
         return _split(keys, lambda js: self._read_shared(_pick(slots, js), _pick(keys, js), offset, _pick(dsts, js),
                                                          _pick(verified, js)),
                       lambda js: self._read_private(_pick(slots, js), offset, _pick(dsts, js)))
