@@ -61,8 +61,9 @@ class BlockFrame:
     def header(self, key: bytes, block: torch.Tensor) -> bytes:
         """The header of `block` (a contiguous CPU uint8 tensor of `slot_bytes`) stored under
         `key`: every chunk's checksum in one native pass (as `_sum` computes each)."""
-        if block.numel() != self.slot_bytes or not block.is_contiguous():
-            raise ValueError(f"a block frame needs {self.slot_bytes} contiguous bytes, got {tuple(block.shape)}")
+        if block.numel() != self.slot_bytes or not block.is_contiguous() or not block.is_cpu or block.element_size() != 1:
+            raise ValueError(f"a block frame needs {self.slot_bytes} contiguous bytes in host memory, got "
+                             f"{block.dtype} {tuple(block.shape)} on {block.device}")
         seeds = self._chunk_seeds + np.uint64((xxhash.xxh3_64_intdigest(key) + 1) & _U64)  # wraps mod 2**64
         sums = np.zeros(self.num_chunks, np.uint64)
         _movers.copy(self._starts + np.uint64(block.data_ptr()), None, self._lengths, seeds, sums)
