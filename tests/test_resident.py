@@ -368,39 +368,6 @@ def test_copies_nobody_waits_for_take_one_thread(tmp_path, monkeypatch):
         assert threads == [1]
 
 
-def test_a_checked_load_a_caller_waits_for_shares_its_checksum_pass(tmp_path, monkeypatch):
-    """Blocks read from below DRAM are checked layer by layer in one native pass: a load a caller
-    waits for shares it among `copy_threads` once each thread gets `PARALLEL_COPY_BYTES`, a
-    demotion computes its checksums on one thread, and a layer that differs fails its block
-    whatever thread checked it."""
-    from kvtier.moving import routes
-    from kvtier.moving.handle import Stage
-
-    monkeypatch.setattr(routes, "PARALLEL_COPY_BYTES", BLOCK)
-    threads: list[int] = []
-
-    def spy(*args, inner=_movers.copy_layers, **kwargs):
-        threads.append(kwargs.get("threads", 1))
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(routes._movers, "copy_layers", spy)
-    keys = [1, 2, 3, 4]
-    with runtime(tmp_path, hbm=0, dram=1, ssd=6, promote_to=None) as kv:
-        for k in keys:  # each store into the 1-block DRAM demotes the one before to the SSD
-            assert kv.store([k], blocks([k]), sync=True).wait(WAIT_S)
-            kv.quiesce(WAIT_S)
-        assert kv.where(keys[:3]) == [S] * 3 and threads and set(threads) == {1}, "demotions: one thread"
-        threads.clear()
-        slot = kv.manager.index.get(2).copies[S].slot
-        kv.tiers[S].write(slot, torch.full((16,), 0xAB, dtype=torch.uint8), offset=LAYOUT.offsets[1] + 8)
-        out = torch.zeros(3, BLOCK, dtype=torch.uint8)
-        handle = kv.load(keys[:3], out, sync=True)
-        assert threads == [2], "three blocks to check, two threads"
-        assert set(handle.failed) == {2} and handle.failed[2].stage == Stage.VERIFY
-        assert "block 2 layer 1 from ssd" in str(handle.failed[2].error)  # a sync load is one span: layers 0..3
-        assert torch.equal(out[0], blocks([1])[0]) and torch.equal(out[2], blocks([3])[0])
-
-
 def test_a_large_resident_load_reports_each_run_of_layers_as_it_lands(tmp_path, monkeypatch):
     """Too large to run inline, a resident load goes to a worker and copies layer by layer
     (`chunk_bytes` 0): `wait_layer(0)` returns while the later layers are still held back."""

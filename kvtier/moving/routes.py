@@ -168,8 +168,8 @@ class BuiltinRoutes:
                            rows.stride(0), slots, length, to_rows, threads=self._threads(len(slots) * length, background))
 
     def _threads(self, num_bytes: int, background: bool) -> int:
-        """Threads for a copy (or checksum pass) of `num_bytes`: each takes at least
-        `PARALLEL_COPY_BYTES`; one for a copy nobody waits on (`SpanBatch.background`)."""
+        """Threads for a plain copy of `num_bytes`: each takes at least `PARALLEL_COPY_BYTES`; one
+        for a copy nobody waits on (`SpanBatch.background`)."""
         return 1 if background else min(self._copy_threads, num_bytes // PARALLEL_COPY_BYTES) or 1
 
     # ---- memory ↔ memory ----------------------------------------------------------------------
@@ -337,18 +337,17 @@ class BuiltinRoutes:
         dst = np.fromiter((d for _, _, d in items), np.uint64, k) if copy else None
         seeds = np.fromiter((block_seed(ops[i].key) for i, _, _ in items), np.uint64, k)
         sums = np.zeros(k * nl, np.uint64)
-        threads = self._threads(k * batch.length, batch.background)  # a large load's layers shared out
         verifies = [ops[i].verify for i, _, _ in items]
         bad = None
         if all(v is None for v in verifies):
-            _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, threads=threads)
+            _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums)
         elif all(v is not None for v in verifies):
             expect = np.array([v[first:last + 1] for v in verifies], np.uint64).ravel()
             bad = np.zeros(k * nl, np.uint8)
-            if not _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, expect, bad, threads=threads):
+            if not _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, expect, bad):
                 bad = None  # the usual outcome: nothing to look for
         else:  # only the ops with `verify` are checked (every layer copied)
-            _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, threads=threads)
+            _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums)
             expect = np.array([v[first:last + 1] if v is not None else (0,) * nl for v in verifies], np.uint64)
             bad = ((sums.reshape(k, nl) != expect) & np.array([v is not None for v in verifies])[:, None]).ravel()
         failed = set()
