@@ -15,10 +15,10 @@ process of the tenant finds it (`find`, which `KVTier.lookup` asks for the keys 
     read    a keyed get of the whole blocks of a batch (`_get`), each checked against its
             key-seeded checksum, or by the caller where it checks the bytes against checksums
             of its own (`SpanIO.verified`: one pass over them, not two); a block the store
-            dropped or that fails a check is a `TierIOError` or a failed check: a miss, never
-            wrong bytes. A read of part of a block (a layer range)
-            fetches the whole block once and keeps it for the reads of its other parts
-            (`_read_parts`; `PoolTier` streams it instead, layer by layer as it lands).
+            dropped or that fails a check is a miss, never wrong bytes. A read of part of a
+            block (a layer range) fetches the whole block once and keeps it for the reads of
+            its other parts (`_read_parts`; `PoolTier` streams it instead, layer by layer as it
+            lands).
     find    one `_contains` for the keys asked, behind a short negative cache, so a miss asked
             again at once costs nothing; a store that does not answer makes its keys absent.
 

@@ -28,9 +28,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.moving import _movers
-
 from kvtier.errors import TierIOError
+from kvtier.moving import _movers
 
 MAGIC, VERSION = b"KVTC", 1
 _HEAD = struct.Struct("<4sHHII")
