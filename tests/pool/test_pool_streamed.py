@@ -235,6 +235,14 @@ def test_chunks_are_a_sixteenth_of_a_block_and_the_header_costs_at_most_a_64th(s
     if chunks > 1:
         assert not frame.verify(b"k" * 16, sums[1:] + sums[:1], 0, block), "bound to the chunk's place"
     assert BlockFrame(slot_bytes + 4096 * 16).checksums(header) is None, "another block size"
+    raw = bytearray(header.numpy().tobytes())
+    assert frame.is_header(memoryview(raw)) and not BlockFrame(slot_bytes + 4096 * 16).is_header(memoryview(raw))
+    for at in (0, 4, 8, 12, 16 + 3):  # magic, version, chunk bytes, chunks; a sum is not the header's format
+        bent = bytearray(raw)
+        bent[at] ^= 1
+        assert frame.is_header(memoryview(bent)) == (frame.checksums(torch.frombuffer(bent, dtype=torch.uint8))
+                                                     is not None) == (at >= 16)
+    assert not frame.is_header(memoryview(raw)[:-1]), "one byte short"
     with pytest.raises(ValueError, match=f"needs {slot_bytes} contiguous bytes in host memory"):
         frame.header(b"k" * 16, torch.zeros(slot_bytes + 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="torch.float32"):  # a count of items, not bytes, would hash past it

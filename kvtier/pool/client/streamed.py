@@ -56,6 +56,7 @@ class BlockFrame:
         extra = -(-(slot_bytes + self.header_bytes) // _PAGE) - pages
         self.framed = extra * 64 <= pages  # what a writer stores (see the module docstring)
         self.stored_bytes = slot_bytes + (self.header_bytes if self.framed else 0)
+        self._head = _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks)
 
     def header(self, key: bytes, block: torch.Tensor) -> bytes:
         """The header of `block` (a contiguous CPU uint8 tensor of `slot_bytes`) stored under
@@ -66,12 +67,18 @@ class BlockFrame:
         seeds = self._chunk_seeds + np.uint64((xxhash.xxh3_64_intdigest(key) + 1) & _U64)  # wraps mod 2**64
         sums = np.zeros(self.num_chunks, np.uint64)
         _movers.copy(self._starts + np.uint64(block.data_ptr()), None, self._lengths, seeds, sums)
-        return _HEAD.pack(MAGIC, VERSION, 0, self.chunk_bytes, self.num_chunks) + sums.astype("<u8").tobytes()
+        return self._head + sums.astype("<u8").tobytes()
 
-    def checksums(self, header: torch.Tensor | memoryview) -> list[int] | None:
-        """The chunk checksums a header (a CPU uint8 tensor or a buffer) holds; None where it is
-        not this layout's (another format, version or block size: a miss, never bytes taken as good)."""
-        raw = bytes(header.numpy() if isinstance(header, torch.Tensor) else header)
+    def is_header(self, header: memoryview) -> bool:
+        """Whether `header` (a buffer) is this layout's header: what `checksums` checks, without
+        reading the sums out (a reader of the whole block checks the block, not its chunks)."""
+        return (len(header) == self.header_bytes and header[:6] == self._head[:6]  # magic, version
+                and header[8:_HEAD.size] == self._head[8:])  # chunk bytes, chunks (not the reserved u16)
+
+    def checksums(self, header: torch.Tensor) -> list[int] | None:
+        """The chunk checksums a header holds; None where it is not this layout's (another format,
+        version or block size: a miss, never bytes taken as good)."""
+        raw = header.numpy().tobytes()
         if len(raw) != self.header_bytes:
             return None
         magic, version, _, chunk, count = _HEAD.unpack_from(raw)

@@ -166,7 +166,7 @@ class PoolTier(SharedTier):
             return got
 
         hits = self._client.get_streamed_many(keys, parts, checks_parts=lambda j, _: verified[j])
-        return [None if hit and (not framed[j] or self._frame.checksums(headers[j]) is not None) else
+        return [None if hit and (not framed[j] or self._frame.is_header(headers[j])) else
                 "not on the pool any more (evicted, node down or restarted) or failed its checksum"
                 for j, hit in enumerate(hits)]
 
