@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.e2e import NUM_LAYERS, runtime_config
+from kvtier.bench.measure import process_cpu_s
 from kvtier.kinds import TierKind
 from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
@@ -69,12 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seconds < 0:
         p.error("--seconds must not be negative")
     return args
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(tier: str, batch: int, args: argparse.Namespace, workdir: str) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.measure import process_cpu_s
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.kinds import TierKind
 from kvtier.model.layout import BlockLayout
@@ -59,12 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.batch <= 0 or args.calls <= 0:
         p.error("--batch and --calls must be positive")
     return args
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(config: str, args: argparse.Namespace, workdir: str) -> dict:

@@ -10,11 +10,19 @@ machine. GB/s = bytes per op x queue depth / p50 op time (a closed loop of `queu
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (another process's: a pool node's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 Op = Callable[[int, int], None]  # (thread, block) -> None
 Pair = tuple[float, float]  # seconds of one block's (kvtier op, limit op)

@@ -5,25 +5,19 @@ Cost: under a second, plus matplotlib's import for the plot test."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_lmcache.py"
+from support.bench import BENCH_DIR, load_script
+
+SCRIPT = BENCH_DIR / "bench_lmcache.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def bl():
-    spec = importlib.util.spec_from_file_location("bench_lmcache_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load_script("bench_lmcache")
 
 
 def test_the_script_imports_neither_lmcache_nor_torch_at_module_level(bl):

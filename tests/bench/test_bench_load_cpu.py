@@ -4,30 +4,22 @@ bad arguments are refused by name. Counters only, never time (cost: ~6 s, most o
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_load_cpu.py"
+from support.bench import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_load_cpu_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load_script("bench_load_cpu")
 
 
 def test_every_tier_and_batch_gives_a_row_of_real_loads(bench, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert bench.main(["--block", "128KiB", "--batches", "1,3", "--calls", "6", "--seconds", "0", "--ssd-dir", str(tmp_path),
-                       "--json", str(out)]) == 0
+    assert bench.main(["--block", "128KiB", "--batches", "1,3", "--calls", "6", "--seconds", "0",
+                       "--ssd-dir", str(tmp_path), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tier"], r["batch"]) for r in rows] == [(t, b) for t in bench.TIERS for b in (1, 3)]
     assert all(r["calls"] == 6 and r["block_bytes"] == 128 << 10 and r["cpu_us_per_call"] > 0

@@ -4,24 +4,16 @@ Counters only, never time (cost: ~5 s, most of it the pool node's start)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_store_cpu.py"
+from support.bench import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_store_cpu_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load_script("bench_store_cpu")
 
 
 def test_every_configuration_gives_a_row_of_real_stores(bench, tmp_path, capsys):
