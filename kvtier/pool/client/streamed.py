@@ -64,14 +64,15 @@ class BlockFrame:
         if block.numel() != self.slot_bytes or not block.is_contiguous() or not block.is_cpu or block.element_size() != 1:
             raise ValueError(f"a block frame needs {self.slot_bytes} contiguous bytes in host memory, got "
                              f"{block.dtype} {tuple(block.shape)} on {block.device}")
-        seeds = self._chunk_seeds + np.uint64((xxhash.xxh3_64_intdigest(key) + 1) & _U64)  # wraps mod 2**64
+        seeds = self._chunk_seeds + np.uint64(_seed(key, 0))  # chunk i: _seed(key, i), wrapping mod 2**64
         sums = np.zeros(self.num_chunks, np.uint64)
         _movers.copy(self._starts + np.uint64(block.data_ptr()), None, self._lengths, seeds, sums)
         return self._head + sums.astype("<u8").tobytes()
 
     def is_header(self, header: memoryview) -> bool:
-        """Whether `header` (a buffer) is this layout's header: what `checksums` checks, without
-        reading the sums out (a reader of the whole block checks the block, not its chunks)."""
+        """Whether `header` (a buffer) is this layout's header: its magic, version, chunk size and
+        count (not the reserved field), without reading the sums out (a reader of the whole block
+        checks the block, not its chunks)."""
         return (len(header) == self.header_bytes and header[:6] == self._head[:6]  # magic, version
                 and header[8:_HEAD.size] == self._head[8:])  # chunk bytes, chunks (not the reserved u16)
 
@@ -79,12 +80,9 @@ class BlockFrame:
         """The chunk checksums a header holds; None where it is not this layout's (another format,
         version or block size: a miss, never bytes taken as good)."""
         raw = header.numpy().tobytes()
-        if len(raw) != self.header_bytes:
+        if not self.is_header(memoryview(raw)):
             return None
-        magic, version, _, chunk, count = _HEAD.unpack_from(raw)
-        if (magic, version, chunk, count) != (MAGIC, VERSION, self.chunk_bytes, self.num_chunks):
-            return None
-        return list(struct.unpack_from(f"<{count}Q", raw, _HEAD.size))
+        return list(struct.unpack_from(f"<{self.num_chunks}Q", raw, _HEAD.size))
 
     def verify(self, key: bytes, sums: list[int], chunk: int, block: torch.Tensor) -> bool:
         a, b = self.bounds[chunk]
@@ -101,7 +99,12 @@ class BlockFrame:
 
     @staticmethod
     def _sum(key: bytes, chunk: int, data) -> int:
-        return xxhash.xxh3_64_intdigest(data, seed=(xxhash.xxh3_64_intdigest(key) + chunk + 1) & _U64)
+        return xxhash.xxh3_64_intdigest(data, seed=_seed(key, chunk))
+
+
+def _seed(key: bytes, chunk: int) -> int:
+    """The seed of chunk `chunk`'s checksum: the key's digest plus the chunk's place plus one."""
+    return (xxhash.xxh3_64_intdigest(key) + chunk + 1) & _U64
 
 
 _GONE = "not on the pool any more (evicted, node down or restarted) or failed its checksum"
