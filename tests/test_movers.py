@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -146,6 +147,30 @@ def test_copy_layers_refuses_arrays_that_do_not_fit():
         _movers.copy_layers(k2, None, l3, l3, None, 0, np.zeros(6, np.uint64))
     with pytest.raises(ValueError, match="expect and bad go together"):
         _movers.copy_layers(k2, None, l3, l3, k2, 0, np.zeros(6, np.uint64), np.zeros(6, np.uint64))
+
+
+def test_recv_layers_refuses_layers_outside_its_buffer_before_reading():
+    """A layer table that does not fit the buffer, or runs backwards, is refused naming the
+    layer, and `have` must lie within the buffer: nothing is read from the socket then."""
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(b"x" * 8)
+        buf, out = bytearray(100), np.zeros(2, np.uint64)
+        args = (ours.fileno(), buf, 0)
+        with pytest.raises(ValueError, match="layer 1 .* outside the buffer's 100 bytes or out of order"):
+            _movers.recv_layers(*args, np.array([0, 60], np.uint64), np.array([60, 41], np.uint64), 0, 0, out, 1e18)
+        with pytest.raises(ValueError, match="layer 1 .* out of order"):
+            _movers.recv_layers(*args, np.array([50, 0], np.uint64), np.array([10, 10], np.uint64), 0, 0, out, 1e18)
+        with pytest.raises(ValueError, match="have=101 outside"):
+            _movers.recv_layers(ours.fileno(), buf, 101, np.zeros(2, np.uint64), np.zeros(2, np.uint64), 0, 0, out, 1e18)
+        with pytest.raises(ValueError, match="sums: 3 items where the batch has 2"):
+            _movers.recv_layers(*args, np.zeros(2, np.uint64), np.zeros(2, np.uint64), 0, 0, np.zeros(3, np.uint64), 1e18)
+        with pytest.raises(TypeError, match="required arrays"):
+            _movers.recv_layers(*args, None, np.zeros(2, np.uint64), 0, 0, out, 1e18)
+        assert ours.recv(100) == b"x" * 8, "nothing was read by a refused call"
+    finally:
+        ours.close()
+        theirs.close()
 
 
 @pytest.mark.parametrize("threads", [1, 3])

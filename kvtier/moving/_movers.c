@@ -22,6 +22,13 @@
  *       its descriptors computed here from the two bases and strides and the int32 `slots`.
  *   xxh3(data, seed, portable=False) -> int
  *       The checksum `copy` computes, of one buffer (`portable`: xxHash's portable code, not AVX2).
+ *   recv_layers(fd, buffer, have, rel, lengths, seed, layer0, sums, deadline) -> (received, error)
+ *       Fills `buffer` from stream socket `fd`, its first `have` bytes already there, and hashes
+ *       each layer (buffer[rel[l]:][:lengths[l]], seeded seed + layer0 + l) into sums[l] as soon
+ *       as its bytes are in, while they are in cache: the check of a block read off a socket costs
+ *       no second pass over it. Waits (poll) at most until `deadline` (time.monotonic()). Returns
+ *       the bytes now in `buffer` and 0, or the errno that stopped it (ETIMEDOUT past the
+ *       deadline; -1: the peer closed first); layers not yet in are left unhashed then.
  *   pread(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *   pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *       For each i: the whole range read from (written to) file descriptor fds[i] at offsets[i],
@@ -39,7 +46,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -362,6 +372,89 @@ done:
     return result;
 }
 
+/* ---- socket receive --------------------------------------------------------------------------- */
+
+static double monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Hashes the layers of `buf` complete within its first `got` bytes, from layer `*next` on. */
+static void hash_complete(const char *buf, uint64_t got, const uint64_t *rel, const uint64_t *len, Py_ssize_t layers,
+                          uint64_t seed, uint64_t *sums, Py_ssize_t *next) {
+    while (*next < layers && rel[*next] + len[*next] <= got) {
+        Py_ssize_t l = *next;
+        sums[l] = xxh3(buf + rel[l], (size_t)len[l], seed + (uint64_t)l);
+        (*next)++;
+    }
+}
+
+static PyObject *movers_recv_layers(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"fd", "buffer", "have", "rel", "lengths", "seed", "layer0", "sums", "deadline", NULL};
+    int fd;
+    Py_buffer buffer;
+    Py_ssize_t have;
+    PyObject *rel, *lengths, *sums;
+    unsigned long long seed, layer0;
+    double deadline;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iw*nOOKKOd:recv_layers", names, &fd, &buffer, &have, &rel,
+                                     &lengths, &seed, &layer0, &sums, &deadline))
+        return NULL;
+    Arg a[3];
+    memset(a, 0, sizeof a);
+    Py_ssize_t layers = -1;
+    PyObject *result = NULL;
+    if (take(&a[0], rel, "rel", 8, &layers, 0) < 0 || take(&a[1], lengths, "lengths", 8, &layers, 0) < 0 ||
+        take(&a[2], sums, "sums", 8, &layers, 1) < 0)
+        goto done;
+    if (!a[0].held || !a[1].held || !a[2].held) {
+        PyErr_SetString(PyExc_TypeError, "recv_layers: rel, lengths and sums are required arrays");
+        goto done;
+    }
+    const uint64_t *r = data(&a[0]), *len = data(&a[1]);
+    uint64_t *out = data(&a[2]), n = (uint64_t)buffer.len;
+    if (have < 0 || (uint64_t)have > n) {
+        PyErr_Format(PyExc_ValueError, "recv_layers: have=%zd outside the buffer's %zd bytes", have, buffer.len);
+        goto done;
+    }
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        if (r[l] > n || len[l] > n - r[l] || (l && r[l] < r[l - 1])) {
+            PyErr_Format(PyExc_ValueError, "recv_layers: layer %zd (%llu bytes at %llu) outside the buffer's %zd "
+                         "bytes or out of order", l, (unsigned long long)len[l], (unsigned long long)r[l], buffer.len);
+            goto done;
+        }
+    }
+    char *buf = buffer.buf;
+    uint64_t got = (uint64_t)have, first_seed = (uint64_t)seed + (uint64_t)layer0;
+    Py_ssize_t next = 0;
+    int error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    hash_complete(buf, got, r, len, layers, first_seed, out, &next);
+    while (got < n) {
+        ssize_t k = recv(fd, buf + got, (size_t)(n - got), MSG_DONTWAIT);
+        if (k > 0) {
+            got += (uint64_t)k;
+            hash_complete(buf, got, r, len, layers, first_seed, out, &next);
+            continue;
+        }
+        if (k == 0) { error = -1; break; }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) { error = errno; break; }
+        double left = deadline - monotonic_s();
+        if (left <= 0) { error = ETIMEDOUT; break; }
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int ready = poll(&p, 1, left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1);
+        if (ready < 0 && errno != EINTR) { error = errno; break; }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(Ki)", (unsigned long long)got, error);
+done:
+    release(a, 3);
+    PyBuffer_Release(&buffer);
+    return result;
+}
+
 /* ---- file I/O ----------------------------------------------------------------------------- */
 
 static void pread_step(Batch *b, Py_ssize_t i) {
@@ -465,6 +558,8 @@ static PyMethodDef methods[] = {
      "copy_slots(slab, slab_stride, slab_rows, rows, row_stride, slots, length, to_rows, threads=1)"},
     {"xxh3", (PyCFunction)(void (*)(void))movers_xxh3, METH_VARARGS | METH_KEYWORDS,
      "xxh3(data, seed, portable=False) -> checksum"},
+    {"recv_layers", (PyCFunction)(void (*)(void))movers_recv_layers, METH_VARARGS | METH_KEYWORDS,
+     "recv_layers(fd, buffer, have, rel, lengths, seed, layer0, sums, deadline) -> (received, error)"},
     {"pread", (PyCFunction)(void (*)(void))movers_pread, METH_VARARGS | METH_KEYWORDS,
      "pread(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
     {"pwrite", (PyCFunction)(void (*)(void))movers_pwrite, METH_VARARGS | METH_KEYWORDS,

@@ -37,7 +37,7 @@ from kvtier.moving import _movers
 from kvtier.errors import IntegrityError, TransferError
 from kvtier.moving.handle import Stage
 from kvtier.model.layout import BlockLayout
-from kvtier.tiers.base import SpanIO, Tier, copy_bytes
+from kvtier.tiers.base import LayerSums, SpanIO, Tier, copy_bytes
 from kvtier.moving.copies import BlockCopy, CopyOp, Endpoint, SpanBatch, StageError, block_seed, copy_one
 
 _U64 = (1 << 64) - 1
@@ -308,16 +308,31 @@ class BuiltinRoutes:
         return direct
 
     def _read_direct(self, batch: SpanBatch, tier: Tier, direct: list[tuple[int, int]]) -> None:
+        """`read_spans` of `direct` (index, host address) from `tier`; each block checked against
+        its op's `verify`, by the tier as the bytes land where it can (`LayerSums`), else here."""
         if not direct:
             return
-        io = SpanIO([batch.ops[i].src.slot for i, _ in direct], batch.offset, batch.length,
-                    [a for _, a in direct], [batch.ops[i].key for i, _ in direct],
-                    [batch.ops[i].verify is not None for i, _ in direct])
+        ops, first, last = batch.ops, batch.first, batch.last
+        checked = [j for j, (i, _) in enumerate(direct) if ops[i].verify is not None]
+        sums: list[LayerSums | None] = [None] * len(direct)
+        if checked:
+            rel, lengths = self._span_table(first, last)
+            out = np.zeros((len(checked), last - first + 1), np.uint64)
+            for row, j in enumerate(checked):
+                sums[j] = LayerSums(rel, lengths, block_seed(ops[direct[j][0]].key), first, out[row])
+        io = SpanIO([ops[i].src.slot for i, _ in direct], batch.offset, batch.length,
+                    [a for _, a in direct], [ops[i].key for i, _ in direct], sums)
         failed = tier.read_spans(io)
         for j, error in failed.items():
             batch.fail(direct[j][0], StageError(Stage.READ, error))
+        landed = [j for j in checked if j not in failed and sums[j].done]
+        if landed:
+            items = [direct[j][0] for j in landed]
+            got = np.stack([sums[j].out for j in landed]) if len(landed) < len(checked) else out
+            self._report(batch, items, got, got != self._expected(batch, items))
         self._summed(batch, [(i, a, 0) for j, (i, a) in enumerate(direct)
-                             if j not in failed and _sums_wanted(batch.ops[i])], copy=False)
+                             if j not in failed and _sums_wanted(ops[i]) and (sums[j] is None or not sums[j].done)],
+                     copy=False)
 
     # ---- checksums, in one native pass ----------------------------------------------------------
 
@@ -337,32 +352,46 @@ class BuiltinRoutes:
         dst = np.fromiter((d for _, _, d in items), np.uint64, k) if copy else None
         seeds = np.fromiter((block_seed(ops[i].key) for i, _, _ in items), np.uint64, k)
         sums = np.zeros(k * nl, np.uint64)
-        verifies = [ops[i].verify for i, _, _ in items]
+        indices = [i for i, _, _ in items]
+        verifies = [ops[i].verify for i in indices]
         bad = None
         if all(v is None for v in verifies):
             _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums)
         elif all(v is not None for v in verifies):
-            expect = np.array([v[first:last + 1] for v in verifies], np.uint64).ravel()
             bad = np.zeros(k * nl, np.uint8)
-            if not _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, expect, bad):
+            if not _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums, self._expected(batch, indices).ravel(),
+                                       bad):
                 bad = None  # the usual outcome: nothing to look for
         else:  # only the ops with `verify` are checked (every layer copied)
             _movers.copy_layers(src, dst, rel, lengths, seeds, first, sums)
-            expect = np.array([v[first:last + 1] if v is not None else (0,) * nl for v in verifies], np.uint64)
-            bad = ((sums.reshape(k, nl) != expect) & np.array([v is not None for v in verifies])[:, None]).ravel()
-        failed = set()
+            bad = ((sums.reshape(k, nl) != self._expected(batch, indices))
+                   & np.array([v is not None for v in verifies])[:, None])
+        self._report(batch, indices, sums.reshape(k, nl), None if bad is None else bad.reshape(k, nl))
+
+    @staticmethod
+    def _expected(batch: SpanBatch, indices: Sequence[int]) -> np.ndarray:
+        """The `verify` checksums of layers `first..last` of the ops at `indices`, a row each (zeros
+        for an op without)."""
+        first, last = batch.first, batch.last
+        return np.array([v[first:last + 1] if v is not None else (0,) * (last - first + 1)
+                         for v in (batch.ops[i].verify for i in indices)], np.uint64)
+
+    @staticmethod
+    def _report(batch: SpanBatch, indices: Sequence[int], sums: np.ndarray, bad: np.ndarray | None) -> None:
+        """Of the ops at `indices`, whose layers hashed to the rows of `sums`: each with a layer
+        flagged in `bad` fails (VERIFY, naming its first such layer); the others that ask for
+        their checksums get them in `batch.checksums`."""
+        ops, failed = batch.ops, set()
         if bad is not None:
-            bad = bad.reshape(k, nl)
             for j in np.flatnonzero(bad.any(axis=1)):
-                i, op = items[j][0], ops[items[j][0]]
-                layer = first + int(np.flatnonzero(bad[j])[0])
+                i, op = indices[j], ops[indices[j]]
+                layer = batch.first + int(np.flatnonzero(bad[j])[0])
                 batch.fail(i, StageError(Stage.VERIFY, IntegrityError(
                     f"block {short_key(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
                     "checksum mismatch"), layer))
                 failed.add(int(j))
-        if any(ops[i].checksum for i, _, _ in items):
-            sums = sums.reshape(k, nl)
-            for j, (i, _, _) in enumerate(items):
+        if any(ops[i].checksum for i in indices):
+            for j, i in enumerate(indices):
                 if ops[i].checksum and j not in failed:
                     batch.checksums[i] = sums[j].tolist()
 

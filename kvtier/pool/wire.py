@@ -23,6 +23,8 @@ where a raw socket's round trip is ~25 µs and each Python-level system call ~1-
 from __future__ import annotations
 
 import errno
+import math
+import os
 import socket
 import struct
 import time
@@ -31,6 +33,7 @@ from typing import Any
 
 import msgpack
 
+from kvtier.moving import _movers
 from kvtier.pool.protocol import (
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
@@ -111,13 +114,19 @@ class FrameSocket:
         msg, header = parse_header(prefix, self._take(prefix.header_len, deadline), reply=reply)
         return prefix, msg, header
 
-    def recv_into(self, view: memoryview, deadline: float | None = None) -> None:
-        """Fills all of `view`: first from the buffered bytes, then straight from the socket."""
+    def recv_into(self, view: memoryview, deadline: float | None = None, sums: Any = None) -> None:
+        """Fills all of `view`: first from the buffered bytes, then straight from the socket.
+
+        `sums`: a `kvtier.tiers.base.LayerSums` whose layers (offsets into `view`) are hashed as
+        they come in, in one native call outside the GIL; its `done` is set once all are."""
         n = len(view)
         got = min(n, self._end - self._start)
         if got:
             view[:got] = self._view[self._start: self._start + got]
             self._start += got
+        if sums is not None:
+            self._recv_summed(view, got, sums, deadline)
+            return
         while got < n:
             self._arm(0, deadline)
             try:
@@ -127,6 +136,18 @@ class FrameSocket:
             if k == 0:
                 raise ConnectionError(f"peer closed after {got} of {n} bytes")
             got += k
+
+    def _recv_summed(self, view: memoryview, got: int, sums: Any, deadline: float | None) -> None:
+        at = time.monotonic() + self._armed[0] if deadline is None and self._armed[0] else deadline
+        got, error = _movers.recv_layers(self.sock.fileno(), view, got, sums.rel, sums.lengths, sums.seed, sums.layer0,
+                                         sums.out, math.inf if at is None else at)
+        if error == -1:
+            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+        if error == errno.ETIMEDOUT:
+            raise TimeoutError(f"timed out after {got} of {len(view)} bytes")
+        if error:
+            raise OSError(error, os.strerror(error))
+        sums.done = True
 
     def drain(self, n: int, deadline: float | None = None) -> None:
         """Reads and drops `n` bytes (a refused payload), keeping the stream in step."""

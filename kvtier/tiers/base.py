@@ -22,6 +22,32 @@ from kvtier.errors import IntegrityError
 from kvtier.kinds import Medium, TierKind
 
 
+class LayerSums:
+    """The per-layer checksums of one block's bytes, for a reader to compute as they land.
+
+    A route that checks a read against checksums of its own (`CopyOp.verify`) hands each block's
+    to the tier, so a reader that brings the bytes in piece by piece (a socket) can hash each
+    layer while it is still in cache, instead of the route making a second pass over it.
+
+    Attributes:
+        rel, lengths: each layer's offset from the start of the block's buffer and its length
+            (uint64 arrays, offsets ascending).
+        seed: the block's seed; layer l is hashed with `seed + layer0 + l` (mod 2**64), as
+            `kvtier.moving._movers.copy_layers` does.
+        layer0: the first layer's number.
+        out: where layer l's xxh3-64 goes (a writable uint64 array of as many items).
+        done: set True by a reader that hashed every layer of the bytes it put in the buffer, after
+            they were in; the route then compares `out` and skips its own pass. Left False, the
+            route hashes the buffer itself.
+    """
+
+    __slots__ = ("rel", "lengths", "seed", "layer0", "out", "done")
+
+    def __init__(self, rel: np.ndarray, lengths: np.ndarray, seed: int, layer0: int, out: np.ndarray) -> None:
+        self.rel, self.lengths, self.seed, self.layer0, self.out = rel, lengths, seed, layer0, out
+        self.done = False
+
+
 @dataclass(frozen=True, slots=True)
 class SpanIO:
     """One batch of a tier's I/O: the same byte range of many slots, each read into or written
@@ -35,10 +61,11 @@ class SpanIO:
             returns.
         keys: the block each slot holds or is about to hold: a shared tier files it under its key
             (as `bind`); the others ignore it.
-        verified: of a read, per slot: True where the caller checks every byte read against
+        sums: of a read, per slot: where not None, the caller checks every byte read against
             checksums of its own (a route and `CopyOp.verify`), so a tier may skip a check of its
-            own over the same bytes (a pass over them saved); empty: none is. A tier that skips
-            one still fails a block it cannot read whole.
+            own over the same bytes, and may compute the layers' checksums as the bytes land
+            (`LayerSums`); empty: none is. A tier that skips its check still fails a block it
+            cannot read whole.
     """
 
     slots: Sequence[int]
@@ -46,7 +73,7 @@ class SpanIO:
     length: int
     addresses: Sequence[int]
     keys: Sequence[Hashable]
-    verified: Sequence[bool] = ()
+    sums: Sequence[LayerSums | None] = ()
 
     def __len__(self) -> int:
         return len(self.slots)

@@ -14,7 +14,7 @@ process of the tenant finds it (`find`, which `KVTier.lookup` asks for the keys 
             for instead (`_contains`) and not sent again if the store still holds it: deduplicated.
     read    a keyed get of the whole blocks of a batch (`_get`), each checked against its
             key-seeded checksum, or by the caller where it checks the bytes against checksums
-            of its own (`SpanIO.verified`: one pass over them, not two); a block the store
+            of its own (`SpanIO.sums`: one pass over them, not two); a block the store
             dropped or that fails a check is a miss, never wrong bytes. A read of part of a
             block (a layer range) fetches the whole block once and keeps it for the reads of
             its other parts (`_read_parts`; `PoolTier` streams it instead, layer by layer as it
@@ -56,7 +56,7 @@ from kvtier.errors import TierIOError
 from kvtier.model.keys import KEY_BYTES
 from kvtier.pool.shared_keys import KeyMemory, SpanGather
 from kvtier.observing.stats import Stats
-from kvtier.tiers.base import (Medium, SpanIO, Tier, TierKind, as_byte_buffer, copy_bytes, host_tensor,
+from kvtier.tiers.base import (LayerSums, Medium, SpanIO, Tier, TierKind, as_byte_buffer, copy_bytes, host_tensor,
                                slots_needed)
 
 NEGATIVE_CACHE_S = 1.0  # how long a key the store did not hold is answered "absent" without asking
@@ -140,10 +140,11 @@ class SharedTier(Tier):
         per store node. Never raises for a store that is down (its blocks are REFUSED)."""
 
     @abstractmethod
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], sums: list[LayerSums | None]) -> list[str | None]:
         """Reads whole blocks into `intos` (host tensors of `slot_bytes`), each checked against its
-        key-seeded checksum unless `verified` says the caller checks it (`SpanIO.verified`); one
-        call per store node. Per key None (a hit, checked or to be checked) or why not."""
+        key-seeded checksum unless `sums` says the caller checks it (`SpanIO.sums`, whose layer
+        checksums a store may compute as the bytes land); one call per store node. Per key None
+        (a hit, checked or to be checked) or why not."""
 
     @abstractmethod
     def _contains(self, keys: list[bytes]) -> list[bool]:
@@ -257,7 +258,7 @@ class SharedTier(Tier):
     # ---- batches ---------------------------------------------------------------------------
 
     def _spans(self, io: SpanIO, batch) -> dict[int, Exception]:
-        """`io`'s slots checked and bound, then `batch(slots, keys, offset, tensors, verified)` over
+        """`io`'s slots checked and bound, then `batch(slots, keys, offset, tensors, sums)` over
         the good ones; the failures by index into `io`."""
         failed: dict[int, Exception] = {}
         todo = []
@@ -277,25 +278,25 @@ class SharedTier(Tier):
         if not todo or not io.length:
             return failed
         buffers = [host_tensor(io.addresses[i], io.length) for i in todo]
-        verified = [bool(io.verified[i]) for i in todo] if io.verified else [False] * len(todo)
-        done = batch([io.slots[i] for i in todo], keys, io.offset, buffers, verified)
+        sums = [io.sums[i] for i in todo] if io.sums else [None] * len(todo)
+        done = batch([io.slots[i] for i in todo], keys, io.offset, buffers, sums)
         return {**failed, **{todo[j]: e for j, e in done.items()}}
 
     def _write_batch(self, slots: list[int], keys: list[bytes | None], offset: int,
-                     srcs: list[torch.Tensor], _verified: Sequence[bool] = ()) -> dict[int, Exception]:
+                     srcs: list[torch.Tensor], _sums: Sequence[LayerSums | None] = ()) -> dict[int, Exception]:
         if None not in keys:  # every block shared: the usual batch
             return self._write_shared(slots, keys, offset, srcs)
         return _split(keys, lambda js: self._write_shared(_pick(slots, js), _pick(keys, js), offset, _pick(srcs, js)),
                       lambda js: self._write_private(_pick(slots, js), offset, _pick(srcs, js)))
 
     def _read_batch(self, slots: list[int], keys: list[bytes | None], offset: int,
-                    dsts: list[torch.Tensor], verified: Sequence[bool] = ()) -> dict[int, Exception]:
-        """`verified`: as `SpanIO.verified`, per position (empty: none is)."""
-        verified = verified or [False] * len(slots)
+                    dsts: list[torch.Tensor], sums: Sequence[LayerSums | None] = ()) -> dict[int, Exception]:
+        """`sums`: as `SpanIO.sums`, per position (empty: none is)."""
+        sums = sums or [None] * len(slots)
         if None not in keys:  # every block shared: the usual batch
-            return self._read_shared(slots, keys, offset, dsts, verified)
+            return self._read_shared(slots, keys, offset, dsts, sums)
         return _split(keys, lambda js: self._read_shared(_pick(slots, js), _pick(keys, js), offset, _pick(dsts, js),
-                                                         _pick(verified, js)),
+                                                         _pick(sums, js)),
                       lambda js: self._read_private(_pick(slots, js), offset, _pick(dsts, js)))
 
     # ---- shared blocks ---------------------------------------------------------------------
@@ -357,17 +358,17 @@ class SharedTier(Tier):
             pause = min(2 * pause, 0.05)
 
     def _read_shared(self, slots: list[int], keys: list[bytes], offset: int,
-                     dsts: list[torch.Tensor], verified: list[bool]) -> dict[int, Exception]:
+                     dsts: list[torch.Tensor], sums: list[LayerSums | None]) -> dict[int, Exception]:
         """Whole blocks: one `_get` straight into `dsts`. Parts of blocks: `_read_parts`."""
         if offset == 0 and dsts[0].numel() == self.slot_bytes:
-            return self._get_whole(slots, keys, dsts, verified)
+            return self._get_whole(slots, keys, dsts, sums)
         return self._read_parts(slots, keys, offset, dsts)
 
     def _get_whole(self, slots: list[int], keys: list[bytes], intos: list[torch.Tensor],
-                   verified: list[bool]) -> dict[int, Exception]:
+                   sums: list[LayerSums | None]) -> dict[int, Exception]:
         """`_get`, each miss forgotten (`KeyMemory.forget`) and failed by index."""
         failed: dict[int, Exception] = {}
-        for j, why in enumerate(self._get(keys, intos, verified)):
+        for j, why in enumerate(self._get(keys, intos, sums)):
             if why is not None:
                 self._memory.forget(keys[j])
                 failed[j] = self._failure(keys[j])(f"POOL slot {slots[j]}: block {keys[j].hex()[:16]}: {why}")
@@ -384,7 +385,7 @@ class SharedTier(Tier):
         if missing:
             fresh = torch.empty((len(missing), self.slot_bytes), dtype=torch.uint8)
             got = self._get_whole([slots[j] for j in missing], [keys[j] for j in missing], list(fresh),
-                                  [False] * len(missing))  # kept for later ranges: checked whole here
+                                  [None] * len(missing))  # kept for later ranges: checked whole here
             failed = {missing[m]: e for m, e in got.items()}
             for m, j in enumerate(missing):
                 blocks[j] = fresh[m]

@@ -1,7 +1,7 @@
 """The pool wire protocol without sockets: round trips, and a fuzzed parser that only ever returns a
 frame, asks for more bytes, or raises `ProtocolError`. Then `wire.FrameSocket`, the reader and writer
 the node and the client share, over a socketpair: frames in any chunking, headers larger than its
-buffer, peers that close, deadlines. Cost: about three seconds (hypothesis).
+buffer, payloads hashed layer by layer as they land, peers that close, deadlines. Cost: about three seconds (hypothesis).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +36,7 @@ from kvtier.pool.protocol import (
     parse_prefix,
 )
 from kvtier.pool.wire import RECV_BUFFER_BYTES, FrameSocket
+from kvtier.tiers.base import LayerSums
 
 MAX_PAYLOAD = 1 << 20
 
@@ -222,6 +225,52 @@ def test_frame_socket_reads_pipelined_frames_in_any_chunking(chunks: list[int]) 
     finally:
         writer.join()
         ours.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.lists(st.integers(1, 3 * RECV_BUFFER_BYTES), min_size=1, max_size=4),
+       layer_lengths=st.lists(st.integers(0, 40_000), min_size=1, max_size=5), seed=st.integers(0, 2**64 - 1),
+       layer0=st.integers(0, 60))
+def test_frame_socket_hashes_each_layer_of_a_payload_as_it_lands(chunks, layer_lengths, seed, layer0) -> None:
+    """A payload received with `LayerSums` lands whole, each layer's checksum the xxh3-64 of its
+    bytes seeded as the routes seed it, whatever the chunking and however much of the payload
+    came in with the header (buffered); the frame after it reads on."""
+    payload = np.random.default_rng(len(layer_lengths)).integers(0, 256, sum(layer_lengths) + 3, np.uint8).tobytes()
+    data = frame(MsgType.WRITE, {"region": 0, "offset": 0, "gen": 1}, payload) + frame(MsgType.STATS, {})
+    ours, theirs = socket.socketpair()
+    writer = _feed(theirs, data, chunks)
+    frames = FrameSocket(ours, timeout_s=30)
+    rel = np.cumsum([0, *layer_lengths[:-1]]).astype(np.uint64)
+    sums = LayerSums(rel, np.array(layer_lengths, np.uint64), seed, layer0, np.zeros(len(layer_lengths), np.uint64))
+    try:
+        prefix, _, _ = frames.read_head(MAX_PAYLOAD, reply=False)
+        into = bytearray(prefix.payload_len)
+        frames.recv_into(memoryview(into), time.monotonic() + 30, sums)
+        assert bytes(into) == payload and sums.done
+        assert sums.out.tolist() == [xxhash.xxh3_64_intdigest(payload[int(r): int(r) + n], seed=(seed + layer0 + l) % 2**64)
+                                     for l, (r, n) in enumerate(zip(rel, layer_lengths))]
+        assert frames.read_head(MAX_PAYLOAD, reply=False)[1] is MsgType.STATS
+    finally:
+        writer.join()
+        ours.close()
+
+
+def test_a_hashed_receive_fails_as_a_plain_one_and_leaves_its_sums_not_done() -> None:
+    """The peer closing inside the payload is a ConnectionError and a silent peer a TimeoutError
+    at the deadline: the layers are then not `done` (the route hashes nothing it did not get)."""
+    ours, theirs = socket.socketpair()
+    frames = FrameSocket(ours, timeout_s=30)
+    sums = LayerSums(np.array([0, 50], np.uint64), np.array([50, 50], np.uint64), 1, 0, np.zeros(2, np.uint64))
+    theirs.sendall(b"q" * 60)
+    with pytest.raises(TimeoutError):
+        frames.recv_into(memoryview(bytearray(100)), time.monotonic() + 0.05, sums)
+    assert not sums.done
+    theirs.sendall(b"q" * 10)
+    theirs.close()
+    with pytest.raises(ConnectionError, match="peer closed after 10 of 100 bytes"):
+        frames.recv_into(memoryview(bytearray(100)), time.monotonic() + 30, sums)
+    assert not sums.done
+    ours.close()
 
 
 def test_frame_socket_drains_a_refused_payload_and_reads_on() -> None:

@@ -13,6 +13,7 @@ import secrets
 from collections import Counter
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,9 @@ from kvtier.pool import wire
 from kvtier.pool.client.tier import PoolTier
 from kvtier.pool.node.process import NodeProcess, start_nodes
 from kvtier.pool.protocol import MsgType
-from kvtier.tiers.base import SpanIO
+from kvtier.moving import _movers
+from kvtier.moving.copies import block_seed
+from kvtier.tiers.base import LayerSums, SpanIO
 
 NUM_BLOCKS = 16
 SMALL = 64 << 10  # one span per block
@@ -145,47 +148,76 @@ def test_a_block_a_node_dropped_fails_alone_never_wrong_bytes(nodes):
 
 class FlipOnArrival:
     """Corrupts the bytes of every received payload of `length` bytes (one bit of its middle
-    byte) in this process: a node or a wire that returns wrong bytes."""
+    byte) in this process, before anything hashes them: a node or a wire that returns wrong
+    bytes. A receive that hashes layers as they land (`LayerSums`) hashes the corrupted bytes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, length: int) -> None:
         inner = wire.FrameSocket.recv_into
         self.flipped = 0
 
-        def flipping(frames, view, deadline=None):
+        def flipping(frames, view, deadline=None, sums=None):
             inner(frames, view, deadline)
             if len(view) == length:
                 view[length // 2] ^= 1
                 self.flipped += 1
+            if sums is not None:
+                hashed = layer_sums(view, sums)
+                sums.out[:], sums.done = hashed, True
 
         monkeypatch.setattr(wire.FrameSocket, "recv_into", flipping)
 
 
+def layer_sums(view, sums: LayerSums) -> list[int]:
+    """What `sums` should read for the bytes of `view`: each layer's seeded xxh3-64."""
+    data = bytes(view)
+    return [_movers.xxh3(data[int(r): int(r) + int(n)], (sums.seed + sums.layer0 + l) % 2 ** 64)
+            for l, (r, n) in enumerate(zip(sums.rel, sums.lengths))]
+
+
+def whole_block_sums(key: bytes, num_layers: int = 4) -> LayerSums:
+    """The `LayerSums` a route hands down for a whole SMALL block of `num_layers` equal layers."""
+    size = SMALL // num_layers
+    return LayerSums(np.arange(0, SMALL, size, dtype=np.uint64), np.full(num_layers, size, np.uint64),
+                     block_seed(key), 0, np.zeros(num_layers, np.uint64))
+
+
 def test_wrong_bytes_fail_the_tiers_own_check_unless_the_caller_checks_them(nodes, monkeypatch):
     """One pass over a block's bytes checks it: the tier's (the block's key-seeded checksum), or,
-    where the caller checks the bytes against checksums of its own (`SpanIO.verified`: the
-    runtime's per-layer checksums), the caller's alone."""
+    where the caller checks the bytes against checksums of its own (`SpanIO.sums`: the runtime's
+    per-layer checksums), the caller's alone, over the layer checksums the receive computed."""
     tier = make_tier(nodes, SMALL)
     keys = [secrets.token_bytes(16) for _ in range(4)]
     data = rows(SMALL, 7)[:4]
     assert tier.write_spans(span(data, keys)) == {}
+    out = torch.zeros_like(data)
+    io = span(out, keys)
+    sums = [whole_block_sums(k) for k in keys]
+    assert tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums)) == {}
+    assert torch.equal(out, data)
+    assert all(s.done and s.out.tolist() == layer_sums(memoryview(data[j].numpy()), s) for j, s in enumerate(sums)), \
+        "the receive hashed each layer of the bytes that landed"
     flips = FlipOnArrival(monkeypatch, SMALL)
     out = torch.zeros_like(data)
     failed = tier.read_spans(span(out, keys))
     assert flips.flipped == 4 and set(failed) == {0, 1, 2, 3}
     assert all("failed its checksum" in str(e) for e in failed.values())
-    assert tier.client_counters()["checksum_errors"] == 4 and tier.client_counters().get("hits", 0) == 0
+    assert tier.client_counters()["checksum_errors"] == 4 and tier.client_counters()["hits"] == 4
     io = span(out, keys)
-    checked_by_caller = SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, [True, True, False, True])
-    failed = tier.read_spans(checked_by_caller)
+    sums = [whole_block_sums(k) for k in keys]
+    sums[2] = None
+    failed = tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums))
     assert set(failed) == {2}, "the tier checks only the block its caller does not"
-    assert tier.client_counters()["checksum_errors"] == 5 and tier.client_counters()["hits"] == 3
+    assert tier.client_counters()["checksum_errors"] == 5 and tier.client_counters()["hits"] == 7
+    for j in (0, 1, 3):  # left to the caller, with the checksums of what landed: not the block's
+        assert sums[j].done and sums[j].out.tolist() == layer_sums(memoryview(out[j].numpy()), sums[j])
+        assert sums[j].out.tolist() != layer_sums(memoryview(data[j].numpy()), sums[j])
     tier.close()
 
 
 def test_the_runtime_checks_each_pool_block_once_and_never_serves_wrong_bytes(nodes, monkeypatch):
     """Through `KVTier.load`: blocks this process demoted to the pool carry its per-layer
-    checksums, so the route checks them and the pool client does not hash them again; bytes
-    corrupted on the way are a VERIFY failure, never served."""
+    checksums, so the route checks them (hashed by the receive as they land) and the pool client
+    does not hash them again; bytes corrupted on the way are a VERIFY failure, never served."""
     from kvtier.config import KVTierConfig, TierConfig
     from kvtier.model.layout import BlockLayout
     from kvtier.moving.handle import Stage
@@ -207,9 +239,12 @@ def test_the_runtime_checks_each_pool_block_once_and_never_serves_wrong_bytes(no
         hashed = []
         monkeypatch.setattr("kvtier.pool.client.node_calls._checksum",
                             lambda key, data: hashed.append(key) or 0)
+        passes, copy_layers = [], _movers.copy_layers
+        monkeypatch.setattr(_movers, "copy_layers", lambda *a, **k: passes.append(len(a[0])) or copy_layers(*a, **k))
         out = torch.zeros_like(data)
         assert not kv.load(keys, out, sync=True).failed and torch.equal(out, data)
         assert hashed == [] and client.counters["hits"] == 2, "checked by the route alone"
+        assert passes == [], "the layers were hashed as they came off the socket, not in a second pass"
         flips = FlipOnArrival(monkeypatch, SMALL)
         handle = kv.load(keys, out, sync=True)
         assert flips.flipped == 2 and set(handle.failed) == set(keys)

@@ -178,12 +178,12 @@ def test_a_whole_block_read_lands_in_the_callers_buffer_in_one_part_after_its_he
         client, seen = kv.tiers[P]._client, []
         inner = client.get_streamed_many
 
-        def get(keys, parts, landed=None, checks_parts=None):
+        def get(keys, parts, landed=None, checks_parts=None, summed=None):
             def recorded(j, length):
                 got = parts(j, length)
                 seen.append([g.numel() if isinstance(g, torch.Tensor) else len(g) for g in got])
                 return got
-            return inner(keys, recorded, landed, checks_parts)
+            return inner(keys, recorded, landed, checks_parts, summed)
 
         client.get_streamed_many = get
         out = torch.zeros_like(rows)

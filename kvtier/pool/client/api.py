@@ -166,7 +166,8 @@ class PoolClient:
 
     def get_streamed_many(self, keys: Sequence[bytes], parts: Callable[[int, int], Sequence[Any] | None],
                           landed: Callable[[int, int], None] | None = None,
-                          checks_parts: Callable[[int, int], bool] | None = None) -> list[bool]:
+                          checks_parts: Callable[[int, int], bool] | None = None,
+                          summed: Callable[[int, int], Any] | None = None) -> list[bool]:
         """Reads blocks into consecutive buffers, `parts(j, length)` for key j stored as `length`
         bytes (None: not a length the caller reads, a miss counted `wrong_size`), calling
         `landed(j, i)` as soon as part i of key j is in, in order: over TCP the parts of one
@@ -180,7 +181,9 @@ class PoolClient:
         `checks_parts(j, length)`: True where the caller checks every part itself (a framed
         block chunk by chunk against its header as it lands, or the whole block against
         checksums of its own once read), so the whole block's checksum is not computed again
-        here (a pass over its bytes saved).
+        here (a pass over its bytes saved). `summed(j, i)`: a `kvtier.tiers.base.LayerSums` whose
+        layer checksums of part i of key j are computed as its bytes come off the socket (an
+        inline TCP reply; its `done` says whether they were), or None.
         """
         def choose(js: Sequence[int], k: int, length: int) -> list[memoryview] | None:
             got = parts(js[k], length)
@@ -190,7 +193,8 @@ class PoolClient:
         return self._per_node(keys, lambda i, ks, js: self.nodes[i].get(
             ks, lambda k, n: choose(js, k, n), strict=False,
             landed=None if landed is None else lambda k, part: landed(js[k], part),
-            checks_parts=None if checks_parts is None else lambda k, n: checks_parts(js[k], n)))
+            checks_parts=None if checks_parts is None else lambda k, n: checks_parts(js[k], n),
+            summed=None if summed is None else lambda k, part: summed(js[k], part)))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (a node that is down answers False)."""

@@ -63,7 +63,8 @@ class Request:
     a function from the reply header to the buffers, in order, that it fills; `max_reply_payload`
     bounds what the node may send then. `landed(j)` is called as soon as buffer j of `into` is
     filled (the bytes of a block arrive in order: a reader can use its first layers while the
-    rest is still on the wire); it must not raise."""
+    rest is still on the wire); it must not raise. `summed(j)`: the `LayerSums` to compute as
+    buffer j of `into` lands (None: none), hashed in the same native pass as the receive."""
 
     msg: MsgType
     header: dict[str, Any]
@@ -71,6 +72,7 @@ class Request:
     into: memoryview | Callable[[dict[str, Any]], list[memoryview]] | None = None
     max_reply_payload: int = 0
     landed: Callable[[int], None] | None = None
+    summed: Callable[[int], Any] | None = None
 
 
 class NodeConnection:
@@ -222,7 +224,7 @@ class NodeConnection:
             raise ProtocolError(ErrorCode.MALFORMED, f"{msg.name} reply of {prefix.payload_len} bytes, "
                                                      f"expected {expected}")
         for j, view in enumerate(views):
-            self.frames.recv_into(view, deadline)
+            self.frames.recv_into(view, deadline, None if r.summed is None else r.summed(j))
             if r.landed is not None:
                 r.landed(j)
         return header

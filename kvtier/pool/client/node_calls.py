@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -31,6 +32,7 @@ from kvtier.pool.protocol import MAX_BATCH, MAX_INLINE_BYTES, ErrorCode, GrantSt
 Block = memoryview | tuple[memoryview, ...]  # a block's bytes, whole or as consecutive buffers
 Choose = Callable[[int, int], list[memoryview] | None]  # (key position, stored length) -> where its bytes go
 Landed = Callable[[int, int], None]  # (key position, part) as that part is in
+Summed = Callable[[int, int], Any]  # (key position, part) -> the LayerSums to compute as it lands, or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,11 +192,12 @@ class NodeCalls:
     # ---- get ------------------------------------------------------------------------------
 
     def get(self, keys: list[bytes], choose: Choose, strict: bool, landed: Landed | None = None,
-            checks_parts: Callable[[int, int], bool] | None = None) -> list[bool]:
+            checks_parts: Callable[[int, int], bool] | None = None, summed: Summed | None = None) -> list[bool]:
         """One GET of `keys`, each hit's bytes into `choose(j, stored length)` (None: a length
         the caller does not read; `strict`: a ValueError once the reply is in, else a miss
-        counted `wrong_size`), `landed(j, i)` as part i of key j is in; per key whether its
-        bytes are in and checked (see `PoolClient.get_streamed_many`).
+        counted `wrong_size`), `landed(j, i)` as part i of key j is in, `summed(j, i)` the layer
+        checksums to compute as it lands; per key whether its bytes are in and checked (see
+        `PoolClient.get_streamed_many`).
 
         Raises:
             NodeUnavailable: the node did not answer or broke the protocol.
@@ -224,9 +227,14 @@ class NodeCalls:
             if part >= 0:
                 landed(j, part)
 
+        def summed_part(b: int):
+            j, part = owners[b]
+            return summed(j, part) if part >= 0 else None
+
         request = Request(MsgType.GET, {"keys": keys, "lease_s": self.lease_s, "release": self.take_releases(),
                                         "inline": transport.inline}, into=inline_buffers,
-                          max_reply_payload=MAX_INLINE_BYTES, landed=None if landed is None else on_inline_part)
+                          max_reply_payload=MAX_INLINE_BYTES, landed=None if landed is None else on_inline_part,
+                          summed=None if summed is None else summed_part)
         # One loan for the GET and the reads of its leased hits: the node ends a connection's
         # leases when it closes, and a connection handed back may be closed at once (pool full).
         with self.link.connection() as conn:

@@ -43,7 +43,7 @@ from kvtier.pool.client.connection import NodeUnavailable
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead, run_many
 from kvtier.pool.protocol import GrantStatus
 from kvtier.observing.stats import Stats
-from kvtier.tiers.base import Tier, copy_bytes
+from kvtier.tiers.base import LayerSums, Tier, copy_bytes
 from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, SharedTier
 
 log = logging.getLogger(__name__)
@@ -151,10 +151,10 @@ class PoolTier(SharedTier):
                 out.append(PutResult(Put.REFUSED, _REFUSALS.get(status, getattr(status, "name", str(status)))))
         return out
 
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], sums: list[LayerSums | None]) -> list[str | None]:
         """One GET per node for the batch, each block straight into its buffer (a framed block's
         header into scratch, its format checked), checked as a whole (nothing chunk by chunk)
-        unless the caller checks it (`verified`)."""
+        unless the caller checks it (`sums`), whose layers are then hashed as they land."""
         size = self._frame.header_bytes
         scratch = memoryview(bytearray(len(keys) * size))  # a bytearray: ~0.2 µs, a tensor ~5
         headers = [scratch[j * size: (j + 1) * size] for j in range(len(keys))]
@@ -165,7 +165,8 @@ class PoolTier(SharedTier):
             framed[j] = got is not None and len(got) > 1
             return got
 
-        hits = self._client.get_streamed_many(keys, parts, checks_parts=lambda j, _: verified[j])
+        hits = self._client.get_streamed_many(keys, parts, checks_parts=lambda j, _: sums[j] is not None,
+                                              summed=lambda j, part: sums[j] if part == (1 if framed[j] else 0) else None)
         return [None if hit and (not framed[j] or self._frame.is_header(headers[j])) else
                 "not on the pool any more (evicted, node down or restarted) or failed its checksum"
                 for j, hit in enumerate(hits)]

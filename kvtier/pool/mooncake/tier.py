@@ -46,7 +46,7 @@ import torch
 from kvtier.errors import TierIOError, TransferError
 from kvtier.pool.mooncake.client import MooncakeClient, Outcome, stored_bytes
 from kvtier.observing.stats import Stats
-from kvtier.tiers.base import copy_bytes, slots_needed
+from kvtier.tiers.base import LayerSums, copy_bytes, slots_needed
 from kvtier.tiers.shared import NEGATIVE_CACHE_S, STORED, Put, PutResult, SharedTier
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class MooncakeTier(SharedTier):
             return [PutResult(Put.REFUSED, str(e))] * len(keys)
         return [STORED if ok else PutResult(Put.REFUSED, "no room, or the master is unreachable") for ok in stored]
 
-    def _get(self, keys: list[bytes], intos: list[torch.Tensor], verified: list[bool]) -> list[str | None]:
+    def _get(self, keys: list[bytes], intos: list[torch.Tensor], sums: list[LayerSums | None]) -> list[str | None]:
         """One batch get; the client checks every block (its check is not split from the read)."""
         try:
             outcomes = self._client.batch_get_outcomes(keys, intos)
