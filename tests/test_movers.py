@@ -196,6 +196,50 @@ def test_pwrite_then_pread_round_trips_and_fails_per_descriptor(tmp_path, thread
         os.close(fd)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pread_hashes_each_read_ranges_layers_and_nothing_of_a_failed_one(tmp_path, threads):
+    """pread given layers: each range read whole gets its layers' seeded xxh3-64 (seed: the
+    range's plus layer0 plus the layer), computed by the thread that read it; a range that failed
+    gets none (its sums stay as they were)."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        n, size = 6, 8192
+        data = np.random.default_rng(2).integers(0, 256, n * size, dtype=np.uint8)
+        os.pwrite(fd, data.tobytes(), 0)
+        rel, layer_lengths = np.array([0, 1000, 5000], np.uint64), np.array([1000, 4000, 3192], np.uint64)
+        seeds = np.array([(2**64 - 2 + 7 * i) % 2**64 for i in range(n)], np.uint64)
+        offsets = np.arange(n, dtype=np.uint64) * size
+        offsets[4] = n * size  # past the end: fails, hashes nothing
+        out, errors = np.zeros_like(data), np.zeros(n, np.int32)
+        sums = np.full(n * 3, 7, np.uint64)
+        failures = _movers.pread(np.full(n, fd, np.uint64), offsets, addresses(out, (np.arange(n) * size).tolist()),
+                                 np.full(n, size, np.uint64), errors, threads, rel=rel, layer_lengths=layer_lengths,
+                                 seeds=seeds, layer0=30, sums=sums)
+        assert failures == 1 and errors.tolist() == [0, 0, 0, 0, errno.ENODATA, 0]
+        for i in range(n):
+            block = data[i * size:(i + 1) * size].tobytes()
+            want = [xxhash.xxh3_64_intdigest(block[r:r + k], seed=(int(seeds[i]) + 30 + l) % 2**64)
+                    for l, (r, k) in enumerate(zip(rel.tolist(), layer_lengths.tolist()))]
+            assert sums[3 * i:3 * i + 3].tolist() == ([7, 7, 7] if i == 4 else want)
+    finally:
+        os.close(fd)
+
+
+def test_pread_refuses_layers_that_do_not_fit_and_pwrite_hashes_nothing(tmp_path):
+    one = np.zeros(1, np.uint64)
+    base = (one, one, one, np.full(1, 100, np.uint64), np.zeros(1, np.int32))
+    with pytest.raises(ValueError, match=r"layer 1 \(60 bytes at 50\) outside read 0's 100 bytes"):
+        _movers.pread(*base, rel=np.array([0, 50], np.uint64), layer_lengths=np.array([50, 60], np.uint64),
+                      seeds=one, sums=np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match="sums has 3 items for 1 reads of 2 layers"):
+        _movers.pread(*base, rel=np.zeros(2, np.uint64), layer_lengths=np.zeros(2, np.uint64), seeds=one,
+                      sums=np.zeros(3, np.uint64))
+    with pytest.raises(TypeError, match="go together"):
+        _movers.pread(*base, rel=np.zeros(2, np.uint64), sums=np.zeros(2, np.uint64))
+    with pytest.raises(TypeError, match="pwrite hashes nothing"):
+        _movers.pwrite(*base, rel=np.zeros(1, np.uint64), layer_lengths=one, seeds=one, sums=one)
+
+
 def test_bad_arrays_are_refused_naming_them():
     a = np.zeros(4, np.uint64)
     with pytest.raises(TypeError, match="src: expected a 1-D array of 8-byte integers"):

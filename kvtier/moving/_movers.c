@@ -29,13 +29,17 @@
  *       no second pass over it. Waits (poll) at most until `deadline` (time.monotonic()). Returns
  *       the bytes now in `buffer` and 0, or the errno that stopped it (ETIMEDOUT past the
  *       deadline; -1: the peer closed first); layers not yet in are left unhashed then.
- *   pread(fds, offsets, addresses, lengths, errors, threads=1) -> int
+ *   pread(fds, offsets, addresses, lengths, errors, threads=1, *, rel=None, layer_lengths=None, seeds=None,
+ *         layer0=0, sums=None) -> int
  *   pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> int
  *       For each i: the whole range read from (written to) file descriptor fds[i] at offsets[i],
  *       retried on EINTR and short transfers; errors[i] = 0, or the errno that failed it (a read
  *       past the end of the file: ENODATA, never zeros). `threads` native threads take
  *       descriptors in turn, so that many are in flight at once (the queue depth). Returns the
- *       number of failed descriptors.
+ *       number of failed descriptors. A pread given layers hashes each read range's layers
+ *       (addresses[i] + rel[l], layer_lengths[l] bytes, seeded seeds[i] + layer0 + l) into
+ *       sums[i * L + l] in the thread that read it, right after the read (the check's pass in
+ *       the read's, spread over the readers): as `copy_layers` would, but not after the batch.
  *
  * Every array is a C-contiguous buffer of 8-byte unsigned integers (NumPy uint64; `errors` and
  * `bad` int32 and uint8), all of the same length. Addresses are raw: the caller (the transfer
@@ -129,6 +133,9 @@ struct Batch {
     Py_ssize_t next;  /* the next descriptor to take (atomic) */
     Step step;
     const uint64_t *src, *dst, *lengths, *seeds, *expect, *fds, *offsets;
+    const uint64_t *rel, *layer_lengths;  /* pread's layers to hash after each read (NULL: none) */
+    Py_ssize_t layers;
+    uint64_t layer0;
     uint64_t *sums;
     uint8_t *bad;
     int32_t *errors;
@@ -473,7 +480,13 @@ static void pread_step(Batch *b, Py_ssize_t i) {
         offset += got;
     }
     b->errors[i] = error;
-    if (error) __atomic_fetch_add(&b->failed, 1, __ATOMIC_RELAXED);
+    if (error) {
+        __atomic_fetch_add(&b->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const char *block = (const char *)(uintptr_t)b->dst[i];  /* hashed by this thread, just read */
+    for (Py_ssize_t l = 0; b->rel != NULL && l < b->layers; l++)
+        b->sums[i * b->layers + l] = xxh3(block + b->rel[l], (size_t)b->layer_lengths[l], b->seeds[i] + b->layer0 + (uint64_t)l);
 }
 
 static void pwrite_step(Batch *b, Py_ssize_t i) {
@@ -496,27 +509,54 @@ static void pwrite_step(Batch *b, Py_ssize_t i) {
 }
 
 static PyObject *file_io(PyObject *args, PyObject *kwargs, int writing) {
-    static char *names[] = {"fds", "offsets", "addresses", "lengths", "errors", "threads", NULL};
-    PyObject *fds, *offsets, *addresses, *lengths, *errors;
+    static char *names[] = {"fds", "offsets", "addresses", "lengths", "errors", "threads", "rel", "layer_lengths",
+                            "seeds", "layer0", "sums", NULL};
+    PyObject *fds, *offsets, *addresses, *lengths, *errors, *rel = Py_None, *layer_lengths = Py_None,
+             *seeds = Py_None, *sums = Py_None;
     long threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, writing ? "OOOOO|l:pwrite" : "OOOOO|l:pread", names, &fds,
-                                     &offsets, &addresses, &lengths, &errors, &threads))
+    unsigned long long layer0 = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, writing ? "OOOOO|l$OOOKO:pwrite" : "OOOOO|l$OOOKO:pread", names, &fds,
+                                     &offsets, &addresses, &lengths, &errors, &threads, &rel, &layer_lengths, &seeds,
+                                     &layer0, &sums))
         return NULL;
-    Arg a[5];
+    Arg a[9];
     memset(a, 0, sizeof a);
-    Py_ssize_t n = -1;
+    Py_ssize_t n = -1, layers = -1, all = -1;
     PyObject *result = NULL;
     if (check_threads(threads) < 0 || take(&a[0], fds, "fds", 8, &n, 0) < 0 || take(&a[1], offsets, "offsets", 8, &n, 0) < 0 ||
         take(&a[2], addresses, "addresses", 8, &n, 0) < 0 || take(&a[3], lengths, "lengths", 8, &n, 0) < 0 ||
-        take(&a[4], errors, "errors", 4, &n, 1) < 0)
+        take(&a[4], errors, "errors", 4, &n, 1) < 0 || take(&a[5], rel, "rel", 8, &layers, 0) < 0 ||
+        take(&a[6], layer_lengths, "layer_lengths", 8, &layers, 0) < 0 || take(&a[7], seeds, "seeds", 8, &n, 0) < 0 ||
+        take(&a[8], sums, "sums", 8, &all, 1) < 0)
         goto done;
     if (!a[0].held || !a[1].held || !a[2].held || !a[3].held || !a[4].held) {
         PyErr_SetString(PyExc_TypeError, "fds, offsets, addresses, lengths and errors are required arrays");
         goto done;
     }
+    int hashing = a[5].held || a[6].held || a[7].held || a[8].held;
+    if (hashing && (writing || !a[5].held || !a[6].held || !a[7].held || !a[8].held)) {
+        PyErr_SetString(PyExc_TypeError, writing ? "pwrite hashes nothing: rel, layer_lengths, seeds and sums are pread's"
+                                                 : "pread: rel, layer_lengths, seeds and sums go together");
+        goto done;
+    }
+    if (hashing && all != n * layers) {
+        PyErr_Format(PyExc_ValueError, "pread: sums has %zd items for %zd reads of %zd layers", all, n, layers);
+        goto done;
+    }
     Batch b = {.n = n, .step = writing ? pwrite_step : pread_step, .fds = data(&a[0]), .offsets = data(&a[1]),
-               .lengths = data(&a[3]), .errors = data(&a[4])};
+               .lengths = data(&a[3]), .errors = data(&a[4]), .rel = data(&a[5]), .layer_lengths = data(&a[6]),
+               .layers = hashing ? layers : 0, .layer0 = (uint64_t)layer0, .seeds = data(&a[7]), .sums = data(&a[8])};
     if (writing) b.src = data(&a[2]); else b.dst = data(&a[2]);
+    for (Py_ssize_t l = 0; hashing && l < layers; l++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (b.rel[l] > b.lengths[i] || b.layer_lengths[l] > b.lengths[i] - b.rel[l]) {
+                PyErr_Format(PyExc_ValueError, "pread: layer %zd (%llu bytes at %llu) outside read %zd's %llu bytes", l,
+                             (unsigned long long)b.layer_lengths[l], (unsigned long long)b.rel[l], i,
+                             (unsigned long long)b.lengths[i]);
+                goto done;
+            }
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {  /* a descriptor a signed off_t or an int cannot hold is a bug */
         if (b.offsets[i] > (uint64_t)INT64_MAX || b.fds[i] > (uint64_t)INT32_MAX || b.lengths[i] > (uint64_t)PY_SSIZE_T_MAX) {
             PyErr_Format(PyExc_ValueError, "descriptor %zd: fd %llu, offset %llu or length %llu out of range", i,
@@ -529,7 +569,7 @@ static PyObject *file_io(PyObject *args, PyObject *kwargs, int writing) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(b.failed);
 done:
-    release(a, 5);
+    release(a, 9);
     return result;
 }
 
@@ -561,7 +601,7 @@ static PyMethodDef methods[] = {
     {"recv_layers", (PyCFunction)(void (*)(void))movers_recv_layers, METH_VARARGS | METH_KEYWORDS,
      "recv_layers(fd, buffer, have, rel, lengths, seed, layer0, sums, deadline) -> (received, error)"},
     {"pread", (PyCFunction)(void (*)(void))movers_pread, METH_VARARGS | METH_KEYWORDS,
-     "pread(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
+     "pread(fds, offsets, addresses, lengths, errors, threads=1, *, rel, layer_lengths, seeds, layer0, sums) -> failures"},
     {"pwrite", (PyCFunction)(void (*)(void))movers_pwrite, METH_VARARGS | METH_KEYWORDS,
      "pwrite(fds, offsets, addresses, lengths, errors, threads=1) -> failures"},
     {NULL, NULL, 0, NULL},

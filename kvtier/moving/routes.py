@@ -325,11 +325,14 @@ class BuiltinRoutes:
         failed = tier.read_spans(io)
         for j, error in failed.items():
             batch.fail(direct[j][0], StageError(Stage.READ, error))
-        landed = [j for j in checked if j not in failed and sums[j].done]
-        if landed:
-            items = [direct[j][0] for j in landed]
-            got = np.stack([sums[j].out for j in landed]) if len(landed) < len(checked) else out
-            self._report(batch, items, got, got != self._expected(batch, items))
+        for j in checked:  # hashed as they landed: compared here (a list compare; NumPy costs more cold)
+            if j not in failed and sums[j].done:
+                i, got = direct[j][0], sums[j].out.tolist()
+                want = ops[i].verify[first:last + 1]
+                if got != list(want):
+                    _mismatch(batch, i, first + next(l for l, (a, b) in enumerate(zip(got, want)) if a != b))
+                elif ops[i].checksum:
+                    batch.checksums[i] = got
         self._summed(batch, [(i, a, 0) for j, (i, a) in enumerate(direct)
                              if j not in failed and _sums_wanted(ops[i]) and (sums[j] is None or not sums[j].done)],
                      copy=False)
@@ -384,11 +387,7 @@ class BuiltinRoutes:
         ops, failed = batch.ops, set()
         if bad is not None:
             for j in np.flatnonzero(bad.any(axis=1)):
-                i, op = indices[j], ops[indices[j]]
-                layer = batch.first + int(np.flatnonzero(bad[j])[0])
-                batch.fail(i, StageError(Stage.VERIFY, IntegrityError(
-                    f"block {short_key(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: "
-                    "checksum mismatch"), layer))
+                _mismatch(batch, indices[j], batch.first + int(np.flatnonzero(bad[j])[0]))
                 failed.add(int(j))
         if any(ops[i].checksum for i in indices):
             for j, i in enumerate(indices):
@@ -495,6 +494,13 @@ def _by_tier(ops: Sequence[CopyOp], tier_of) -> list[tuple[Tier, list[int]]]:
 
 def _sums_wanted(op: CopyOp) -> bool:
     return op.verify is not None or op.checksum
+
+
+def _mismatch(batch: SpanBatch, i: int, layer: int) -> None:
+    """Fails op `i` of `batch`: its `layer` read differs from its `verify` checksum."""
+    op = batch.ops[i]
+    batch.fail(i, StageError(Stage.VERIFY, IntegrityError(
+        f"block {short_key(op.key)} layer {layer} from {op.src.name} slot {op.src.slot}: checksum mismatch"), layer))
 
 
 def _out_of_range(op: CopyOp, at_source: bool) -> StageError:

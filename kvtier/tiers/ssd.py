@@ -253,11 +253,24 @@ class SSDTier(Tier):
         slots = [io.slots[i] for i in chosen]
         fd_of = np.array([fds[slot % per_file] for slot in slots], np.uint64)
         offsets = np.array([(slot // per_file) * stride + io.offset for slot in slots], np.uint64)
+        # Read straight into the caller's memory, a slot's `LayerSums` are computed by its reader.
+        sums = [io.sums[i] for i in chosen] if io.sums and not writing and addresses is None else []
         if addresses is None:
             addresses = np.array([int(io.addresses[i]) for i in chosen], np.uint64)
         errors = np.zeros(len(chosen), np.int32)
-        move = _movers.pwrite if writing else _movers.pread
-        if not move(fd_of, offsets, addresses, np.full(len(chosen), io.length, np.uint64), errors, self.io_threads):
+        lengths = np.full(len(chosen), io.length, np.uint64)
+        if sums and None not in sums and _one_table(sums):
+            out = np.zeros((len(chosen), len(sums[0].rel)), np.uint64)
+            seeds = np.fromiter((s.seed for s in sums), np.uint64, len(sums))
+            failures = _movers.pread(fd_of, offsets, addresses, lengths, errors, self.io_threads, rel=sums[0].rel,
+                                     layer_lengths=sums[0].lengths, seeds=seeds, layer0=sums[0].layer0, sums=out.ravel())
+            for j, s in enumerate(sums):
+                if not errors[j]:
+                    s.out[:], s.done = out[j], True
+        else:
+            move = _movers.pwrite if writing else _movers.pread
+            failures = move(fd_of, offsets, addresses, lengths, errors, self.io_threads)
+        if not failures:
             return {}
         verb = "write" if writing else "read"
         failed: dict[int, Exception] = {}
@@ -547,6 +560,13 @@ def _pread_all(fd: int, buf: memoryview, file_offset: int, direct: bool) -> None
 
 class _ShortRead(OSError):
     """A file shorter than the slot (truncated): that slot's failure, not the device's."""
+
+
+def _one_table(sums: list) -> bool:
+    """Whether every `LayerSums` of a read has the same layers (a route's batch: one span, one table)."""
+    first = sums[0]
+    return all(s.layer0 == first.layer0 and (s.rel is first.rel or np.array_equal(s.rel, first.rel))
+               and (s.lengths is first.lengths or np.array_equal(s.lengths, first.lengths)) for s in sums)
 
 
 def _io_error(e: OSError, op: str, path: str, slot: int, file_offset: int, num_bytes: int) -> TierIOError:

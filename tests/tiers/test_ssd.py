@@ -19,11 +19,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier.errors import TierIOError
-from kvtier.tiers.base import SpanIO
+from kvtier.moving import _movers
+from kvtier.moving.copies import block_seed
+from kvtier.tiers.base import LayerSums, SpanIO
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.ssd import ALIGN_BYTES, SSDTier
 
@@ -342,6 +345,41 @@ def test_unaligned_memory_is_staged_in_batches_never_slot_by_slot(tmp_path: Path
         assert all(torch.equal(outs[i], blocks[i]) for i in (0, 2, 4))
         assert all(torch.equal(outs[i], sentinel) for i in (1, 3, 5))
         assert single == []
+    finally:
+        tier.close()
+
+
+def layer_sums(key: bytes, num_layers: int = 4) -> LayerSums:
+    size = SLOT_BYTES // num_layers
+    return LayerSums(np.arange(0, SLOT_BYTES, size, dtype=np.uint64), np.full(num_layers, size, np.uint64),
+                     block_seed(key), 2, np.zeros(num_layers, np.uint64))
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_read_hashes_each_slots_layers_in_its_reader(tmp_path: Path, direct: bool | None) -> None:
+    """A read straight into the caller's memory computes the layer checksums its caller asked for
+    (`SpanIO.sums`) in the reader thread, right after the read: the bytes' seeded xxh3-64 per layer.
+    A slot that fails, or whose bytes were staged (then copied out), is left to the caller."""
+    tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=direct, io_threads=2)
+    try:
+        blocks = [random_bytes(SLOT_BYTES, seed=60 + s) for s in range(4)]
+        assert tier.write_spans(_spans(range(4), SLOT_BYTES, blocks)) == {}
+        os.truncate(tier.paths[1], 0)  # slots 1 and 3
+        outs = [aligned(SLOT_BYTES) for _ in range(4)]
+        io = _spans(range(4), SLOT_BYTES, outs)
+        sums = [layer_sums(k) for k in io.keys]
+        failed = tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums))
+        assert set(failed) == {1, 3} and [s.done for s in sums] == [True, False, True, False]
+        for j in (0, 2):
+            data = outs[j].numpy().tobytes()
+            assert torch.equal(outs[j], blocks[j]) and sums[j].out.tolist() == [
+                _movers.xxh3(data[l * (SLOT_BYTES // 4):(l + 1) * (SLOT_BYTES // 4)], (sums[j].seed + 2 + l) % 2**64)
+                for l in range(4)]
+        base = aligned(SLOT_BYTES + 1)  # unaligned memory: staged under O_DIRECT, read straight otherwise
+        io = _spans([0], SLOT_BYTES, [base[1:]])
+        sums = [layer_sums(io.keys[0])]
+        assert tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums)) == {}
+        assert torch.equal(base[1:], blocks[0]) and sums[0].done == (not tier.o_direct)
     finally:
         tier.close()
 
