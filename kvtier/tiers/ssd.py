@@ -231,7 +231,13 @@ class SSDTier(Tier):
             done = self._native(io, part, writing, rows)
             if not writing:
                 ok = [j for j, i in enumerate(part) if i not in done]
-                if ok:
+                sums = _layer_sums(io, [part[j] for j in ok])
+                if sums and _covers(sums[0], length):  # each layer hashed as it is copied out: one pass
+                    out = np.zeros((len(ok), len(sums[0].rel)), np.uint64)
+                    _movers.copy_layers(rows[ok], theirs[ok], sums[0].rel, sums[0].lengths, _seeds(sums), sums[0].layer0,
+                                        out.ravel())
+                    _deliver(sums, out, range(len(ok)))
+                elif ok:
                     _movers.copy(rows[ok], theirs[ok], lengths[ok])
             failed.update(done)
         return failed
@@ -254,19 +260,17 @@ class SSDTier(Tier):
         fd_of = np.array([fds[slot % per_file] for slot in slots], np.uint64)
         offsets = np.array([(slot // per_file) * stride + io.offset for slot in slots], np.uint64)
         # Read straight into the caller's memory, a slot's `LayerSums` are computed by its reader.
-        sums = [io.sums[i] for i in chosen] if io.sums and not writing and addresses is None else []
+        sums = _layer_sums(io, chosen) if not writing and addresses is None else None
         if addresses is None:
             addresses = np.array([int(io.addresses[i]) for i in chosen], np.uint64)
         errors = np.zeros(len(chosen), np.int32)
         lengths = np.full(len(chosen), io.length, np.uint64)
-        if sums and None not in sums and _one_table(sums):
+        if sums:
             out = np.zeros((len(chosen), len(sums[0].rel)), np.uint64)
-            seeds = np.fromiter((s.seed for s in sums), np.uint64, len(sums))
             failures = _movers.pread(fd_of, offsets, addresses, lengths, errors, self.io_threads, rel=sums[0].rel,
-                                     layer_lengths=sums[0].lengths, seeds=seeds, layer0=sums[0].layer0, sums=out.ravel())
-            for j, s in enumerate(sums):
-                if not errors[j]:
-                    s.out[:], s.done = out[j], True
+                                     layer_lengths=sums[0].lengths, seeds=_seeds(sums), layer0=sums[0].layer0,
+                                     sums=out.ravel())
+            _deliver(sums, out, np.flatnonzero(errors == 0))
         else:
             move = _movers.pwrite if writing else _movers.pread
             failures = move(fd_of, offsets, addresses, lengths, errors, self.io_threads)
@@ -562,11 +566,35 @@ class _ShortRead(OSError):
     """A file shorter than the slot (truncated): that slot's failure, not the device's."""
 
 
-def _one_table(sums: list) -> bool:
-    """Whether every `LayerSums` of a read has the same layers (a route's batch: one span, one table)."""
+def _layer_sums(io: SpanIO, chosen: list[int]) -> list | None:
+    """The `LayerSums` of the `chosen` slots of a read, where every one has them over one layer
+    table (a route's batch: one span); else None (the route hashes what it read itself)."""
+    if not io.sums or not chosen:
+        return None
+    sums = [io.sums[i] for i in chosen]
+    if None in sums:
+        return None
     first = sums[0]
-    return all(s.layer0 == first.layer0 and (s.rel is first.rel or np.array_equal(s.rel, first.rel))
+    same = all(s.layer0 == first.layer0 and (s.rel is first.rel or np.array_equal(s.rel, first.rel))
                and (s.lengths is first.lengths or np.array_equal(s.lengths, first.lengths)) for s in sums)
+    return sums if same else None
+
+
+def _covers(sums, length: int) -> bool:
+    """Whether the layers of `sums` tile `[0, length)` (then copying them copies every byte)."""
+    ends = np.cumsum(sums.lengths, dtype=np.uint64)
+    return (len(ends) > 0 and int(ends[-1]) == length and int(sums.rel[0]) == 0
+            and np.array_equal(sums.rel[1:], ends[:-1]))
+
+
+def _seeds(sums: list) -> np.ndarray:
+    return np.fromiter((s.seed for s in sums), np.uint64, len(sums))
+
+
+def _deliver(sums: list, out: np.ndarray, rows) -> None:
+    """Hands row j of `out` to `sums[j]`, for each j in `rows` (its bytes in and hashed)."""
+    for j in rows:
+        sums[j].out[:], sums[j].done = out[j], True
 
 
 def _io_error(e: OSError, op: str, path: str, slot: int, file_offset: int, num_bytes: int) -> TierIOError:

@@ -356,10 +356,11 @@ def layer_sums(key: bytes, num_layers: int = 4) -> LayerSums:
 
 
 @pytest.mark.parametrize("direct", [None, False])
-def test_a_read_hashes_each_slots_layers_in_its_reader(tmp_path: Path, direct: bool | None) -> None:
+def test_a_read_hashes_each_slots_layers_in_the_pass_that_brings_them(tmp_path: Path, direct: bool | None) -> None:
     """A read straight into the caller's memory computes the layer checksums its caller asked for
-    (`SpanIO.sums`) in the reader thread, right after the read: the bytes' seeded xxh3-64 per layer.
-    A slot that fails, or whose bytes were staged (then copied out), is left to the caller."""
+    (`SpanIO.sums`) in the reader thread, right after the read, or (memory O_DIRECT cannot take,
+    staged) as it copies the bytes out: the bytes' seeded xxh3-64 per layer. A slot that fails is
+    left to the caller."""
     tier = SSDTier(tmp_path, 4 * SLOT_BYTES, SLOT_BYTES, num_files=2, direct=direct, io_threads=2)
     try:
         blocks = [random_bytes(SLOT_BYTES, seed=60 + s) for s in range(4)]
@@ -375,11 +376,16 @@ def test_a_read_hashes_each_slots_layers_in_its_reader(tmp_path: Path, direct: b
             assert torch.equal(outs[j], blocks[j]) and sums[j].out.tolist() == [
                 _movers.xxh3(data[l * (SLOT_BYTES // 4):(l + 1) * (SLOT_BYTES // 4)], (sums[j].seed + 2 + l) % 2**64)
                 for l in range(4)]
-        base = aligned(SLOT_BYTES + 1)  # unaligned memory: staged under O_DIRECT, read straight otherwise
-        io = _spans([0], SLOT_BYTES, [base[1:]])
-        sums = [layer_sums(io.keys[0])]
-        assert tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums)) == {}
-        assert torch.equal(base[1:], blocks[0]) and sums[0].done == (not tier.o_direct)
+        base = aligned(2 * SLOT_BYTES + 1)  # unaligned memory: staged under O_DIRECT, hashed as copied out
+        outs = [base[1:SLOT_BYTES + 1], base[SLOT_BYTES + 1:]]
+        io = _spans([2, 3], SLOT_BYTES, outs)
+        sums = [layer_sums(k) for k in io.keys]
+        failed = tier.read_spans(SpanIO(io.slots, io.offset, io.length, io.addresses, io.keys, sums))
+        assert set(failed) == {1} and [s.done for s in sums] == [True, False]
+        data = outs[0].numpy().tobytes()
+        assert torch.equal(outs[0], blocks[2]) and sums[0].out.tolist() == [
+            _movers.xxh3(data[l * (SLOT_BYTES // 4):(l + 1) * (SLOT_BYTES // 4)], (sums[0].seed + 2 + l) % 2**64)
+            for l in range(4)]
     finally:
         tier.close()
 
