@@ -329,8 +329,9 @@ class BuiltinRoutes:
             if j not in failed and sums[j].done:
                 i, got = direct[j][0], sums[j].out.tolist()
                 want = ops[i].verify[first:last + 1]
-                if got != list(want):
-                    _mismatch(batch, i, first + next(l for l, (a, b) in enumerate(zip(got, want)) if a != b))
+                if got != list(want):  # the first layer that differs (or past the shorter, a malformed verify)
+                    _mismatch(batch, i, first + next((l for l, (a, b) in enumerate(zip(got, want)) if a != b),
+                                                     min(len(got), len(want))))
                 elif ops[i].checksum:
                     batch.checksums[i] = got
         self._summed(batch, [(i, a, 0) for j, (i, a) in enumerate(direct)

@@ -249,6 +249,8 @@ def test_the_runtime_checks_each_pool_block_once_and_never_serves_wrong_bytes(no
         handle = kv.load(keys, out, sync=True)
         assert flips.flipped == 2 and set(handle.failed) == set(keys)
         assert all(f.stage is Stage.VERIFY for f in handle.failed.values())
+        assert all("layer 2 from pool" in f.error for f in handle.failed.values()), \
+            "the layer whose bytes changed (the middle byte of 4 layers) is the one named"
         assert kv.stats.checksum_errors == 2 and client.counters.get("checksum_errors", 0) == 0
 
 
