@@ -740,7 +740,10 @@ def test_the_pool_tier_shares_blocks_by_key_and_misses_when_the_node_dies(tmp_pa
         handle.wait_layer(0, 10)
         assert handle.wait(10) and torch.equal(into, blocks)
         assert reader.snapshot()["pool_client"]["hits"] == len(keys)
-        assert reader.where(keys) == [TierKind.DRAM] * len(keys)  # promoted on the way
+        # Promoted on the way: the load read the promoted copy as its layers landed, and the
+        # promotion commits once its last layer is in, maybe just after the load's handle ends.
+        reader.quiesce(10)
+        assert reader.where(keys) == [TierKind.DRAM] * len(keys)
         later = block_keys(settings.namespace, P2)[2:]  # P2's own blocks: adopted, then the node dies
         assert writer.store(later, blocks[: len(later)]).wait(10)
         assert reader.lookup(later) == len(later)
