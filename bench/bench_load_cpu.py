@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.e2e import NUM_LAYERS, runtime_config
-from kvtier.bench.measure import process_cpu_s
+from kvtier.bench.measure import cpu_spent
 from kvtier.kinds import TierKind
 from kvtier.model.layout import BlockLayout
 from kvtier.runtime import KVTier
@@ -106,16 +105,14 @@ def measure(tier: str, batch: int, args: argparse.Namespace, workdir: str) -> di
                 load(calls[c % DISTINCT_CALLS])
             if not torch.equal(into, rows):
                 raise RuntimeError(f"{tier}: blocks loaded back differ from those stored")
-            node_cpu0 = process_cpu_s(node.proc.pid) if node else 0.0
-            times0, walls = resource.getrusage(resource.RUSAGE_SELF), []
-            until = time.perf_counter() + args.seconds
-            while len(walls) < args.calls or time.perf_counter() < until:
-                started = time.perf_counter()
-                load(calls[len(walls) % DISTINCT_CALLS])
-                walls.append(time.perf_counter() - started)
-            times = resource.getrusage(resource.RUSAGE_SELF)
-            node_cpu = process_cpu_s(node.proc.pid) - node_cpu0 if node else None
-        user, system = times.ru_utime - times0.ru_utime, times.ru_stime - times0.ru_stime
+            walls: list[float] = []
+            with cpu_spent(node.proc.pid if node else None) as cpu:
+                until = time.perf_counter() + args.seconds
+                while len(walls) < args.calls or time.perf_counter() < until:
+                    started = time.perf_counter()
+                    load(calls[len(walls) % DISTINCT_CALLS])
+                    walls.append(time.perf_counter() - started)
+        user, system, node_cpu = cpu.user, cpu.system, cpu.other
         per_call = 1e6 / len(walls)
         return {"tier": tier, "batch": batch, "block_bytes": block, "calls": len(walls),
                 "wall_us_p50": statistics.median(walls) * 1e6, "wall_us_min": min(walls) * 1e6,

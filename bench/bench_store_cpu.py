@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.measure import process_cpu_s
+from kvtier.bench.measure import cpu_spent
 from kvtier.config import KVTierConfig, TierConfig
 from kvtier.kinds import TierKind
 from kvtier.model.layout import BlockLayout
@@ -89,20 +88,19 @@ def measure(config: str, args: argparse.Namespace, workdir: str) -> dict:
             for _ in range(WARM_CALLS):
                 store()
             kv.quiesce(TIMEOUT_S)
-            node_cpu0 = process_cpu_s(node.proc.pid) if node else 0.0
-            times0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            for _ in range(args.calls):
-                store()
-            kv.quiesce(TIMEOUT_S)
-            times, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall0
-            user, system = times.ru_utime - times0.ru_utime, times.ru_stime - times0.ru_stime
-            node_cpu = process_cpu_s(node.proc.pid) - node_cpu0 if node else 0.0
+            with cpu_spent(node.proc.pid if node else None) as cpu:
+                wall0 = time.perf_counter()
+                for _ in range(args.calls):
+                    store()
+                kv.quiesce(TIMEOUT_S)
+                wall = time.perf_counter() - wall0
+            user, system, node_cpu = cpu.user, cpu.system, cpu.other
             dropped = sum(kv.snapshot().get("dropped", {}).values())
         blocks = args.calls * args.batch
         return {"config": config, "block_bytes": block, "blocks": blocks,
                 "cpu_us_per_block": (user + system) / blocks * 1e6, "user_us_per_block": user / blocks * 1e6,
                 "system_us_per_block": system / blocks * 1e6,
-                "node_cpu_us_per_block": node_cpu / blocks * 1e6 if node else None,
+                "node_cpu_us_per_block": None if node_cpu is None else node_cpu / blocks * 1e6,
                 "wall_us_per_block": wall / blocks * 1e6, "dropped": dropped}
     finally:
         if node is not None:

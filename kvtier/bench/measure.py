@@ -11,17 +11,43 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (another process's: a pool node's)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(slots=True)
+class CpuSpent:
+    """CPU seconds spent inside a `cpu_spent` block: this process's user and system time (every
+    thread), and another process's (a pool node's; None where none was named). Set on exit."""
+
+    user: float = 0.0
+    system: float = 0.0
+    other: float | None = None
+
+
+@contextmanager
+def cpu_spent(other_pid: int | None = None) -> Iterator[CpuSpent]:
+    """Measures the CPU this process (and process `other_pid`, where given) spends in the block."""
+    spent = CpuSpent()
+    other0 = process_cpu_s(other_pid) if other_pid is not None else 0.0
+    times0 = resource.getrusage(resource.RUSAGE_SELF)
+    yield spent
+    times = resource.getrusage(resource.RUSAGE_SELF)
+    spent.user, spent.system = times.ru_utime - times0.ru_utime, times.ru_stime - times0.ru_stime
+    if other_pid is not None:
+        spent.other = process_cpu_s(other_pid) - other0
 
 
 Op = Callable[[int, int], None]  # (thread, block) -> None

@@ -139,3 +139,33 @@ def test_check_ssd_dir_refuses_more_than_the_free_space(tmp_path):
 def test_bad_options_exit_2(capsys, args, message):
     assert main(["bench", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cpu_spent_counts_this_process_and_the_other_named():
+    """`cpu_spent` (what the CPU benches report): CPU this process burns inside the block is its
+    user and system time, a live child's burned meanwhile is `other`; with no other process
+    named, `other` is None."""
+    from kvtier.bench.measure import cpu_spent
+
+    def spin(seconds: float) -> None:
+        import time
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    burn = ("import sys, time\nsys.stdin.readline()\nend = time.process_time() + 0.3\n"
+            "while time.process_time() < end: pass\nprint('burned', flush=True)\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with cpu_spent(child.pid) as spent:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            spin(0.2)
+            assert child.stdout.readline() == "burned\n"  # still running: its /proc entry is read on exit
+    finally:
+        child.kill()
+        child.wait(60)
+    assert spent.user + spent.system >= 0.15 and spent.other is not None and spent.other >= 0.25
+    with cpu_spent() as alone:
+        spin(0.05)
+    assert alone.other is None and alone.user + alone.system >= 0.04
