@@ -112,14 +112,9 @@ def measure(tier: str, batch: int, args: argparse.Namespace, workdir: str) -> di
                     started = time.perf_counter()
                     load(calls[len(walls) % DISTINCT_CALLS])
                     walls.append(time.perf_counter() - started)
-        user, system, node_cpu = cpu.user, cpu.system, cpu.other
-        per_call = 1e6 / len(walls)
         return {"tier": tier, "batch": batch, "block_bytes": block, "calls": len(walls),
                 "wall_us_p50": statistics.median(walls) * 1e6, "wall_us_min": min(walls) * 1e6,
-                "gb_per_s_p50": batch * block / statistics.median(walls) / 1e9,
-                "cpu_us_per_call": (user + system) * per_call, "user_us_per_call": user * per_call,
-                "system_us_per_call": system * per_call,
-                "node_cpu_us_per_call": None if node_cpu is None else node_cpu * per_call}
+                "gb_per_s_p50": batch * block / statistics.median(walls) / 1e9, **cpu.per(len(walls), "call")}
     finally:
         if node is not None:
             node.close()

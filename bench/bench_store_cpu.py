@@ -94,13 +94,9 @@ def measure(config: str, args: argparse.Namespace, workdir: str) -> dict:
                     store()
                 kv.quiesce(TIMEOUT_S)
                 wall = time.perf_counter() - wall0
-            user, system, node_cpu = cpu.user, cpu.system, cpu.other
             dropped = sum(kv.snapshot().get("dropped", {}).values())
         blocks = args.calls * args.batch
-        return {"config": config, "block_bytes": block, "blocks": blocks,
-                "cpu_us_per_block": (user + system) / blocks * 1e6, "user_us_per_block": user / blocks * 1e6,
-                "system_us_per_block": system / blocks * 1e6,
-                "node_cpu_us_per_block": None if node_cpu is None else node_cpu / blocks * 1e6,
+        return {"config": config, "block_bytes": block, "blocks": blocks, **cpu.per(blocks, "block"),
                 "wall_us_per_block": wall / blocks * 1e6, "dropped": dropped}
     finally:
         if node is not None:

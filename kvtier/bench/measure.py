@@ -36,6 +36,14 @@ class CpuSpent:
     system: float = 0.0
     other: float | None = None
 
+    def per(self, count: int, unit: str) -> dict[str, float | None]:
+        """µs per `unit` over `count` of them, under the names the CPU benches' rows use
+        (`cpu_us_per_<unit>`, `user_…`, `system_…`, `node_cpu_…`: the other process is a pool node)."""
+        us = 1e6 / count
+        return {f"cpu_us_per_{unit}": (self.user + self.system) * us, f"user_us_per_{unit}": self.user * us,
+                f"system_us_per_{unit}": self.system * us,
+                f"node_cpu_us_per_{unit}": None if self.other is None else self.other * us}
+
 
 @contextmanager
 def cpu_spent(other_pid: int | None = None) -> Iterator[CpuSpent]:

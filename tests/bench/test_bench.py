@@ -169,3 +169,7 @@ def test_cpu_spent_counts_this_process_and_the_other_named():
     with cpu_spent() as alone:
         spin(0.05)
     assert alone.other is None and alone.user + alone.system >= 0.04
+    row = spent.per(4, "call")  # the rows' fields: µs per call
+    assert row == {"cpu_us_per_call": (spent.user + spent.system) * 1e6 / 4, "user_us_per_call": spent.user * 1e6 / 4,
+                   "system_us_per_call": spent.system * 1e6 / 4, "node_cpu_us_per_call": spent.other * 1e6 / 4}
+    assert alone.per(1, "block")["node_cpu_us_per_block"] is None
