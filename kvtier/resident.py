@@ -7,7 +7,8 @@ copy. Here the same decisions are a few C calls over the manager's columns for t
 (`TierManager.lease_resident`/`end_resident`, `place_resident`/`finish_resident`), made in the
 caller's thread, and the copy is one native call (`TransferEngine.copy_rows`): in the caller's
 thread, or for a background store (an engine saving what it computed) on a background worker,
-or for a load too large to run inline on a worker, in runs of layers each reported as it lands.
+for a store too large to run inline on a foreground worker, or for a load too large to run
+inline on a worker, in runs of layers each reported as it lands.
 
 A batch qualifies when the caller's blocks are one `[n, block_bytes]` host tensor with dense rows
 and the manager finds it plain (see its verbs). Anything else (a miss, a block in flight or on
@@ -92,13 +93,14 @@ class ResidentPath:
     def store(self, keys: Sequence[Hashable], blocks, target: TierKind | None, sync: bool,
               background: bool) -> TransferHandle | None:
         """`KVTier.store` of `keys` from `blocks` into `target`; None where the batch does not
-        qualify (nothing changed). Done and returned as a finished handle, or, for a `background`
-        store, copied by a background worker (the caller's thread is left to its own work) and
+        qualify (nothing changed). Done and returned as a finished handle where `sync` or small
+        enough to run inline; else copied by a worker (the background lane's for a `background`
+        store, the foreground's for one too large to run inline) in one native call, and
         returned at once, its handle finished when the blocks are READY."""
         size = len(keys) * self.layout.block_bytes
         now = sync or (not background and self.engine.runs_inline(size))
-        if not (now or (background and self.engine.host_only)):
-            return None  # a store too large to run inline, or a background one with CUDA
+        if not (now or self.engine.host_only):
+            return None  # with CUDA, only a call copied in this thread (streams order the caller's work)
         rows = self._rows(keys, blocks)
         if rows is None:
             return None
@@ -119,7 +121,7 @@ class ResidentPath:
             error = self._copy(placed[0], placed[2], rows, into_rows=False, background=background)
             self._complete(handle, error, lambda: settle(ok=error is None))
 
-        self._run(copy, now, True, settle)
+        self._run(copy, now, background, settle)
         return handle
 
     def reserve(self, keys: Sequence[Hashable], target: TierKind | None) -> Reservation | None:

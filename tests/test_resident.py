@@ -396,6 +396,37 @@ def test_a_large_resident_load_reports_each_run_of_layers_as_it_lands(tmp_path, 
         assert kv.stats.hits[D] == 3 and kv.stats.bytes_moved[("dram", "buffer:cpu")] == 3 * BLOCK
 
 
+
+def test_a_large_store_goes_to_a_foreground_worker_in_one_native_copy(tmp_path, monkeypatch):
+    """Too large to run inline, a store the caller waits for later still takes the resident path:
+    one native copy of the whole batch on a foreground worker (threads shared as a waited-for copy
+    of its size), the handle finished once the blocks are READY, and the caller's thread not
+    held for the copy (it returns while the copy is gated)."""
+    import threading
+
+    from kvtier.moving import routes
+
+    monkeypatch.setattr(routes, "PARALLEL_COPY_BYTES", BLOCK)  # every batch of two blocks is "large"
+    with runtime(tmp_path, hbm=0, ssd=0, inline_bytes=0) as kv:
+        gate, calls = threading.Event(), []
+        inner = routes._movers.copy_slots
+
+        def gated(*args, **kwargs):
+            calls.append((threading.current_thread().name, kwargs.get("threads", 1)))
+            assert gate.wait(WAIT_S)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(routes._movers, "copy_slots", gated)
+        keys = [1, 2, 3]
+        handle = kv.store(keys, blocks(keys))
+        assert not handle.done() and kv.lookup(keys) == 0  # returned with the copy still held
+        gate.set()
+        assert handle.wait(WAIT_S) and not handle.failed
+        assert len(calls) == 1 and calls[0][0] != threading.current_thread().name and calls[0][1] == 2
+        assert kv.where(keys) == [D] * 3 and kv.stats.stores[D] == 3
+        out = torch.zeros(3, BLOCK, dtype=torch.uint8)
+        assert not kv.load(keys, out, sync=True).failed and torch.equal(out, blocks(keys))
+
 # ---- reservations: blocks the caller writes in place ---------------------------------------------
 
 def test_reserved_blocks_are_hidden_until_committed_then_served_as_stored(tmp_path):
