@@ -68,6 +68,7 @@ from serve_procs import (  # noqa: E402
     StartError,
     build_model,
     child_env,
+    cpu_seconds,
     kv_transfer_config,
     start_pool_node,
     terminate_as_interrupt,
@@ -268,16 +269,17 @@ class Bench:
         run_dir.mkdir()
         record: dict = {"config": name, "round": round_index, "loadavg_start": os.getloadavg()}
         started, server = time.monotonic(), None
+        self.server = self.node = None
         try:
             pool_address = None
             if "pool" in name:
-                _, pool_address = start_pool_node(self.procs, run_dir / "pool.log", self.params.pool)
+                self.node, pool_address = start_pool_node(self.procs, run_dir / "pool.log", self.params.pool)
             kvtier_yaml = None
             if name != "plain":
                 kvtier_yaml = write_kvtier_config(run_dir / "kvtier.yaml", self.model, BLOCK_TOKENS,
                                                   self.tiers(name, run_dir, pool_address))
-            server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(kvtier_yaml),
-                                      run_dir / "server.log", child_env())
+            server = self.server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(kvtier_yaml),
+                                                    run_dir / "server.log", child_env())
             port, record["startup_s"] = wait_http_ready(server, "/health", self.params.start_timeout_s)
             self.log(f"  {CONFIGS[name]}: ready in {record['startup_s']:.0f} s")
             self.workloads(record, port, round_index, run_dir, server)
@@ -321,9 +323,13 @@ class Bench:
     def random_workload(self, record: dict, port: int, round_index: int, run_dir: Path) -> None:
         """Workload 5 (nothing can hit), with what both prefix caches counted during it."""
         before = engine_counters(HOST, port)
+        groups = {name: proc.pid for name, proc in (("server", self.server), ("pool node", self.node)) if proc}
+        cpu_before = cpu_seconds(groups)
         record["random_seed"] = seed = self.random_seeds[round_index]
         record["random"] = self.bench_serve(port, seed, run_dir, "random", self.random_dataset())
+        cpu_after = cpu_seconds(groups)
         after = engine_counters(HOST, port)
+        record["random_cpu_s"] = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
         record["random_engine"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
         hits, got = random_hit_tokens(record["random_engine"]), record["random"]
         self.log(f"  random (nothing can hit): {got['req_per_s']:.2f} req/s, TTFT p50 {got['ttft_p50_ms']:.0f} ms"

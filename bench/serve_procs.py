@@ -133,6 +133,37 @@ class Procs:
         self.stop_all()
 
 
+def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) spent so far by every process of each named process group (a
+    `Proc`'s pid is its group's id), split by process name and main thread against the others:
+    `{"vllm serve/VLLM::Worker/main": 12.3, ...}`. Processes that ended are not counted, so take
+    both readings while the servers run. Linux only; empty where /proc cannot be read."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    wanted = {pgid: name for name, pgid in groups.items()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm, rest = _stat_fields(entry / "stat")
+            group = wanted.get(int(rest[2]))  # the fields after the name: state, ppid, pgrp, ...
+            if group is None:
+                continue
+            for task in (entry / "task").iterdir():
+                _, fields = _stat_fields(task / "stat")
+                key = f"{group}/{comm}/{'main' if task.name == entry.name else 'threads'}"
+                found[key] = found.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue  # a process or thread that ended while being read
+    return found
+
+
+def _stat_fields(path: Path) -> tuple[str, list[str]]:
+    """A /proc stat file's command name and the fields after it (the name may hold spaces)."""
+    text = path.read_text()
+    return text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
 def terminate_as_interrupt() -> None:
     """SIGTERM to the bench raises KeyboardInterrupt, so the same cleanup as Ctrl-C runs."""
     def handler(signum, frame):

@@ -67,7 +67,26 @@ def _summarize_random(runs: list[dict]) -> dict:
     return {"random_req_per_s": sum(r["random"]["completed"] for r in done) / duration if duration else None,
             "random_ttft_p50_ms": percentile(ttfts, 50), "random_ttft_p99_ms": percentile(ttfts, 99),
             "random_failed": sum(r["random"].get("failed", 0) for r in done),
-            "random_hit_tokens": sum(random_hit_tokens(c) for c in counted) if counted else None}
+            "random_hit_tokens": sum(random_hit_tokens(c) for c in counted) if counted else None,
+            "random_cpu_ms_per_request": _cpu_per_request(done)}
+
+
+def _cpu_per_request(runs: list[dict]) -> dict[str, float] | None:
+    """CPU milliseconds per completed random request, by where it was spent (`cpu_seconds`'s
+    readings): the main threads of the server's processes (vLLM's API server, engine core and
+    worker: scheduling and the forward pass), their other threads (vLLM's helpers and, with a
+    connector, kvtier's copies, checksums and I/O), and the pool node. None where nothing was read."""
+    counted = [r for r in runs if r.get("random_cpu_s")]
+    completed = sum(r["random"]["completed"] for r in counted)
+    if not completed:
+        return None
+    out = {"server main threads": 0.0, "server other threads": 0.0, "pool node": 0.0}
+    for r in counted:
+        for key, seconds in r["random_cpu_s"].items():
+            group, thread = key.split("/", 1)[0], key.rsplit("/", 1)[-1]
+            where = "pool node" if group == "pool node" else f"server {thread if thread == 'main' else 'other'} threads"
+            out[where] += seconds
+    return {k: round(v / completed * 1e3, 1) for k, v in out.items()}
 
 
 def _sum_counters(dicts) -> dict[str, float]:
@@ -109,6 +128,18 @@ def compare_rounds(runs: list[dict], plain_runs: list[dict]) -> dict:
             "outputs_first_different": [k for c in compared for k in c["different"]][:5]}
 
 
+def _random_ratio_per_round(runs: list[dict], plain_runs: list[dict]) -> list[float | None]:
+    """Each round's random req/s against plain vLLM's of the same round: the spread the overall
+    ratio hides (on a shared machine one round can move by several percent)."""
+    plain = {r["round"]: r["random"] for r in plain_runs if "random" in r}
+
+    def rate(got: dict) -> float | None:
+        return got["completed"] / got["duration_s"] if got.get("duration_s") else None
+
+    return [ratio(rate(r["random"]), rate(plain[r["round"]])) if "random" in r and r["round"] in plain else None
+            for r in sorted(runs, key=lambda r: r["round"])]
+
+
 def summarize_all(runs: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
     plain_runs = [r for r in runs if r["config"] == "plain"]
     plain = summarize(plain_runs)
@@ -120,6 +151,7 @@ def summarize_all(runs: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
             figures.update(outputs_identical=True if mine else None, outputs_compared=0, outputs_different=0)
         else:
             figures.update(compare_rounds(mine, plain_runs))
+            figures["random_throughput_ratio_per_round"] = _random_ratio_per_round(mine, plain_runs)
             figures["goals_met"] = goals_met(name, figures)
         out[name] = figures
     return out
@@ -159,8 +191,8 @@ def print_table(result: dict, labels: dict[str, str]) -> None:
 
     table = Table(title="vllm serve with and without kvtier (ratios to plain vLLM, same run)")
     for col in ("configuration", "req/s", "x plain", "TTFT p50 / p99 ms", "miss TTFT p50 ms", "x plain",
-                "chat req/s", "x plain", "chat TTFT p50 ms", "random req/s", "x plain", "random TTFT p50",
-                "kvtier hit tok", "identical", "notes"):
+                "chat req/s", "x plain", "chat TTFT p50 ms", "random req/s", "x plain", "x plain per round",
+                "random TTFT p50", "random CPU ms/req", "kvtier hit tok", "identical", "notes"):
         table.add_column(col, justify="left" if col in ("configuration", "notes") else "right")
     for name, f in result["configs"].items():
         engine = f.get("engine", {})
@@ -175,14 +207,24 @@ def print_table(result: dict, labels: dict[str, str]) -> None:
                       _fmt(f["miss_ttft_ratio"], ".2f"), _fmt(f["chat_req_per_s"], ".2f"),
                       _fmt(f["chat_throughput_ratio"], ".2f"), _fmt(f["chat_ttft_p50_ms"]),
                       _fmt(f["random_req_per_s"], ".2f"), _fmt(f["random_throughput_ratio"], ".2f"),
-                      _fmt(f["random_ttft_p50_ms"]),
+                      " ".join(_fmt(r, ".2f") for r in f.get("random_throughput_ratio_per_round", [])) or "-",
+                      _fmt(f["random_ttft_p50_ms"]), _cpu_cell(f.get("random_cpu_ms_per_request")),
                       _fmt(ratio(hits, queries) if queries else None, ".0%"),
                       {True: "yes", False: "NO", None: "-"}[f["outputs_identical"]],
                       "; ".join(notes))
     console = Console()
     if not console.is_terminal:
-        console = Console(width=240)  # a file or a pipe: no wrapping of the columns
+        console = Console(width=320)  # a file or a pipe: no wrapping of the columns
     console.print(table)
+
+
+def _cpu_cell(cpu: dict[str, float] | None) -> str:
+    """The random workload's CPU per request: the server's main threads (vLLM's own work), then
+    its other threads and the pool node (where kvtier's work runs, with vLLM's helper threads)."""
+    if not cpu:
+        return "-"
+    extra = f" + {cpu['server other threads']:.0f}"
+    return f"{cpu['server main threads']:.0f}{extra}" + (f" + node {cpu['pool node']:.0f}" if cpu["pool node"] else "")
 
 
 def write_png(result: dict, labels: dict[str, str], path: Path) -> None:

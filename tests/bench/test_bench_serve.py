@@ -245,6 +245,48 @@ def test_the_random_workload_has_figures_of_its_own_pooled_over_rounds():
     assert dram["outputs_identical"] is True and dram["outputs_compared"] == 2 * 7
 
 
+def test_the_random_workload_reports_its_cpu_per_request_and_its_ratio_round_by_round():
+    """Where the random workload's CPU went (main threads of the server's processes, their other
+    threads, the pool node), per completed request; each round's ratio to plain's same round."""
+    runs = [run_record("plain", 0, 1.0, 1000.0, random_req_per_s=1.0),
+            run_record("plain", 1, 1.0, 1000.0, random_req_per_s=0.5),
+            run_record("dram+pool", 1, 1.5, 1000.0, random_req_per_s=0.49),
+            run_record("dram+pool", 0, 1.5, 1000.0, random_req_per_s=1.02)]
+    runs[2]["random_cpu_s"] = {"server/VLLM::Worker/main": 12.0, "server/VLLM::EngineCor/main": 11.5,
+                               "server/VLLM::Worker/threads": 0.6, "server/vllm/threads": 0.0,
+                               "pool node/python/threads": 0.12}
+    runs[3]["random_cpu_s"] = {"server/VLLM::Worker/main": 12.5, "server/VLLM::Worker/threads": 0.3}
+    out = serve_report.summarize_all(runs, ("plain", "dram+pool"))
+    pool = out["dram+pool"]
+    assert pool["random_cpu_ms_per_request"] == {"server main threads": pytest.approx(36000 / 24, abs=0.1),
+                                                 "server other threads": pytest.approx(900 / 24, abs=0.1),
+                                                 "pool node": pytest.approx(120 / 24, abs=0.1)}
+    assert pool["random_throughput_ratio_per_round"] == [pytest.approx(1.02), pytest.approx(0.98)]
+    assert out["plain"]["random_cpu_ms_per_request"] is None  # nothing was read for it
+    result = {"configs": out, "machine": {"vllm": "0.32.0", "kvtier_commit": "abc", "num_cpus": 2}}
+    serve_report.print_table(result, bench_serve.CONFIGS)
+
+
+def test_cpu_seconds_reads_every_process_of_a_group_by_thread_kind(tmp_path):
+    """A live process group's CPU, read from /proc: a child burning CPU in its main thread is
+    counted under its group and command name, the reading grows while it runs."""
+    code = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = serve_procs.cpu_seconds({"burner": child.pid})
+            if sum(v for k, v in got.items() if k.endswith("/main")) >= 0.3:
+                break
+            time.sleep(0.1)
+        assert got and all(k.startswith("burner/") for k in got)
+        assert sum(v for k, v in got.items() if k.endswith("/main")) >= 0.3
+        assert serve_procs.cpu_seconds({"nobody": 2 ** 22 + 12345}) == {}  # no such group
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_run_without_the_random_workload_has_no_random_figures_and_no_random_goal_verdict():
     runs = [run_record("plain", 0, 1.0, 1000.0), run_record("dram", 0, 1.5, 1000.0)]
     for r in runs:
