@@ -115,7 +115,24 @@ class PlanRunner:
         handle = TransferHandle([op.key for op in ops], self.layout.num_layers)
         for m in moves:  # before submitting: a small batch runs inline, `_on_moved` included
             self._move_handles[m.id] = handle
-        return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle, background=background)
+        try:
+            return self.engine.submit(ops, lambda h: self._on_moved(moves, h), handle=handle, background=background)
+        except RuntimeError:  # the engine is closed
+            for m in moves:
+                self._move_handles.pop(m.id, None)
+            raise
+
+    def follow_up(self, moves: Sequence[Move]) -> None:
+        """Starts the moves a transfer that just ended asks for (room made below it, a promotion
+        due), as `submit_moves`; caller holds the lock. Where kvtier closed meanwhile (a transfer
+        in flight when `KVTier.close` began ends while it waits), they are abandoned (`_abandon`),
+        not raised to the transfer, which went through."""
+        try:
+            self.submit_moves(moves)
+        except RuntimeError:
+            if not self.engine.closed:
+                raise
+            self._abandon(moves)
 
     def finish_store(self, plan: StorePlan, first: TransferHandle, caller: TransferHandle,
                      buffers: Mapping[Hashable, Endpoint], refused: Mapping[Hashable, str],
@@ -174,7 +191,7 @@ class PlanRunner:
             for key, tier in failed:
                 self._note(tier, h.failed[key])
             outcome = self.manager.finish_store(plan, failed, sums)
-            self.submit_moves(outcome.moves)
+            self.follow_up(outcome.moves)
             self._remember((p.key, p.tier, p.slot, sums.get(p.key)) for p in plan.placements
                                  if p.key not in h.failed)
         for key, failure in h.failed.items():
@@ -195,7 +212,7 @@ class PlanRunner:
                     self._note_reads(s.key, s.tier, s.fallback, h)
                 # The manager learns what each source copy's own read did (a fallback's is not held against it).
                 failed = {k: _failure_reason(f, f.stage) for k, f in {**h.failed, **h.fell_back}.items()}
-            self.submit_moves(self.manager.complete_load(plan, failed))
+            self.follow_up(self.manager.complete_load(plan, failed))
             self.manager.order_chain(h.keys)
 
     def _note_reads(self, key: Hashable, tier: TierKind, fallback: Fallback | None, h: TransferHandle) -> None:
@@ -246,7 +263,15 @@ class PlanRunner:
                 follow += self.manager.complete_move(m.id, f is None, sums, failure)
             self._remember((m.key, m.dst, m.dst_slot, m.checksums or _computed(h, m.key))
                                  for m in moves if m.key not in h.failed)
-            self.submit_moves(follow)
+            self.follow_up(follow)
+
+    def _abandon(self, moves: Sequence[Move]) -> None:
+        """Moves asked for once the engine closed: never started, and not given back to the
+        manager, which would only plan them again (its state goes with the runtime). Logged, not
+        counted as drops: nothing is lost that closing would not lose (the copies they would have
+        moved stay where they are, and memory tiers end with the runtime)."""
+        if moves:
+            log.info("kvtier: %d moves asked for while closing were not started", len(moves))
 
     def _remember(self, landed) -> None:
         """Tells each persistent tier the blocks that just became READY in it, given as (key, tier,

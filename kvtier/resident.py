@@ -79,7 +79,7 @@ class ResidentPath:
         handle = TransferHandle(keys, self.layout.num_layers)
 
         def settle() -> None:
-            self._runner.submit_moves(self.manager.end_resident(tier, slots))
+            self._runner.follow_up(self.manager.end_resident(tier, slots))
 
         def copy() -> None:
             error = self._copy(tier, slots, rows, into_rows=True, on_layers=None if now else handle.layer_done)
@@ -115,7 +115,7 @@ class ResidentPath:
 
         def settle(ok: bool = False) -> None:
             self._backlog(-size)
-            self._runner.submit_moves(self.manager.finish_resident(placed, ok=ok))
+            self._runner.follow_up(self.manager.finish_resident(placed, ok=ok))
 
         def copy() -> None:
             error = self._copy(placed[0], placed[2], rows, into_rows=False, background=background)

@@ -427,6 +427,43 @@ def test_a_large_store_goes_to_a_foreground_worker_in_one_native_copy(tmp_path, 
         out = torch.zeros(3, BLOCK, dtype=torch.uint8)
         assert not kv.load(keys, out, sync=True).failed and torch.equal(out, blocks(keys))
 
+
+def test_a_store_that_ends_while_close_waits_for_it_goes_through_and_its_demotions_are_not_started(tmp_path, monkeypatch, caplog):
+    """`KVTier.close` waits for a background store in flight; when that store lands it makes room
+    below it (DRAM past its watermark), but the engine has closed: the demotions it asks for are
+    not started (no traceback, no internal error given to the store), and the store itself, which
+    went through, is not failed. Found under load (a probe that closed right after storing)."""
+    import logging
+    import threading
+
+    from kvtier.moving import routes
+
+    with runtime(tmp_path, hbm=0, dram=4, ssd=8, marks=(0.5, 0.5)) as kv:
+        assert not kv.store([1, 2], blocks([1, 2]), sync=True).failed
+        kv.quiesce(WAIT_S)
+        gate, entered = threading.Event(), threading.Event()
+        inner = routes._movers.copy_slots
+
+        def gated(*args, **kwargs):
+            entered.set()
+            assert gate.wait(WAIT_S)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(routes._movers, "copy_slots", gated)
+        handle = kv.store([3, 4], blocks([3, 4]), background=True)
+        assert entered.wait(WAIT_S)
+        closer = threading.Thread(target=kv.close)
+        with caplog.at_level(logging.INFO, logger="kvtier"):
+            closer.start()
+            while not kv.engine.closed:
+                closer.join(0.01)
+            gate.set()
+            closer.join(WAIT_S)
+        assert not closer.is_alive()
+        assert handle.wait(WAIT_S) and not handle.failed and handle.error is None
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        assert "moves asked for while closing were not started" in caplog.text
+
 # ---- reservations: blocks the caller writes in place ---------------------------------------------
 
 def test_reserved_blocks_are_hidden_until_committed_then_served_as_stored(tmp_path):
