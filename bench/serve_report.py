@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from serve_procs import REPO_ROOT
-from serve_workloads import compare_outputs, outputs_of, percentile, ratio
+from serve_workloads import FORWARD_THREAD, compare_outputs, outputs_of, percentile, ratio
 
 GOALS = {"throughput_ratio_min": 1.0, "miss_ttft_ratio_max": 1.05, "throughput_ratio_min_dram_and_pool": 1.3,
          "random_throughput_ratio_min": 0.98}
@@ -75,17 +75,20 @@ def _cpu_per_request(runs: list[dict]) -> dict[str, float] | None:
     """CPU milliseconds per completed random request, by where it was spent (`cpu_seconds`'s
     readings): the main threads of the server's processes (vLLM's API server, engine core and
     worker: scheduling and the forward pass), their other threads (vLLM's helpers and, with a
-    connector, kvtier's copies, checksums and I/O), and the pool node. None where nothing was read."""
+    connector, kvtier's copies, checksums and I/O), the pool node; and, of the main threads' time,
+    what the worker's forward thread spent in kvtier's connector (`FORWARD_THREAD`: wall time, so
+    it counts any wait for a lock or the GIL there too). None where nothing was read."""
     counted = [r for r in runs if r.get("random_cpu_s")]
     completed = sum(r["random"]["completed"] for r in counted)
     if not completed:
         return None
-    out = {"server main threads": 0.0, "server other threads": 0.0, "pool node": 0.0}
+    out = {"server main threads": 0.0, "server other threads": 0.0, "pool node": 0.0, "kvtier in the forward thread": 0.0}
     for r in counted:
         for key, seconds in r["random_cpu_s"].items():
             group, thread = key.split("/", 1)[0], key.rsplit("/", 1)[-1]
             where = "pool node" if group == "pool node" else f"server {thread if thread == 'main' else 'other'} threads"
             out[where] += seconds
+        out["kvtier in the forward thread"] += r.get("random_engine", {}).get(FORWARD_THREAD, 0.0)
     return {k: round(v / completed * 1e3, 1) for k, v in out.items()}
 
 
@@ -224,7 +227,9 @@ def _cpu_cell(cpu: dict[str, float] | None) -> str:
     if not cpu:
         return "-"
     extra = f" + {cpu['server other threads']:.0f}"
-    return f"{cpu['server main threads']:.0f}{extra}" + (f" + node {cpu['pool node']:.0f}" if cpu["pool node"] else "")
+    forward = f" (kvtier in forward {cpu['kvtier in the forward thread']:.0f})" if cpu["kvtier in the forward thread"] else ""
+    return (f"{cpu['server main threads']:.0f}{forward}{extra}"
+            + (f" + node {cpu['pool node']:.0f}" if cpu["pool node"] else ""))
 
 
 def write_png(result: dict, labels: dict[str, str], path: Path) -> None:

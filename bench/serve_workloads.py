@@ -137,21 +137,26 @@ def run_chat(host: str, port: int, model: str, spec: ChatSpec, seed: int, vocab_
 
 
 def engine_counters(host: str, port: int) -> dict[str, float]:
-    """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's)."""
+    """vLLM's prefix-cache and prompt-token counters (its own cache's hits, and the connector's),
+    and the time the engine's forward thread spent in kvtier (`FORWARD_THREAD`)."""
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
         return prefix_counters(r.read().decode())
 
 
+FORWARD_THREAD = "kvtier_vllm_forward_thread_seconds_total"  # every rank's, summed
+
+
 def prefix_counters(text: str) -> dict[str, float]:
-    """The `*_total` prefix-cache and prompt-token counters of a Prometheus text page, summed over
-    every label but `source` (which is kept as `name[source]`)."""
+    """The `*_total` prefix-cache and prompt-token counters of a Prometheus text page, and
+    `FORWARD_THREAD`, summed over every label but `source` (which is kept as `name[source]`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             base = sample.name.removeprefix("vllm:")
-            if not base.endswith("_total") or not ("prefix_cache" in base or "prompt_tokens" in base):
+            if not base.endswith("_total") or not ("prefix_cache" in base or "prompt_tokens" in base
+                                                   or base == FORWARD_THREAD):
                 continue
             source = sample.labels.get("source")
             key = base + (f"[{source}]" if source else "")

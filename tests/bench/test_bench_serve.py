@@ -174,9 +174,15 @@ def test_prefix_counters_sum_over_engines_and_keep_the_source():
             "# TYPE vllm:prompt_tokens_by_source counter\n"
             'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 32.0\n'
             "# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{engine="0"} 1.0\n')
+            'vllm:num_requests_running{engine="0"} 1.0\n'
+            "# TYPE kvtier_vllm_forward_thread_seconds counter\n"
+            'kvtier_vllm_forward_thread_seconds_total{rank="0"} 1.5\n'
+            'kvtier_vllm_forward_thread_seconds_total{rank="1"} 0.5\n'
+            "# TYPE kvtier_vllm_layer_wait_seconds counter\n"
+            'kvtier_vllm_layer_wait_seconds_total{rank="0"} 9.0\n')
     assert wl.prefix_counters(text) == {"prefix_cache_hits_total": 10.0,
-                                        "prompt_tokens_by_source_total[external_kv_transfer]": 32.0}
+                                        "prompt_tokens_by_source_total[external_kv_transfer]": 32.0,
+                                        wl.FORWARD_THREAD: 2.0}
 
 
 def test_random_hit_tokens_count_both_caches():
@@ -256,11 +262,14 @@ def test_the_random_workload_reports_its_cpu_per_request_and_its_ratio_round_by_
                                "server/VLLM::Worker/threads": 0.6, "server/vllm/threads": 0.0,
                                "pool node/python/threads": 0.12}
     runs[3]["random_cpu_s"] = {"server/VLLM::Worker/main": 12.5, "server/VLLM::Worker/threads": 0.3}
+    runs[2]["random_engine"][wl.FORWARD_THREAD] = 0.25
+    runs[3]["random_engine"][wl.FORWARD_THREAD] = 0.23
     out = serve_report.summarize_all(runs, ("plain", "dram+pool"))
     pool = out["dram+pool"]
     assert pool["random_cpu_ms_per_request"] == {"server main threads": pytest.approx(36000 / 24, abs=0.1),
                                                  "server other threads": pytest.approx(900 / 24, abs=0.1),
-                                                 "pool node": pytest.approx(120 / 24, abs=0.1)}
+                                                 "pool node": pytest.approx(120 / 24, abs=0.1),
+                                                 "kvtier in the forward thread": pytest.approx(480 / 24, abs=0.1)}
     assert pool["random_throughput_ratio_per_round"] == [pytest.approx(1.02), pytest.approx(0.98)]
     assert out["plain"]["random_cpu_ms_per_request"] is None  # nothing was read for it
     result = {"configs": out, "machine": {"vllm": "0.32.0", "kvtier_commit": "abc", "num_cpus": 2}}

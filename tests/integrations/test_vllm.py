@@ -258,6 +258,7 @@ def test_the_scheduler_serves_every_ranks_metrics(tiny_model, dram_yaml):
         assert got[("kvtier_tier_capacity_bytes", (("rank", "0"), ("tier", "dram")))] == 4 << 20
         assert ("kvtier_store_backlog_bytes", (("rank", "0"),)) in got
         assert ("kvtier_vllm_layer_wait_seconds_total", (("rank", "0"),)) in got
+        assert ("kvtier_vllm_forward_thread_seconds_total", (("rank", "0"),)) in got
         assert got[("kvtier_vllm_prompt_blocks_total", (("source", "kvtier"),))] == 4
         assert got[("kvtier_vllm_window_skipped_bytes_total", ())] == 0  # one full-attention group
         assert not any(dict(labels).get("source", "").startswith("window") for _, labels in got)
@@ -571,6 +572,30 @@ def test_wait_layer_waits_for_that_layer_only(worker):
         assert torch.equal(side.layers[layer][6:9], side.layers[layer][0:3])
     assert side.end_step() == set()
     assert (side.stats.num_blocks_loaded, side.stats.num_layer_waits) == (3, NUM_LAYERS)
+
+
+def test_the_forward_threads_time_in_kvtier_counts_gathers_sends_and_waits(worker):
+    """`forward_thread_s`: every second the engine's forward thread spends in kvtier, stores and
+    waits for loads alike; a wait for a layer held back 0.2 s is in it whole."""
+    import threading
+
+    side, ssd, settings = worker
+    keys = tuple(block_keys(settings.namespace, P1[:3 * BLOCK]))
+    for layer in range(NUM_LAYERS):
+        side.save_layer(layer, [StoreSpec("a", keys, (0, 1, 2), (0, 1, 2))])
+    assert side.stats.forward_thread_s > 0 and side.stats.layer_wait_s == 0
+    before = side.stats.forward_thread_s
+    assert side.end_step([StoreSpec("a", keys, (0, 1, 2), (0, 1, 2))]) == set()
+    assert side.stats.forward_thread_s > before  # the stores sent
+    side.close(10)
+    ssd.gate.clear()
+    side.start_loads([LoadSpec("b", keys, (6, 7, 8))])
+    threading.Timer(0.2, ssd.gate.set).start()
+    before = side.stats.forward_thread_s
+    for layer in range(NUM_LAYERS):
+        side.wait_layer(layer)
+    assert side.end_step() == set() and side.stats.num_blocks_loaded == 3
+    assert side.stats.layer_wait_s >= 0.2 and side.stats.forward_thread_s - before >= side.stats.layer_wait_s
 
 
 def test_groups_load_layer_by_layer_each_into_its_own_pages_and_a_smaller_group_stores_zeros(tmp_path, tiny_model):

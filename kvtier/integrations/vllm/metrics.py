@@ -40,6 +40,8 @@ _CONNECTOR = {
                                    "Blocks stored by gathering them straight into kvtier's DRAM slots (one copy)"),
     "num_blocks_not_stored": ("kvtier_vllm_blocks_not_stored", "Blocks the connector dropped instead of storing "
                                                                "(a failed store, or KV computed on a failed load)"),
+    "forward_thread_s": ("kvtier_vllm_forward_thread_seconds", "Time the engine's forward thread spent in kvtier "
+                                                               "(loads started and waited for, gathers, stores sent)"),
 }
 
 

@@ -116,6 +116,9 @@ class WorkerStats:
     num_blocks_stored: int = 0
     num_blocks_stored_in_place: int = 0  # of those, gathered straight into kvtier's DRAM slots (one copy)
     num_blocks_not_stored: int = 0  # dropped: a store that failed, or computed on a block that failed to load
+    # Every second the engine's forward thread spent in kvtier: loads started, layers waited for
+    # and placed, blocks gathered, stores sent and reaped. What kvtier costs the step itself.
+    forward_thread_s: float = 0.0
 
 
 @dataclass
@@ -204,7 +207,9 @@ class WorkerSide:
                 handle = None
             self._loads.append(_Load(spec, keys, staging, handle, len(self.groups[spec.group])))
             self.stats.num_loads += 1
-        self._step_kvtier_s += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self._step_kvtier_s += spent
+        self.stats.forward_thread_s += spent
 
     def wait_layer(self, layer: int, group: int = 0) -> None:
         """Returns once layer `layer` of group `group` of every block loading in this step is in
@@ -219,6 +224,7 @@ class WorkerSide:
         waited = time.perf_counter() - started
         self._step_kvtier_s += waited
         self.stats.layer_wait_s += waited
+        self.stats.forward_thread_s += waited
 
     def save_layer(self, layer: int, specs: Sequence[StoreSpec], group: int = 0) -> None:
         """Copies layer `layer` of group `group` of the blocks to store out of the engine's pages."""
@@ -233,7 +239,9 @@ class WorkerSide:
             gather_blocks([self.groups[group][layer]], stores.block_ids, stores.staging, self.layout,
                           None, slots=stores.slots, layers=[layer])
             stores.layers_gathered.add(layer)
-        self._step_kvtier_s += time.perf_counter() - started
+        spent = time.perf_counter() - started
+        self._step_kvtier_s += spent
+        self.stats.forward_thread_s += spent
 
     def take_step_seconds(self) -> float:
         """The seconds this step spent in kvtier so far (loads started, layers waited for, layers
@@ -244,18 +252,22 @@ class WorkerSide:
 
     def end_step(self, specs: Sequence[StoreSpec] = ()) -> set[int]:
         """Finishes this step's loads and sends its stores; returns the engine blocks that failed to load."""
+        started = time.perf_counter()
         for load in self._loads:
             while load.num_layers_placed < load.num_layers:
                 self._place_next_layer(load)
         failed = self._failed_block_ids([self._finish(load) for load in self._loads])
         self._loads = []
+        self.stats.forward_thread_s += time.perf_counter() - started
         for group, layers in enumerate(self.groups):  # layers vLLM did not hand to save_layer
             for layer in range(len(layers)):
-                self.save_layer(layer, specs, group)
+                self.save_layer(layer, specs, group)  # counts its own time
+        started = time.perf_counter()
         for group in sorted(self._stores):
             self._send(self._stores[group], failed)
         self._stores = {}
         self.reap()
+        self.stats.forward_thread_s += time.perf_counter() - started
         return failed
 
     # ---- between steps -------------------------------------------------------------------
