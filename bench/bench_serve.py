@@ -70,6 +70,7 @@ from serve_procs import (  # noqa: E402
     child_env,
     cpu_seconds,
     kv_transfer_config,
+    kvtier_metrics_port,
     start_pool_node,
     terminate_as_interrupt,
     vllm_executable,
@@ -322,13 +323,14 @@ class Bench:
 
     def random_workload(self, record: dict, port: int, round_index: int, run_dir: Path) -> None:
         """Workload 5 (nothing can hit), with what both prefix caches counted during it."""
-        before = engine_counters(HOST, port)
+        metrics = kvtier_metrics_port(self.server)
+        before = {**engine_counters(HOST, port), **(engine_counters(HOST, metrics) if metrics else {})}
         groups = {name: proc.pid for name, proc in (("server", self.server), ("pool node", self.node)) if proc}
         cpu_before = cpu_seconds(groups)
         record["random_seed"] = seed = self.random_seeds[round_index]
         record["random"] = self.bench_serve(port, seed, run_dir, "random", self.random_dataset())
         cpu_after = cpu_seconds(groups)
-        after = engine_counters(HOST, port)
+        after = {**engine_counters(HOST, port), **(engine_counters(HOST, metrics) if metrics else {})}
         record["random_cpu_s"] = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
         record["random_engine"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
         hits, got = random_hit_tokens(record["random_engine"]), record["random"]

@@ -288,7 +288,22 @@ def write_kvtier_config(path: Path, model: Path, block_tokens: int, tiers: dict)
 
 def kv_transfer_config(kvtier_yaml: Path) -> str:
     """The --kv-transfer-config JSON, as the README's `vllm serve` line has it: vLLM's default
-    `kv_load_failure_policy` (the connector itself asks for `recompute`)."""
+    `kv_load_failure_policy` (the connector itself asks for `recompute`); kvtier's own metrics
+    served on 127.0.0.1, on a port the server picks (`kvtier_metrics_port` finds it)."""
     return json.dumps({"kv_connector": "KVTierConnector",
                        "kv_connector_module_path": "kvtier.integrations.vllm.connector",
-                       "kv_role": "kv_both", "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml)}})
+                       "kv_role": "kv_both", "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml),
+                                                                           "metrics_port": 0}})
+
+
+_METRICS_LINE = re.compile(r"kvtier: metrics of \d+ worker rank\(s\) on http://127\.0\.0\.1:(\d+)/metrics")
+
+
+def kvtier_metrics_port(proc: Proc) -> int | None:
+    """The port of kvtier's metrics endpoint, as `proc`'s log says the connector bound it; None
+    where it has not said so (plain vLLM, or not started yet)."""
+    try:
+        found = _METRICS_LINE.findall(proc.log_path.read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(found[-1]) if found else None

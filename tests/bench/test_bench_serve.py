@@ -353,7 +353,17 @@ def test_the_transfer_config_is_the_readme_line_shape(tmp_path):
     shown = json.loads(line.split("--kv-transfer-config '", 1)[1].rstrip("'"))
     assert {k: v for k, v in got.items() if k != "kv_connector_extra_config"} == \
         {k: v for k, v in shown.items() if k != "kv_connector_extra_config"}
-    assert got["kv_connector_extra_config"] == {"kvtier_config": str(tmp_path / "k.yaml")}
+    assert got["kv_connector_extra_config"] == {"kvtier_config": str(tmp_path / "k.yaml"), "metrics_port": 0}
+
+
+def test_kvtiers_metrics_port_is_read_from_the_servers_log(tmp_path):
+    log = tmp_path / "server.log"
+    proc = serve_procs.Proc.__new__(serve_procs.Proc)
+    proc.log_path = log
+    assert serve_procs.kvtier_metrics_port(proc) is None  # no log yet
+    log.write_text("INFO starting\n(EngineCore pid=7) INFO kvtier: metrics of 1 worker rank(s) on "
+                   "http://127.0.0.1:40123/metrics\n")
+    assert serve_procs.kvtier_metrics_port(proc) == 40123
 
 
 # ---- processes ----------------------------------------------------------------------------------

@@ -574,6 +574,55 @@ def test_wait_layer_waits_for_that_layer_only(worker):
     assert (side.stats.num_blocks_loaded, side.stats.num_layer_waits) == (3, NUM_LAYERS)
 
 
+def test_host_rows_are_reused_once_their_stores_end_within_a_bound():
+    """`HostRows`: a step's buffer comes back when the last store sent from it ends (or at once
+    when none was sent), the smallest free buffer that fits is taken next (the same memory: no
+    new pages to fault in), and free buffers past the bound are dropped, largest first."""
+    from kvtier.integrations.vllm.transfers import HostRows
+
+    pool = HostRows(4096, max_free_bytes=10 * 4096)
+    rows, big = pool.take(8)
+    assert rows.shape == (8, 4096) and rows.data_ptr() == big.data_ptr() and rows.data_ptr() % 4096 == 0
+    pool.hold(big)
+    pool.hold(big)
+    pool.settle(big)  # two stores in flight from it: kept
+    assert pool.free_bytes == 0
+    pool.release(big)
+    assert pool.free_bytes == 0
+    pool.release(big)
+    assert pool.free_bytes == 8 * 4096
+    _, small = pool.take(2)  # 8 rows free, 2 wanted: taken whole, no new memory
+    assert small is big and pool.free_bytes == 0
+    pool.settle(small)  # no store was sent from it
+    _, other = pool.take(9)  # larger than anything free: new memory
+    assert other is not big
+    pool.settle(other)  # 8 + 9 rows > the bound of 10: the largest goes
+    assert pool.free_bytes == 8 * 4096
+
+
+def test_a_steps_store_staging_is_the_memory_an_earlier_step_used(worker):
+    """Stores gathered into staging (not reserved in kvtier's DRAM) reuse the rows of an earlier
+    step whose stores have landed, and the stored bytes are the engine's."""
+    side, ssd, settings = worker
+    assert side.host_rows is not None  # a host engine, whole blocks
+    keys = tuple(block_keys(settings.namespace, P1[:4 * BLOCK]))
+    assert len(keys) == 4
+    ptrs = []
+    for step, (first, ids) in enumerate(((0, (0, 1)), (2, (2, 3)))):
+        spec = StoreSpec(f"s{step}", keys[first:first + 2], ids, ids)
+        for layer in range(NUM_LAYERS):
+            side.save_layer(layer, [spec])
+        ptrs.append(side._stores[0].staging.data_ptr())
+        assert side.end_step([spec]) == set()
+        side.close(10)  # waits for the stores, which gives the rows back
+    assert ptrs[0] == ptrs[1] and side.host_rows.free_bytes >= 2 * side.layout.block_bytes
+    assert side.take_reports() == (list(keys), [])
+    side.start_loads([LoadSpec("b", keys, (6, 7, 8, 9))])
+    assert side.end_step() == set()
+    for kv in side.layers:
+        assert torch.equal(kv[6:10], kv[0:4])
+
+
 def test_the_forward_threads_time_in_kvtier_counts_gathers_sends_and_waits(worker):
     """`forward_thread_s`: every second the engine's forward thread spends in kvtier, stores and
     waits for loads alike; a wait for a layer held back 0.2 s is in it whole."""
