@@ -324,18 +324,29 @@ class Bench:
     def random_workload(self, record: dict, port: int, round_index: int, run_dir: Path) -> None:
         """Workload 5 (nothing can hit), with what both prefix caches counted during it."""
         metrics = kvtier_metrics_port(self.server)
-        before = {**engine_counters(HOST, port), **(engine_counters(HOST, metrics) if metrics else {})}
+        before = {**engine_counters(HOST, port), **kvtier_counters(metrics)}
         groups = {name: proc.pid for name, proc in (("server", self.server), ("pool node", self.node)) if proc}
         cpu_before = cpu_seconds(groups)
         record["random_seed"] = seed = self.random_seeds[round_index]
         record["random"] = self.bench_serve(port, seed, run_dir, "random", self.random_dataset())
         cpu_after = cpu_seconds(groups)
-        after = {**engine_counters(HOST, port), **(engine_counters(HOST, metrics) if metrics else {})}
+        after = {**engine_counters(HOST, port), **kvtier_counters(metrics)}
         record["random_cpu_s"] = {k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()}
         record["random_engine"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
         hits, got = random_hit_tokens(record["random_engine"]), record["random"]
         self.log(f"  random (nothing can hit): {got['req_per_s']:.2f} req/s, TTFT p50 {got['ttft_p50_ms']:.0f} ms"
                  + (f", [red]yet {hits:.0f} prompt tokens hit[/red]" if hits else ""))
+
+
+def kvtier_counters(port: int | None) -> dict[str, float]:
+    """`engine_counters` of kvtier's own metrics endpoint; empty where there is none or it does
+    not answer (the run's figures then lack kvtier's forward-thread time, nothing else)."""
+    if port is None:
+        return {}
+    try:
+        return engine_counters(HOST, port)
+    except OSError:
+        return {}
 
 
 def random_seeds(model: Path, params: Params) -> tuple[int, ...]:
