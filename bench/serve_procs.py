@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.measure import proc_stat, stat_cpu_s
 from kvtier.testing.ports import listening
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -138,30 +139,22 @@ def cpu_seconds(groups: dict[str, int]) -> dict[str, float]:
     `Proc`'s pid is its group's id), split by process name and main thread against the others:
     `{"vllm serve/VLLM::Worker/main": 12.3, ...}`. Processes that ended are not counted, so take
     both readings while the servers run. Linux only; empty where /proc cannot be read."""
-    tick = os.sysconf("SC_CLK_TCK")
     found: dict[str, float] = {}
     wanted = {pgid: name for name, pgid in groups.items()}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            comm, rest = _stat_fields(entry / "stat")
+            comm, rest = proc_stat(entry / "stat")
             group = wanted.get(int(rest[2]))  # the fields after the name: state, ppid, pgrp, ...
             if group is None:
                 continue
             for task in (entry / "task").iterdir():
-                _, fields = _stat_fields(task / "stat")
                 key = f"{group}/{comm}/{'main' if task.name == entry.name else 'threads'}"
-                found[key] = found.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                found[key] = found.get(key, 0.0) + stat_cpu_s(proc_stat(task / "stat")[1])
         except (OSError, ValueError, IndexError):
             continue  # a process or thread that ended while being read
     return found
-
-
-def _stat_fields(path: Path) -> tuple[str, list[str]]:
-    """A /proc stat file's command name and the fields after it (the name may hold spaces)."""
-    text = path.read_text()
-    return text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
 
 
 def terminate_as_interrupt() -> None:

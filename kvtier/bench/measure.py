@@ -23,7 +23,18 @@ from pathlib import Path
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (another process's: a pool node's)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return stat_cpu_s(proc_stat(Path(f"/proc/{pid}/stat"))[1])
+
+
+def proc_stat(path: Path) -> tuple[str, list[str]]:
+    """A /proc `stat` file (a process's or a thread's): its command name and the fields after it
+    (the name may hold spaces and parentheses: it ends at the last ')')."""
+    text = path.read_text()
+    return text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def stat_cpu_s(fields: list[str]) -> float:
+    """User + system CPU seconds of the fields after a /proc stat file's name (`proc_stat`)."""
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
