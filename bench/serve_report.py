@@ -134,12 +134,8 @@ def compare_rounds(runs: list[dict], plain_runs: list[dict]) -> dict:
 def _random_ratio_per_round(runs: list[dict], plain_runs: list[dict]) -> list[float | None]:
     """Each round's random req/s against plain vLLM's of the same round: the spread the overall
     ratio hides (on a shared machine one round can move by several percent)."""
-    plain = {r["round"]: r["random"] for r in plain_runs if "random" in r}
-
-    def rate(got: dict) -> float | None:
-        return got["completed"] / got["duration_s"] if got.get("duration_s") else None
-
-    return [ratio(rate(r["random"]), rate(plain[r["round"]])) if "random" in r and r["round"] in plain else None
+    plain = {r["round"]: r["random"]["req_per_s"] for r in plain_runs if "random" in r}
+    return [ratio(r["random"]["req_per_s"], plain[r["round"]]) if "random" in r and r["round"] in plain else None
             for r in sorted(runs, key=lambda r: r["round"])]
 
 
