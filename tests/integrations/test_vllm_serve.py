@@ -1,6 +1,7 @@
 """The README's `vllm serve` line, run as written: a real OpenAI-compatible server with kvtier.
 
-The command is read from README.md ("Serving with vLLM"); the test changes only what must be
+The command is read from README.md ("Serving with vLLM"), the connector named with no module path
+(vLLM finds it through kvtier's plugin entry point); the test changes only what must be
 local (the model path becomes a tiny random Llama, the kvtier YAML and metrics port point into
 tmp_path) and adds the flags of vLLM's CPU build and of a small test (`--enforce-eager`, a host
 and port, a small `--max-model-len` and `--num-gpu-blocks-override`, vLLM's own prefix cache off
@@ -9,7 +10,8 @@ so that a repeated prompt can only hit kvtier). Neither the block size nor the d
 CPU). Then: a completion over HTTP, the same long prompt again, kvtier's metrics endpoint scraped
 (per-tier hits from the worker process, served by the engine-core process), kvtier's start-up
 lines found in the server's log, a clean stop (SIGTERM), and a second server on the same
-persistent SSD tier that says how many blocks it restored and hits them.
+persistent SSD tier, its connector given in the long form (`kv_connector_module_path`), that says
+how many blocks it restored and hits them.
 
 Cost: 1-3 minutes on 2 cores: two server starts (~25-60 s each, mostly vLLM's start-up).
 """
@@ -141,13 +143,17 @@ def setup(tmp_path_factory) -> dict:
     return {"work": work, "model": str(model), "config": str(config)}
 
 
-def _start(setup: dict, name: str) -> Server:
+def _start(setup: dict, name: str, module_path: bool = False) -> Server:
+    """The README's server; `module_path`: in the long form, the connector's module named as well."""
     argv = readme_command()
     assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv
     argv[0], argv[2] = str(Path(sys.executable).with_name("vllm")), setup["model"]
     i = argv.index("--kv-transfer-config") + 1
     transfer = json.loads(argv[i])
     assert "kv_load_failure_policy" not in transfer  # vLLM's default ('fail') must work
+    assert "kv_connector_module_path" not in transfer  # vLLM finds the connector by name (kvtier's plugin)
+    if module_path:
+        transfer["kv_connector_module_path"] = "kvtier.integrations.vllm.connector"
     extra = transfer["kv_connector_extra_config"]
     assert set(extra) == {"kvtier_config", "metrics_port"}
     extra.update(kvtier_config=setup["config"], metrics_port=0)  # 0: any free port, named in the log
@@ -177,8 +183,9 @@ def first(setup) -> dict:
 
 @pytest.fixture(scope="module")
 def second(setup, first) -> dict:
-    """A fresh server on the first one's persistent SSD tier: the prompt once, a scrape, SIGTERM."""
-    server = _start(setup, "second")
+    """A fresh server on the first one's persistent SSD tier, its connector given in the long form
+    (with its module path): the prompt once, a scrape, SIGTERM."""
+    server = _start(setup, "second", module_path=True)
     try:
         output = server.complete(PROMPT, setup["model"])
         metrics = server.metrics()
