@@ -69,3 +69,9 @@ def _verbs_problem() -> str:
     except NoRDMADevice as e:
         return str(e)
     return ""
+
+
+def rxe_setup_script() -> Path:
+    """The soft-RoCE set-up script shipped inside the package (`sudo bash PATH up IFACE`: an RDMA
+    device over an Ethernet interface, for hosts without an RDMA NIC; `check`, `down`)."""
+    return Path(__file__).resolve().with_name("rxe_setup.sh")

@@ -41,8 +41,10 @@ except ImportError:  # pragma: no cover - installed with kvtier
 _ZSTD_ERRORS: tuple[type[Exception], ...] = (zstandard.ZstdError,) if zstandard is not None else ()
 
 MOONCAKE_BLOCK_TOKENS = 512
-# In CI the repository is cloned next to `shared/`; so is this checkout.
-DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces" / "mooncake"
+# The Mooncake traces ship inside the package (compressed; see the README there), so an installed
+# kvtier finds `--trace conversation` wherever it runs.
+DEFAULT_TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake"
+TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 
 class TraceError(KVTierError, ValueError):
@@ -129,7 +131,8 @@ def resolve_trace_path(name: str | Path) -> Path:
     for candidate in (*names, *(n + z for n in names[1:] for z in (".gz", ".zst"))):
         if (DEFAULT_TRACE_DIR / candidate).is_file():
             return DEFAULT_TRACE_DIR / candidate
-    known = sorted(p.name for p in DEFAULT_TRACE_DIR.glob("*.jsonl")) if DEFAULT_TRACE_DIR.is_dir() else []
+    known = sorted(p.name for p in DEFAULT_TRACE_DIR.iterdir() if p.name.endswith(TRACE_SUFFIXES)) \
+        if DEFAULT_TRACE_DIR.is_dir() else []
     hint = f"; traces in {DEFAULT_TRACE_DIR}: {', '.join(known)}" if known else ""
     raise TraceError(f"trace file not found: {str(name)!r}{hint}")
 

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.simulate.trace import DEFAULT_TRACE_DIR, Trace, load_trace
+from kvtier.simulate.trace import Trace, load_trace
 
-TRACE_DIR = Path(os.environ.get("KVTIER_TRACE_DIR", DEFAULT_TRACE_DIR))
+# The uncompressed originals (the package ships them compressed): the shared/ directory the
+# repository is cloned next to, as in CI, or KVTIER_TRACE_DIR.
+SHARED_TRACE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces" / "mooncake"
+TRACE_DIR = Path(os.environ.get("KVTIER_TRACE_DIR", SHARED_TRACE_DIR))
 needs_traces = pytest.mark.skipif(
     not (TRACE_DIR / "conversation_trace.jsonl").is_file(),
     reason=f"Mooncake traces not found in {TRACE_DIR} (the shared/ directory next to the repo, or KVTIER_TRACE_DIR)",
