@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import tempfile
 from dataclasses import asdict, dataclass
@@ -77,7 +78,10 @@ def check_rdma(verbs: str = "pyverbs") -> list[Check]:
         v = load_verbs(verbs)
         names = device_names(v)
     except NoRDMADevice as e:
-        return [Check("rdma", "warn", str(e), "pool traffic uses TCP; for soft-RoCE run kvtier/pool/rxe_setup.sh IFACE")]
+        from kvtier.pool.detect import rxe_setup_script
+
+        return [Check("rdma", "warn", str(e),
+                      f"pool traffic uses TCP; for soft-RoCE: sudo bash {rxe_setup_script()} up IFACE")]
     out = []
     for name in names:
         ctx = v.Context(name=name)
@@ -159,22 +163,53 @@ def check_hugepages(meminfo: Path = Path("/proc/meminfo"),
 
 
 def check_o_direct(ssd_dir: str | None) -> Check:
+    """O_DIRECT where the SSD tier would keep its slab files.
+
+    A folder that does not exist yet is no failure: the tier creates it at start-up (as `kvtier info`
+    says), so it is judged the way the tier makes it (`kvtier.tiers.build._make_ssd_directory`): its
+    nearest existing ancestor must be a directory that is no device or kernel folder and takes a new
+    folder, and O_DIRECT is probed in a scratch folder made there and removed. A folder it could not
+    make (a file on the path, an unwritable ancestor) is a failure naming why.
+    """
     from kvtier.errors import TierIOError
-    from kvtier.tiers.ssd import (
-        _probe_direct,  # the SSD tier's own probe, so both agree
-    )
+    from kvtier.tiers.ssd_files import open_directory
 
     directory = Path(ssd_dir) if ssd_dir else Path(tempfile.gettempdir())
+    name, hint = f"O_DIRECT on {directory}", "give --ssd-dir (or tiers.ssd.path) a folder kvtier can write in"
+    existing = next(p for p in (directory, *directory.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        why = "is not a directory" if existing == directory else f"is not a directory, so {directory} cannot be created"
+        return Check(name, "fail", f"{existing} {why}", hint)
     try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-doctor-") as f:
-            f.truncate(4096)
-            f.flush()
-            refusal = _probe_direct(f.name)
+        os.close(open_directory(str(existing)))
+        if existing == directory:
+            refusal, where = _probe_in(directory), ""
+        else:
+            with tempfile.TemporaryDirectory(dir=existing, prefix=".kvtier-doctor-") as scratch:
+                refusal = _probe_in(Path(scratch))
+            where = f" (probed in {existing}: the directory is created at start-up)"
     except (OSError, TierIOError) as e:
-        return Check(f"O_DIRECT on {directory}", "fail", f"cannot probe: {e}", "check --ssd-dir exists and is writable")
+        why = "cannot probe" if existing == directory else f"cannot create the directory in {existing}"
+        return Check(name, "fail", f"{why}: {e.strerror or e}", hint)
     if refusal:
-        return Check(f"O_DIRECT on {directory}", "warn", refusal, "the SSD tier falls back to the page cache here")
-    return Check(f"O_DIRECT on {directory}", "ok", "an aligned O_DIRECT write and read succeeded")
+        return Check(name, "warn", refusal + where, "the SSD tier falls back to the page cache here")
+    return Check(name, "ok", "an aligned O_DIRECT write and read succeeded" + where)
+
+
+def _probe_in(directory: Path) -> str | None:
+    """The SSD tier's own probe (so both agree) on a scratch file in `directory`, removed after.
+
+    Returns:
+        Why O_DIRECT is refused there, or None when it works.
+    Raises:
+        OSError: the scratch file cannot be made or probed.
+    """
+    from kvtier.tiers.ssd import _probe_direct
+
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-doctor-") as f:
+        f.truncate(4096)
+        f.flush()
+        return _probe_direct(f.name)
 
 
 def check_cuda() -> Check:

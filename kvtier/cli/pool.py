@@ -86,6 +86,9 @@ def node_config(args: argparse.Namespace):
 
     host, port = parse_address(args.listen, "--listen")
     capacity = parse_size(args.capacity, "--capacity")
+    if capacity < 4096:  # checked first: the default region size derives from it
+        raise ConfigError(f"--capacity: {args.capacity} is not a positive size" if capacity == 0 else
+                          f"--capacity: {args.capacity} is below the smallest region, 4 KiB")
     region = parse_size(args.region_size, "--region-size") if args.region_size else min(64 << 20, capacity // 4096 * 4096)
     if region < 4096 or region % 4096:
         raise ConfigError(f"--region-size: must be a positive multiple of 4 KiB, got {region}")
@@ -172,15 +175,15 @@ def _serve_metrics(args: argparse.Namespace, node: Any) -> Any:
 
 def run_stats(args: argparse.Namespace) -> int:
     from kvtier.pool.client.api import PoolClient
-    from kvtier.pool.tenants import read_secret
+    from kvtier.pool.tenants import read_secret_file
 
-    secret = read_secret(None, args.secret_file, "--secret-file")
+    secret = read_secret_file(args.secret_file, "--secret-file") if args.secret_file is not None else b""
     with PoolClient([args.address], tenant=args.tenant, secret=secret, timeout_s=args.timeout_s,
                     reconnect_s=0.0) as client:
         facts = client.stats()[0]
-    if "error" in facts:
+    if "error" in facts:  # the node is unreachable, timed out or broke the protocol: a connection error
         print(f"kvtier pool stats: {facts['error']}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(facts, indent=2))
         return 0

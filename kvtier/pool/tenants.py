@@ -119,12 +119,22 @@ def read_secret(secret: Any, secret_file: Any, where: str, base: Path | None = N
     if secret is not None and secret_file is not None:
         raise ConfigError(f"{where}: give secret or secret_file, not both")
     if secret_file is not None:
-        path = Path(str(secret_file)).expanduser()
-        path = base / path if base is not None and not path.is_absolute() else path
-        try:
-            return path.read_bytes().strip()
-        except OSError as e:
-            raise ConfigError(f"{where}.secret_file: {path}: {e.strerror}") from None
+        return read_secret_file(secret_file, f"{where}.secret_file", base)
     if secret is not None and not isinstance(secret, str):
         raise ConfigError(f"{where}.secret: expected a string")
     return (secret or "").encode()
+
+
+def read_secret_file(secret_file: Any, field: str, base: Path | None = None) -> bytes:
+    """The secret in `secret_file` (surrounding whitespace stripped; a relative path is under `base`
+    where given); `field` names where the path came from (a config field, a flag) in the error.
+
+    Raises:
+        ConfigError: the file is unreadable.
+    """
+    path = Path(str(secret_file)).expanduser()
+    path = base / path if base is not None and not path.is_absolute() else path
+    try:
+        return path.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"{field}: {path}: {e.strerror}") from None

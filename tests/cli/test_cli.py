@@ -165,6 +165,11 @@ def test_info_and_doctor_create_nothing_on_disk(results: dict[str, subprocess.Co
     ssd = {t["tier"]: t for t in json.loads(results[f"{name}-info"].stdout)["tiers"]}["ssd"]
     assert (ssd["num_slots"], ssd["persist"], ssd["exists"]) == ((1 << 30) // BLOCK_BYTES, True, DESCRIBE_ONLY[name])
     assert isinstance(ssd["o_direct"], bool) and ssd["reason"]
+    # info and doctor agree: a folder kvtier creates at start-up is no failure
+    o_direct = next(c for c in json.loads(results[f"{name}-doctor"].stdout) if c["name"].startswith("O_DIRECT on"))
+    assert o_direct["name"] == f"O_DIRECT on {workdir / name / 'ssd'}" and o_direct["status"] != "fail", o_direct
+    created = "the directory is created at start-up"
+    assert (created in ssd["reason"], created in o_direct["detail"]) == (not DESCRIBE_ONLY[name],) * 2
 
 
 def test_info_table(results: dict[str, subprocess.CompletedProcess]) -> None:

@@ -29,12 +29,66 @@ def test_json_lists_every_check_with_a_status(tmp_path) -> None:
     assert checks["pool"]["detail"].startswith(("tcp", "rdma"))
     if checks["rdma"]["name"] == "rdma":  # no device here: reported with the reason and a hint
         assert "no RDMA device" in checks["rdma"]["detail"] and checks["rdma"]["hint"]
+        script = checks["rdma"]["hint"].split("sudo bash ")[1].split(" ")[0]  # the installed package's copy
+        assert os.path.isfile(script) and script.endswith("kvtier/pool/rxe_setup.sh")
         assert checks["pool"]["detail"].startswith("tcp (no RDMA device")
 
 
-def test_text_output_and_a_missing_ssd_dir_fails(tmp_path) -> None:
-    run = doctor("--ssd-dir", str(tmp_path / "missing"))
-    assert run.returncode == 1 and "[fail] O_DIRECT" in run.stdout and "locked memory" in run.stdout
+def test_a_missing_ssd_dir_kvtier_would_create_passes_and_is_not_created(tmp_path) -> None:
+    # what the SSD tier does at start-up (and `kvtier info` says): the folder is made, so it is no failure
+    run = doctor("--ssd-dir", str(tmp_path / "missing" / "ssd"))
+    line = next(line for line in run.stdout.splitlines() if "O_DIRECT on" in line)
+    assert line.startswith(("[  ok]", "[warn]")), run.stdout
+    assert f"probed in {tmp_path}: the directory is created at start-up" in line
+    assert "locked memory" in run.stdout
+    assert run.returncode == (1 if "[fail]" in run.stdout else 0)
+    assert list(tmp_path.iterdir()) == [], "doctor left something behind"
+
+
+def test_an_ssd_dir_under_a_regular_file_fails_naming_it(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    run = doctor("--ssd-dir", str(tmp_path / "file" / "ssd"))
+    assert run.returncode == 1, run.stdout
+    assert f"[fail] O_DIRECT on {tmp_path / 'file' / 'ssd'}: {tmp_path / 'file'} is not a directory" in run.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_an_ssd_dir_that_is_a_regular_file_fails() -> None:
+    from kvtier.cli.doctor import check_o_direct
+
+    check = check_o_direct(os.devnull)
+    assert (check.status, check.detail) == ("fail", f"{os.devnull} is not a directory") and check.hint
+
+
+def test_an_ssd_dir_under_a_kernel_folder_fails_naming_it() -> None:
+    from kvtier.cli.doctor import check_o_direct
+
+    check = check_o_direct("/proc/kvtier-doctor-test/ssd")
+    assert check.status == "fail" and check.detail.startswith("cannot create the directory in /proc: "), check
+    assert "device or kernel folder" in check.detail
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder")
+def test_an_ssd_dir_under_an_unwritable_folder_fails_naming_it(tmp_path) -> None:
+    from kvtier.cli.doctor import check_o_direct
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        check = check_o_direct(str(locked / "ssd"))
+    finally:
+        locked.chmod(0o755)
+    assert check.status == "fail" and check.name == f"O_DIRECT on {locked / 'ssd'}"
+    assert check.detail == f"cannot create the directory in {locked}: Permission denied", check
+    assert list(locked.iterdir()) == []
+
+
+def test_an_existing_ssd_dir_is_probed_in_place_and_left_as_found(tmp_path) -> None:
+    from kvtier.cli.doctor import check_o_direct
+
+    check = check_o_direct(str(tmp_path))
+    assert check.status in ("ok", "warn") and "created at start-up" not in check.detail, check
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fake_fabric_is_reported_as_a_device(tmp_path) -> None:
