@@ -114,7 +114,9 @@ def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, 
                                 "disk_bytes": num_slots * stride, "persist": cfg.persist}
     if cfg.o_direct is False:
         return {**facts, "o_direct": False, "reason": "o_direct: false in the config"}
-    probe_dir = next((p for p in (cfg.path, *cfg.path.parents) if p.is_dir()), None)
+    probe_dir = next(p for p in (cfg.path, *cfg.path.parents) if os.path.lexists(p))
+    if not probe_dir.is_dir():  # a file on the way: start-up cannot create the folder
+        return {**facts, "o_direct": False, "reason": f"{probe_dir} is not a directory: the tier would fail to start"}
     try:
         with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".kvtier-info-") as f:
             f.truncate(ALIGN_BYTES)

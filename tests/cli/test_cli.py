@@ -222,3 +222,16 @@ def test_bad_config_exits_2_with_one_line(results: dict[str, subprocess.Complete
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"kvtier {command}: error: ") and named in lines[0]
     assert not result_json.exists()
+
+
+def test_info_says_an_ssd_folder_under_a_file_cannot_be_created(tmp_path: Path) -> None:
+    from kvtier.cli.info import collect
+
+    (tmp_path / "a-file").write_text("not a folder")
+    config = tiny_config(tmp_path / "cfg")
+    raw = yaml.safe_load(config.read_text())
+    raw["tiers"]["ssd"]["path"] = str(tmp_path / "a-file" / "ssd")
+    config.write_text(yaml.safe_dump(raw))
+    ssd = next(t for t in collect(str(config))["tiers"] if t["tier"] == "ssd")
+    assert ssd["o_direct"] is False and f"{tmp_path / 'a-file'} is not a directory" in ssd["reason"]
+    assert "created at start-up" not in ssd["reason"]
