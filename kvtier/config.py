@@ -372,6 +372,16 @@ def load_config(path: str | Path | None = None) -> KVTierConfig:
     Raises:
         ConfigError: the file is missing, is not YAML, or a field is invalid.
     """
+    return config_from_dict(read_config_mapping(path))
+
+
+def read_config_mapping(path: str | Path | None = None) -> Any:
+    """The parsed YAML of a config file (None: the embedded `default.yaml`), not yet validated
+    (`config_from_dict` does that): for callers that complete a config before validating it.
+
+    Raises:
+        ConfigError: the file is missing, is not UTF-8 text or is not YAML.
+    """
     if path is None:
         text = resources.files("kvtier").joinpath("configs/default.yaml").read_text()
         source = "embedded default.yaml"
@@ -384,8 +394,7 @@ def load_config(path: str | Path | None = None) -> KVTierConfig:
             raise ConfigError(f"config file {path}: not UTF-8 text") from None
         source = str(path)
     try:
-        raw = load_yaml(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {source}: not valid YAML: {e}") from None
-    return config_from_dict(raw)
 

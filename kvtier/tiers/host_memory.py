@@ -45,6 +45,17 @@ def memory_limit() -> tuple[int, str] | None:
     return min(known) if known else None
 
 
+def available_memory() -> tuple[int, str] | None:
+    """The memory this process could take now without making room: MemAvailable, or its cgroup's
+    limit where that is lower, and where the figure comes from; None where neither can be read."""
+    available = _meminfo_bytes("MemAvailable")
+    known = [(available, "available now (MemAvailable)")] if available is not None else []
+    limit = memory_limit()
+    if limit is not None and limit[1] != "the machine's memory (MemTotal)":
+        known.append(limit)
+    return min(known) if known else None
+
+
 def _cgroup_limit_files() -> list[Path]:
     """Where this process's cgroup memory limit may be written, its own cgroup's first (v2, then v1)."""
     try:

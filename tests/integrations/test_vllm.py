@@ -124,7 +124,7 @@ def test_settings_name_the_weights_in_the_keys(dram_yaml, tiny_model):
 
 
 @pytest.mark.parametrize("extra, facts, message", [
-    ({"kvtier_config": None}, {}, "kvtier_config: missing"),
+    ({"kvtier_config": None, "dram": "0B"}, {}, "kv_connector_extra_config.dram: 0B is not a positive size"),
     ({"kvtier_config": "/nonexistent/kvtier.yaml"}, {}, "/nonexistent/kvtier.yaml"),
     ({"shared_storage_path": "/tmp"}, {}, "shared_storage_path: unknown field"),
     ({"load_timeout_s": 0}, {}, "load_timeout_s"),
@@ -197,7 +197,7 @@ def test_connector_reads_the_engine_from_vllms_config(tiny_model, dram_yaml):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({}, "kvtier_config: missing"),
+    ({"ssd": "/no/size"}, "kv_connector_extra_config.ssd: expected DIR:SIZE"),
     ({"kvtier_config": "<yaml>", "metrics_port": "9090"}, "metrics_port: expected a port number"),
 ])
 def test_connector_refuses_bad_settings_at_start_up(tiny_model, dram_yaml, extra, message):

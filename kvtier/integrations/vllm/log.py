@@ -60,4 +60,4 @@ def settings_summary(settings: Any) -> str:
     ns, layout = settings.namespace, settings.layout
     return (f"kvtier connector: blocks of {ns.block_tokens} tokens (the engine's block size), KV {ns.kv_dtype} "
             f"(the engine's), {layout.num_layers} layers, {layout.block_bytes:,} bytes per block on each of "
-            f"{settings.sharding.num_ranks} rank(s); kvtier config {settings.config_path}")
+            f"{settings.sharding.num_ranks} rank(s); kvtier config: {settings.config_source}")

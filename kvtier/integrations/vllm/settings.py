@@ -19,7 +19,7 @@ from typing import Any
 
 import xxhash
 
-from kvtier.config import KVTierConfig, load_config
+from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.model.geometry import KVDtype
 from kvtier.integrations.vllm.pages import (
@@ -31,6 +31,7 @@ from kvtier.integrations.vllm.pages import (
     inline_scales,
     page_format,
 )
+from kvtier.integrations.vllm.engine_config import ENV, EngineConfig, engine_config
 from kvtier.integrations.vllm.overrides import config_overrides, overrides_id
 from kvtier.integrations.vllm.shards import Sharding, rank_config
 from kvtier.model.keys import BlockKey, Namespace
@@ -40,7 +41,12 @@ from kvtier.model.weights import WeightsSource, user_weights_id, weights_fingerp
 log = logging.getLogger(__name__)
 
 EXTRA = "kv_connector_extra_config"
-_KEYS = {"kvtier_config": "the path of a kvtier YAML config (required)",
+_KEYS = {"dram": f"a DRAM tier of this size, e.g. 8GiB ({ENV['dram']})",
+         "ssd": f"an SSD tier, DIR:SIZE, e.g. /nvme/kv:200GiB ({ENV['ssd']})",
+         "pool": f"pool nodes, HOST:PORT[,HOST:PORT...], SIZE@ in front for kvtier's share (default 16GiB) "
+                 f"({ENV['pool']})",
+         "kvtier_config": f"a kvtier YAML config for everything else ({ENV['kvtier_config']}); without any of "
+                          "these, a DRAM tier sized from the memory available",
          "model_id": "what names the model in block keys (default: the engine's model and revision)",
          "weights_id": "names the weights in block keys (default: a fingerprint of the files the engine loads)",
          "load_timeout_s": "the longest a layer of a load may take before its blocks count as failed (default 30)",
@@ -158,7 +164,7 @@ class Settings:
     of a block; `namespace` keys engine-level blocks, `sharding.keys` this rank's slices of them.
     """
 
-    config_path: Path
+    config_path: Path | None  # the YAML read, None where the config came from short forms alone
     config: KVTierConfig
     layout: BlockLayout
     namespace: Namespace
@@ -173,6 +179,7 @@ class Settings:
     metrics_port: int | None = None  # None: no metrics endpoint
     metrics_addr: str = "127.0.0.1"
     groups: tuple[KVGroup, ...] = ()  # () as in `EngineFacts`: one group of every layer
+    config_source: str = ""  # where the config came from, for the start-up line (`EngineConfig.source`)
     layer_group: Mapping[str, int] = field(default_factory=dict)  # layer name -> group (absent: 0)
 
     @property
@@ -195,7 +202,8 @@ class Settings:
 
     def backend_id(self, rank: int | None = None) -> Hashable:
         """Names a rank's backend (default: this one's) in `SHARED`: one per kvtier config and rank."""
-        return self.config_path, self.sharding.rank if rank is None else rank, self.sharding.num_ranks
+        config = self.config_path if self.config_path is not None else self.config
+        return config, self.sharding.rank if rank is None else rank, self.sharding.num_ranks
 
     def lookup_socket(self, rank: int) -> Path:
         """Where rank `rank`'s worker answers lookups (see `vllm_scheduler.LookupServer`).
@@ -220,12 +228,9 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
     if unknown:
         raise ConfigError(f"{EXTRA}.{unknown[0]}: unknown field; expected "
                           + "; ".join(f"{k}: {v}" for k, v in _KEYS.items()))
-    path = extra.get("kvtier_config")
-    if not isinstance(path, (str, Path)) or not str(path).strip():
-        raise ConfigError(f"{EXTRA}.kvtier_config: missing; expected {_KEYS['kvtier_config']}, got {path!r}")
-    config_path = Path(path).expanduser().resolve()
-    config = load_config(config_path)
-    layout, page = _check_engine(config, config_path, facts)
+    given = engine_config(extra, facts.model_id)
+    config = given.config
+    layout, page = _check_engine(given, facts)
     config = replace(config, block_tokens=facts.block_size, kv_dtype=_kv_dtype(facts.element_dtype, "kv_dtype").value)
     model_id = extra.get("model_id", facts.model_id)
     if not isinstance(model_id, str) or not model_id:
@@ -244,11 +249,11 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
         layer_group = {name: g.index for g in facts.groups for name in g.layer_names}
     else:
         layer_index, layer_group = {name: i for i, name in enumerate(facts.layer_names)}, {}
-    return Settings(config_path, rank_config(config, facts.sharding), layout, namespace, layer_index, timeouts[0],
+    return Settings(given.path, rank_config(config, facts.sharding), layout, namespace, layer_index, timeouts[0],
                     can_load=facts.kv_role in ("kv_both", "kv_consumer"),
                     can_store=facts.kv_role in ("kv_both", "kv_producer"),
                     sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
-                    page_format=page, groups=facts.groups, layer_group=layer_group,
+                    page_format=page, groups=facts.groups, layer_group=layer_group, config_source=given.source,
                     **_metrics(extra, facts.data_parallel_rank))
 
 
@@ -279,20 +284,36 @@ def _seconds(extra: Mapping[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple[BlockLayout, PageFormat]:
+def _check_engine(given: EngineConfig, facts: EngineFacts) -> tuple[BlockLayout, PageFormat]:
     """The kvtier block layout, checked against the engine's KV cache, and the engine's page format.
 
     Block size and KV dtype follow the engine: a kvtier block is one engine block, in the format
-    the engine caches, whatever the kvtier config says (a difference is said in one INFO line).
+    the engine caches, whatever the kvtier config says (a YAML that sets either is told so in one
+    INFO line). The model is the engine's; a YAML that names one has its geometry checked against
+    the engine's KV cache.
     """
+    config, path = given.config, given.path
     page = page_format(facts.device_type, facts.kv_cache_layout, facts.mla, facts.scale_bytes > 0)
     engine_dtype = _kv_dtype(facts.element_dtype, "the engine's KV cache dtype")
-    if config.block_tokens != facts.block_size:
+    if "block_tokens" in given.set_in_yaml and config.block_tokens != facts.block_size:
         log.info("kvtier: blocks of %d tokens, the engine's block size (block_tokens: %d in %s does not apply "
                  "under vLLM)", facts.block_size, config.block_tokens, path)
-    if config.kv_dtype is not None and _kv_dtype(config.kv_dtype, f"kv_dtype: {path}") is not engine_dtype:
+    if "kv_dtype" in given.set_in_yaml and config.kv_dtype is not None \
+            and _kv_dtype(config.kv_dtype, f"kv_dtype: {path}") is not engine_dtype:
         log.info("kvtier: KV cached as %s, the engine's KV cache dtype (kv_dtype: %s in %s does not apply "
                  "under vLLM)", engine_dtype.value, config.kv_dtype, path)
+    if given.model_given:
+        _check_model(config, path, facts, engine_dtype)
+    # a kvtier block holds a whole page per layer (scales included) of one group's layers; groups of
+    # fewer layers than the largest leave the rest of their blocks zero
+    if facts.groups and sorted(n for g in facts.groups for n in g.layer_names) != sorted(facts.layer_names):
+        raise ConfigError("kv_connector: the engine's KV cache groups do not cover its attention layers once each")
+    per_block = max(len(g.layer_names) for g in facts.groups) if facts.groups else len(facts.layer_names)
+    return BlockLayout(facts.block_size, (facts.page_bytes,) * per_block), page
+
+
+def _check_model(config: KVTierConfig, path: Path | None, facts: EngineFacts, engine_dtype: KVDtype) -> None:
+    """Refuses a YAML whose `model` does not describe the engine's KV cache (one line, naming both)."""
     from kvtier.model.catalog import resolve_model
     try:
         geometry = resolve_model(config.model, kv_dtype=engine_dtype)
@@ -301,7 +322,8 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
     whole = geometry.block_layout(facts.block_size)
     if whole.num_layers != len(facts.layer_names):
         raise ConfigError(f"model: {path} describes {whole.num_layers} KV layers ({config.model}) but the engine "
-                          f"has {len(facts.layer_names)}; point model at the served model's config.json")
+                          f"has {len(facts.layer_names)}; leave model out (the engine's is used) or point it at the served "
+                          "model's config.json")
     shards = facts.sharding.num_shards
     kv_bytes = facts.page_bytes - facts.scale_bytes  # a page's KV elements, its scales aside
     wrong = [(i, n) for i, n in enumerate(whole.layer_bytes) if n != kv_bytes * shards]
@@ -310,13 +332,7 @@ def _check_engine(config: KVTierConfig, path: Path, facts: EngineFacts) -> tuple
         scales = f" besides {facts.scale_bytes} bytes of scales" if facts.scale_bytes else ""
         raise ConfigError(f"model: {path}: layer {wrong[0][0]} of a kvtier block holds {wrong[0][1]} bytes{split} "
                           f"but an engine page holds {kv_bytes}{scales}; {config.model} is not the served "
-                          "model's geometry")
-    # a kvtier block holds a whole page per layer (scales included) of one group's layers; groups of
-    # fewer layers than the largest leave the rest of their blocks zero
-    if facts.groups and sorted(n for g in facts.groups for n in g.layer_names) != sorted(facts.layer_names):
-        raise ConfigError("kv_connector: the engine's KV cache groups do not cover its attention layers once each")
-    per_block = max(len(g.layer_names) for g in facts.groups) if facts.groups else whole.num_layers
-    return BlockLayout(whole.block_tokens, (facts.page_bytes,) * per_block), page
+                          "model's geometry (leave model out: the engine's is used)")
 
 
 def _kv_dtype(name: str, what: str) -> KVDtype:
