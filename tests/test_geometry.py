@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.model.catalog import catalog_names, lookup_config, resolve_model
+from kvtier.model.catalog import catalog_match, catalog_names, lookup_config, match_note, resolve_model
 from kvtier.errors import GeometryError, KVTierError
 from kvtier.model.geometry import KVDtype, LayerKind, LayerSpec, ModelGeometry, from_hf_config
 
@@ -235,10 +235,16 @@ def test_model_geometry_validates_itself():
 @pytest.mark.parametrize(
     ("name", "canonical"),
     [("llama-2-7b", "Llama-2-7B"), ("meta-llama/Llama-2-7b-hf", "Llama-2-7B"),
-     ("meta-llama/Llama-2-13b-chat-hf", "Llama-2-13B"), ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3-8B"),
-     ("QWEN2.5-7B", "Qwen2.5-7B"), ("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5-72B"),
-     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B"), ("deepseek-ai/DeepSeek-V3-Base", "DeepSeek-V3"),
-     ("tiny", "kvtier-tiny")],
+     ("meta-llama/Llama-2-13b-chat-hf", "Llama-2-13B"), ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+     ("meta-llama/Meta-Llama-3-8B-Instruct", "Llama-3-8B"), ("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+     ("meta-llama/Llama-3.3-70B-Instruct", "Llama-3.1-70B"), ("meta-llama/Llama-3.2-1B-Instruct", "Llama-3.2-1B"),
+     ("QWEN2.5-7B", "Qwen2.5-7B"), ("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5-72B"), ("Qwen/Qwen2.5-0.5B", "Qwen2.5-0.5B"),
+     ("Qwen/Qwen3-8B", "Qwen3-8B"), ("qwen3-8b", "Qwen3-8B"), ("Qwen/Qwen3-30B-A3B", "Qwen3-30B-A3B"),
+     ("mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B"),
+     ("mistralai/Mixtral-8x22B-Instruct-v0.1", "Mixtral-8x22B"),
+     ("mistralai/Mistral-Large-Instruct-2407", "Mistral-Large-2"), ("deepseek-ai/DeepSeek-V3-Base", "DeepSeek-V3"),
+     ("deepseek-ai/DeepSeek-R1", "DeepSeek-V3"), ("google/gemma-3-27b-it", "Gemma-3-27B"),
+     ("google/gemma-3-4b-pt", "Gemma-3-4B"), ("openai/gpt-oss-20b", "gpt-oss-20b"), ("tiny", "kvtier-tiny")],
 )  # fmt: skip
 def test_catalog_names_and_hf_ids_resolve(name, canonical):
     assert resolve_model(name).name == canonical
@@ -247,7 +253,21 @@ def test_catalog_names_and_hf_ids_resolve(name, canonical):
 @pytest.mark.parametrize(
     ("name", "bytes_per_token"),
     [("Llama-2-13B", 2 * 40 * 40 * 128 * 2), ("Llama-3-70B", 2 * 80 * 8 * 128 * 2),
-     ("Qwen2.5-72B", 2 * 80 * 8 * 128 * 2), ("Mixtral-8x7B", 2 * 32 * 8 * 128 * 2), ("kvtier-tiny", 512)],
+     ("Qwen2.5-72B", 2 * 80 * 8 * 128 * 2), ("Mixtral-8x7B", 2 * 32 * 8 * 128 * 2), ("kvtier-tiny", 512),
+     # 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16)
+     ("Llama-3.2-1B", 2 * 16 * 8 * 64 * 2), ("Llama-3.2-3B", 2 * 28 * 8 * 128 * 2),
+     ("Llama-3.1-8B", 2 * 32 * 8 * 128 * 2), ("Llama-3.1-70B", 2 * 80 * 8 * 128 * 2),
+     ("Llama-3.1-405B", 2 * 126 * 8 * 128 * 2),
+     ("Qwen2.5-0.5B", 2 * 24 * 2 * 64 * 2), ("Qwen2.5-1.5B", 2 * 28 * 2 * 128 * 2),
+     ("Qwen2.5-3B", 2 * 36 * 2 * 128 * 2),
+     ("Qwen2.5-14B", 2 * 48 * 8 * 128 * 2), ("Qwen2.5-32B", 2 * 64 * 8 * 128 * 2),
+     ("Qwen3-0.6B", 2 * 28 * 8 * 128 * 2), ("Qwen3-1.7B", 2 * 28 * 8 * 128 * 2), ("Qwen3-4B", 2 * 36 * 8 * 128 * 2),
+     ("Qwen3-8B", 2 * 36 * 8 * 128 * 2), ("Qwen3-14B", 2 * 40 * 8 * 128 * 2), ("Qwen3-32B", 2 * 64 * 8 * 128 * 2),
+     ("Qwen3-30B-A3B", 2 * 48 * 4 * 128 * 2), ("Qwen3-235B-A22B", 2 * 94 * 4 * 128 * 2),
+     ("Mixtral-8x22B", 2 * 56 * 8 * 128 * 2), ("Mistral-Large-2", 2 * 88 * 8 * 128 * 2),
+     ("Gemma-3-4B", 2 * 34 * 4 * 256 * 2), ("Gemma-3-12B", 2 * 48 * 8 * 256 * 2),
+     ("Gemma-3-27B", 2 * 62 * 16 * 128 * 2),
+     ("gpt-oss-20b", 2 * 24 * 8 * 64 * 2), ("gpt-oss-120b", 2 * 36 * 8 * 64 * 2)],
 )  # fmt: skip
 def test_catalog_published_geometry(name, bytes_per_token):
     assert resolve_model(name).kv_bytes_per_token() == bytes_per_token
@@ -265,6 +285,56 @@ def test_unknown_model_lists_close_matches():
         resolve_model("llama-2-8b")
     assert isinstance(info.value, KVTierError)
     assert "Known models" in str(info.value)
+
+
+def test_unknown_newer_name_suggests_its_family_and_never_an_older_model():
+    with pytest.raises(GeometryError, match=r"unknown model 'qwen3-9b' \(did you mean Qwen3-8B") as info:
+        resolve_model("qwen3-9b")
+    assert "Qwen2.5" not in str(info.value).split("Known models")[0]
+    with pytest.raises(GeometryError, match=r"did you mean gpt-oss-20b or gpt-oss-120b\?"):
+        resolve_model("gpt-oss-60b")
+
+
+@pytest.mark.parametrize(
+    ("name", "note"),
+    [("meta-llama/Llama-3.1-8B-Instruct", "model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B"),
+     ("qwen3-8b", "model: qwen3-8b matched as Qwen3-8B"),
+     ("meta-llama/Llama-3.3-70B-Instruct", "model: meta-llama/Llama-3.3-70B-Instruct matched as Llama-3.1-70B"),
+     ("Llama-3.1-8B", None), ("Qwen3-8B", None), ("no-such-model", None)],
+)  # fmt: skip
+def test_match_note_names_the_entry_whenever_the_name_typed_differs(name, note):
+    assert match_note(name) == note
+
+
+def test_a_config_on_disk_is_not_a_catalog_match(tmp_path):
+    (tmp_path / "qwen3-8b").mkdir()
+    (tmp_path / "qwen3-8b" / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_attention_heads": 1,
+                                                                   "hidden_size": 8}))  # fmt: skip
+    assert catalog_match(tmp_path / "qwen3-8b") is None and match_note(tmp_path / "qwen3-8b") is None
+    assert catalog_match("qwen3-8b") == "Qwen3-8B"
+
+
+def test_gemma3_keeps_one_global_layer_in_six():
+    model = resolve_model("google/gemma-3-12b-it")
+    per_layer_token = 2 * 8 * 256 * 2
+    assert [s.kind for s in model.layers[:6]] == [LayerKind.SLIDING] * 5 + [LayerKind.FULL]
+    assert model.num_layers_by_kind() == {LayerKind.SLIDING: 40, LayerKind.FULL: 8}
+    assert {s.window_tokens for s in model.layers if s.kind is LayerKind.SLIDING} == {1024}
+    assert model.kv_bytes_for_tokens(8192) == (40 * 1024 + 8 * 8192) * per_layer_token
+
+
+def test_gpt_oss_alternates_a_128_token_window_and_full_attention():
+    model = resolve_model("openai/gpt-oss-120b")
+    per_layer_token = 2 * 8 * 64 * 2
+    assert [s.kind for s in model.layers[:4]] == [LayerKind.SLIDING, LayerKind.FULL] * 2
+    assert model.num_layers_by_kind() == {LayerKind.SLIDING: 18, LayerKind.FULL: 18}
+    assert model.kv_bytes_for_tokens(4096) == (18 * 128 + 18 * 4096) * per_layer_token
+
+
+def test_newer_models_are_their_own_entries_with_their_own_context():
+    assert lookup_config("llama-3.1-8b")[1]["max_position_embeddings"] == 131072
+    assert lookup_config("llama-3-8b")[1]["max_position_embeddings"] == 8192
+    assert resolve_model("llama-3.1-8b").kv_bytes_per_token() == resolve_model("llama-3-8b").kv_bytes_per_token()
 
 
 def test_lookup_returns_a_copy():

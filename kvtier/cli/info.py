@@ -43,7 +43,7 @@ def environment() -> dict[str, Any]:
 
 def collect(config_path: str | None) -> dict[str, Any]:
     """What `kvtier info` prints, from the config alone (`planned_facts`: nothing is built)."""
-    from kvtier.model.catalog import resolve_model
+    from kvtier.model.catalog import match_note, resolve_model
     from kvtier.config import load_config
     from kvtier.tiers.build import planned_facts
 
@@ -53,6 +53,7 @@ def collect(config_path: str | None) -> dict[str, Any]:
     return {
         "config": config_path or "embedded default.yaml",
         "model": geometry.name,
+        "model_note": match_note(cfg.model),  # the config's name when it is not the catalog's own
         "kv_dtype": geometry.kv_dtype.value,
         "kv_bytes_per_token": geometry.kv_bytes_per_token(),
         "block_bytes": layout.block_bytes, "block_tokens": layout.block_tokens, "num_layers": layout.num_layers,
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, default=str))
         return 0
     console = Console()
+    if info["model_note"]:
+        console.print(info["model_note"])
     console.print(f"[bold]kvtier[/] — {info['config']}: model {info['model']} ({info['kv_dtype']}), "
                   f"{info['kv_bytes_per_token']:,} B/token, block = {info['block_tokens']} tokens × "
                   f"{info['num_layers']} layers = {info['block_bytes']:,} B, mode {info['mode']}")

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import xxhash
 
-    from kvtier.model.catalog import resolve_model
+    from kvtier.model.catalog import match_note, resolve_model
     from kvtier.config import load_config
     from kvtier.model.keys import Namespace, block_keys
     from kvtier.runtime import KVTier
@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     cfg = load_config(args.config)
     geometry = resolve_model(cfg.model, kv_dtype=cfg.kv_dtype)
+    if match_note(cfg.model):
+        console.print(match_note(cfg.model))
     layout = geometry.block_layout(cfg.block_tokens)
     ns = Namespace(geometry.name, geometry.kv_dtype.value, cfg.block_tokens, cfg.tenant)
     gen = torch.Generator().manual_seed(0)

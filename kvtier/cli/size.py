@@ -1,8 +1,8 @@
 """`kvtier size`: the operator's planner, from model, contexts, concurrency and GPU to tiers and fabrics.
 
 The arithmetic lives in `kvtier.sizing.planner` (pure functions returning plain data); this module reads
-the arguments, resolves names against the catalogs, and prints the plan as `rich` tables, as JSON,
-or as a PNG chart.
+the arguments, resolves names against the catalogs (saying which entry a name matched when it is not
+the entry's own), and prints the plan as `rich` tables, as JSON, or as a PNG chart.
 
 Examples:
     kvtier size --model llama-2-7b --context 4096 --concurrency 8 --gpu RTX-4090-24
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from fractions import Fraction
 from typing import Any
 
@@ -22,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier.sizing.capacity import PlanInputs, plan
-from kvtier.model.catalog import count_weight_params, resolve_config, resolve_model
+from kvtier.model.catalog import count_weight_params, match_note, resolve_config, resolve_model
 from kvtier.errors import ConfigError, GeometryError
 from kvtier.model.geometry import ModelGeometry
 from kvtier.sizing.hardware import GPU, resolve_gpu
@@ -112,11 +113,24 @@ def run(args: argparse.Namespace) -> int:
     report = plan(geometry, workload, args.block_tokens, inputs)
     if args.plot:
         plot_report(report, geometry, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report, Console())
+    _emit(report, args.model, as_json=args.json)
     return 0
+
+
+def _emit(report: dict[str, Any], model: str, as_json: bool) -> None:
+    """Prints the plan, after `model: X matched as Y` when the name typed is not the catalog's own
+    (on stderr with --json, which also records the name typed as `model_requested`)."""
+    note = match_note(model)
+    if as_json:
+        if note:
+            report["model_requested"] = model
+            print(note, file=sys.stderr)  # stdout stays one JSON object
+        print(json.dumps(report, indent=2))
+        return
+    console = Console()
+    if note:
+        console.print(note, markup=False, highlight=False)
+    print_report(report, console)
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -215,9 +229,9 @@ def _headline(report: dict[str, Any]) -> str:
 
 def _per_token_table(report: dict[str, Any]) -> Table:
     table = Table(title="KV cache per token and per block")
-    table.add_column("unit")
+    table.add_column("KV of")
     table.add_column("bytes", justify="right")
-    table.add_column("size", justify="right")
+    table.add_column("size (binary units)", justify="right")
     rows = [("per token (all layers)", report["kv_bytes_per_token"])]
     by_kind = report["kv_bytes_per_token_by_kind"]
     if len(by_kind) > 1:
@@ -229,9 +243,11 @@ def _per_token_table(report: dict[str, Any]) -> Table:
 
 
 def _context_table(report: dict[str, Any]) -> Table:
-    concurrency = report["concurrency"]
+    concurrency, block_tokens = report["concurrency"], report["block_tokens"]
     table = Table(title=f"KV cache per context, × {concurrency:,} concurrent sequences")
-    for header in ("context", "KV / seq", f"KV × {concurrency:,}", "blocks / seq", f"blocks × {concurrency:,}"):
+    headers = ("context (tokens)", "KV / sequence", f"KV, {concurrency:,} sequences",
+               f"{block_tokens:,}-token blocks / sequence", f"bytes in blocks, {concurrency:,} sequences")
+    for header in headers:
         table.add_column(header, justify="right")
     for c in report["contexts"]:
         label = f"{c['label']} {c['context_tokens']:,}" if "label" in c else f"{c['context_tokens']:,}"
@@ -253,8 +269,8 @@ def _hbm_table(report: dict[str, Any]) -> Table:
     h, w = report["hbm"], report["weights"]
     tp = report["parallel"]["tensor_parallel"]
     table = Table(title=f"HBM per GPU: {h['gpu']}, tensor-parallel {tp}")
-    table.add_column("")
-    table.add_column("size", justify="right")
+    table.add_column("per GPU")
+    table.add_column("bytes (binary units)", justify="right")
     table.add_column("note")
     rows = [
         ("HBM", h["hbm_bytes"], ""),
@@ -276,7 +292,7 @@ def _tier_table(report: dict[str, Any]) -> Table:
     t = report["tiers"]
     servers = report["parallel"]["num_servers"]
     table = Table(title="Where the KV lives", caption=f"{servers:,} server(s); {t['placement']}: one copy per block")
-    for header in ("tier", "per server", "cluster", "capacity given"):
+    for header in ("tier", "KV per server", "KV in the cluster", "capacity given"):
         table.add_column(header, justify="right" if header != "tier" else "left")
     caps = t["capacities"]
     given = {"dram": caps["dram_bytes_per_server"], "pool": caps["pool_bytes"], "ssd": caps["ssd_bytes_per_server"]}
@@ -295,10 +311,11 @@ def _reload_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"Reload one context within {r['ttft_target_s']:g} s (per GPU, over one link)")
     table.add_column("fabric", no_wrap=True)
     table.add_column("tier")
-    table.add_column("GB/s", justify="right")
+    table.add_column("link GB/s", justify="right")
     for c in r["contexts"]:
         label = f"{c['label']} " if c["label"] else ""
-        table.add_column(f"{label}{c['context_tokens']:,}\n{format_bytes(c['bytes_per_gpu'])}", justify="right")
+        size = format_bytes(c["bytes_per_gpu"])
+        table.add_column(f"time for {label}{c['context_tokens']:,} tokens\n({size} per GPU)", justify="right")
     for f in r["fabrics"]:
         cells = [_duration(c["seconds"]) + (" ✓" if c["meets_target"] else f" ✗×{c['links_needed']}")
                  for c in f["contexts"]]  # fmt: skip

@@ -3,7 +3,7 @@
 Each entry keeps the published values (layers, heads, KV heads, head size, sliding window, MLA ranks,
 dtype) so `kvtier size` works offline. Names match case-insensitively, in short form (`llama-2-7b`,
 `qwen2.5-7b`) or as Hugging Face ids (`meta-llama/Llama-2-7b-hf`, `Qwen/Qwen2.5-7B-Instruct`):
-the organisation, a leading `Meta-` and the tags `hf`/`chat`/`instruct`/`it`/`base` are ignored,
+the organisation, a leading `Meta-` and the tags `hf`/`chat`/`instruct`/`it`/`pt`/`base` are ignored,
 because those variants share their base model's geometry. They do not share KV: block keys must
 name the weights the engine loaded, never the canonical catalog name.
 """
@@ -19,7 +19,7 @@ from kvtier.errors import GeometryError
 from kvtier.model.geometry import KVDtype, ModelGeometry, from_hf_config, load_hf_config
 from kvtier.units import check_number
 
-_IGNORED_TAGS = frozenset({"hf", "chat", "instruct", "it", "base"})
+_IGNORED_TAGS = frozenset({"hf", "chat", "instruct", "it", "pt", "base"})
 
 
 def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, **extra: Any) -> dict[str, Any]:
@@ -30,12 +30,60 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, **ex
     return cfg | extra
 
 
+def _qwen(model_type: str, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
+          **extra: Any) -> dict[str, Any]:
+    """Qwen2.5/3: a sliding window is declared but not used (`use_sliding_window` false)."""
+    cfg = {
+        "model_type": model_type, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "sliding_window": None,
+        "use_sliding_window": False, "rope_theta": 1000000.0, "vocab_size": 151936, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    return cfg | extra
+
+
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, **extra: Any) -> dict[str, Any]:
+    extra = {"head_dim": 128, "max_position_embeddings": 40960} | extra
+    return _qwen(extra.pop("model_type", "qwen3"), hidden, inter, layers, heads, kv_heads, **extra)
+
+
+def _qwen3_moe(hidden: int, inter: int, expert_inter: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    """Qwen3 MoE: 128 experts, 8 per token, in every layer; `inter` is the unused dense size."""
+    return _qwen3(hidden, inter, layers, heads, kv_heads, model_type="qwen3_moe", moe_intermediate_size=expert_inter,
+                  num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                  tie_word_embeddings=False)  # fmt: skip
+
+
+def _gemma3(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's text model: every 6th layer is global, the other five slide over 1,024 tokens."""
+    return {
+        "model_type": "gemma3_text", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+        "vocab_size": 262208, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+    }  # fmt: skip
+
+
+def _gpt_oss(layers: int, num_experts: int) -> dict[str, Any]:
+    """gpt-oss: layers alternate a 128-token window and full attention; the experts ship in MXFP4."""
+    return {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "num_local_experts": num_experts, "num_experts_per_tok": 4, "max_position_embeddings": 131072,
+        "vocab_size": 201088, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4"},
+    }  # fmt: skip
+
+
 _LLAMA2 = {"max_position_embeddings": 4096, "vocab_size": 32000, "torch_dtype": "float16"}
 _LLAMA3 = {"max_position_embeddings": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}
+_LLAMA31 = _LLAMA3 | {"max_position_embeddings": 131072}
 _QWEN25 = {
     "model_type": "qwen2", "max_position_embeddings": 131072, "vocab_size": 152064, "rope_theta": 1000000.0,
     "sliding_window": 131072, "use_sliding_window": False, "torch_dtype": "bfloat16",
 }  # fmt: skip
+_QWEN25_SMALL = {"max_position_embeddings": 32768, "tie_word_embeddings": True}  # 0.5B-3B: vocab 151,936, tied
+_QWEN25_LARGE = {"max_position_embeddings": 131072, "vocab_size": 152064, "tie_word_embeddings": False}
 _MISTRAL = {
     "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
@@ -47,16 +95,34 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "Llama-2-7B": ((), _llama(4096, 11008, 32, 32, 32, **_LLAMA2)),
     "Llama-2-13B": ((), _llama(5120, 13824, 40, 40, 40, **_LLAMA2)),
     "Llama-2-70B": ((), _llama(8192, 28672, 80, 64, 8, **_LLAMA2)),
-    "Llama-3-8B": (("llama-3.1-8b",), _llama(4096, 14336, 32, 32, 8, **_LLAMA3)),
-    "Llama-3-70B": (("llama-3.1-70b", "llama-3.3-70b"), _llama(8192, 28672, 80, 64, 8, **_LLAMA3)),
+    "Llama-3-8B": ((), _llama(4096, 14336, 32, 32, 8, **_LLAMA3)),
+    "Llama-3-70B": ((), _llama(8192, 28672, 80, 64, 8, **_LLAMA3)),
+    "Llama-3.1-8B": ((), _llama(4096, 14336, 32, 32, 8, **_LLAMA31)),
+    "Llama-3.1-70B": (("llama-3.3-70b",), _llama(8192, 28672, 80, 64, 8, **_LLAMA31)),  # 3.3: same architecture
+    "Llama-3.1-405B": ((), _llama(16384, 53248, 126, 128, 8, **_LLAMA31)),
+    "Llama-3.2-1B": ((), _llama(2048, 8192, 16, 32, 8, head_dim=64, tie_word_embeddings=True, **_LLAMA31)),
+    "Llama-3.2-3B": ((), _llama(3072, 8192, 28, 24, 8, head_dim=128, tie_word_embeddings=True, **_LLAMA31)),
+    "Qwen2.5-0.5B": ((), _qwen("qwen2", 896, 4864, 24, 14, 2, **_QWEN25_SMALL)),
+    "Qwen2.5-1.5B": ((), _qwen("qwen2", 1536, 8960, 28, 12, 2, **_QWEN25_SMALL)),
+    "Qwen2.5-3B": ((), _qwen("qwen2", 2048, 11008, 36, 16, 2, **_QWEN25_SMALL)),
     "Qwen2.5-7B": ((), {
         **_QWEN25, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "max_window_layers": 28,
     }),
+    "Qwen2.5-14B": ((), _qwen("qwen2", 5120, 13824, 48, 40, 8, **_QWEN25_LARGE)),
+    "Qwen2.5-32B": ((), _qwen("qwen2", 5120, 27648, 64, 40, 8, **_QWEN25_LARGE)),
     "Qwen2.5-72B": ((), {
         **_QWEN25, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
         "num_attention_heads": 64, "num_key_value_heads": 8, "max_window_layers": 80,
     }),
+    "Qwen3-0.6B": ((), _qwen3(1024, 3072, 28, 16, 8, tie_word_embeddings=True)),
+    "Qwen3-1.7B": ((), _qwen3(2048, 6144, 28, 16, 8, tie_word_embeddings=True)),
+    "Qwen3-4B": ((), _qwen3(2560, 9728, 36, 32, 8, tie_word_embeddings=True)),
+    "Qwen3-8B": ((), _qwen3(4096, 12288, 36, 32, 8, tie_word_embeddings=False)),
+    "Qwen3-14B": ((), _qwen3(5120, 17408, 40, 40, 8, tie_word_embeddings=False)),
+    "Qwen3-32B": ((), _qwen3(5120, 25600, 64, 64, 8, tie_word_embeddings=False)),
+    "Qwen3-30B-A3B": ((), _qwen3_moe(2048, 6144, 768, 48, 32, 4)),
+    "Qwen3-235B-A22B": ((), _qwen3_moe(4096, 12288, 1536, 94, 64, 4)),
     # v0.1 slides every layer over 4,096 tokens; v0.2/v0.3 dropped the window.
     "Mistral-7B": (("mistral-7b-v0.1",), {
         **_MISTRAL, "sliding_window": 4096, "rope_theta": 10000.0, "vocab_size": 32000,
@@ -68,6 +134,16 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         **_MISTRAL, "model_type": "mixtral", "sliding_window": None, "rope_theta": 1000000.0, "vocab_size": 32000,
         "num_local_experts": 8, "num_experts_per_tok": 2,
     }),
+    "Mixtral-8x22B": (("mixtral-8x22b-v0.1",), {
+        **_MISTRAL, "model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384,
+        "num_hidden_layers": 56, "num_attention_heads": 48, "sliding_window": None, "rope_theta": 1000000.0,
+        "max_position_embeddings": 65536, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+    }),
+    "Mistral-Large-2": (("mistral-large-2407",), {
+        **_MISTRAL, "hidden_size": 12288, "intermediate_size": 28672, "num_hidden_layers": 88,
+        "num_attention_heads": 96, "head_dim": 128, "sliding_window": None, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "vocab_size": 32768,
+    }),
     "DeepSeek-V2-Lite": ((), {
         **_DEEPSEEK_MLA, "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944,
         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
@@ -75,7 +151,8 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "vocab_size": 102400, "torch_dtype": "bfloat16",
         "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
     }),
-    "DeepSeek-V3": ((), {
+    # R1 and the V3 updates keep V3's architecture.
+    "DeepSeek-V3": (("deepseek-v3-0324", "deepseek-v3.1", "deepseek-r1", "deepseek-r1-0528"), {
         **_DEEPSEEK_MLA, "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
         "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
         "num_key_value_heads": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
@@ -90,6 +167,12 @@ _CATALOG: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "max_position_embeddings": 8192, "vocab_size": 256000, "torch_dtype": "float32",
         "tie_word_embeddings": True,
     }),
+    # Gemma 3 1B is left out: whether its window is 512 or 1,024 tokens is not settled here.
+    "Gemma-3-4B": ((), _gemma3(2560, 10240, 34, 8, 4, 256)),
+    "Gemma-3-12B": ((), _gemma3(3840, 15360, 48, 16, 8, 256)),
+    "Gemma-3-27B": ((), _gemma3(5376, 21504, 62, 32, 16, 128)),
+    "gpt-oss-20b": ((), _gpt_oss(24, 32)),
+    "gpt-oss-120b": ((), _gpt_oss(36, 128)),
     # Not a real model: 4 layers x 2 KV heads x 16 dims in fp16 = 512 bytes/token, for tests and demos.
     "kvtier-tiny": (("tiny",), _llama(64, 128, 4, 4, 2, head_dim=16, vocab_size=256, torch_dtype="float16")),
 }  # fmt: skip
@@ -105,10 +188,13 @@ def _normalize(name: str) -> str:
 
 
 def _build_index() -> dict[str, str]:
+    """Normalized name -> canonical name. Two entries may never share a name: a lookup would pick one silently."""
     index: dict[str, str] = {}
     for canonical, (aliases, _) in _CATALOG.items():
         for alias in (canonical, *aliases):
-            index[_normalize(alias)] = canonical
+            key = _normalize(alias)
+            if index.setdefault(key, canonical) != canonical:
+                raise GeometryError(f"catalog: {alias!r} names both {index[key]} and {canonical}")
     return index
 
 
@@ -132,6 +218,34 @@ def lookup_config(name: str) -> tuple[str, dict[str, Any]] | None:
     return canonical, copy.deepcopy(_CATALOG[canonical][1])
 
 
+def catalog_match(name_or_path: str | Path) -> str | None:
+    """The catalog name `name_or_path` resolves to, as `resolve_model` resolves it.
+
+    Returns:
+        The canonical name, or None when the argument is a config on disk or names no catalog model.
+    """
+    if _is_config_path(Path(name_or_path)):
+        return None
+    return _INDEX.get(_normalize(str(name_or_path)))
+
+
+def match_note(name_or_path: str | Path) -> str | None:
+    """`model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B`, for a CLI to print.
+
+    Returns:
+        The line, or None when the name typed is exactly the catalog's, a path, or not in the catalog:
+        a reader then sees the name they typed, or the config's own name, or an error.
+    """
+    canonical = catalog_match(name_or_path)
+    if canonical is None or str(name_or_path) == canonical:
+        return None
+    return f"model: {name_or_path} matched as {canonical}"
+
+
+def _is_config_path(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and (path / "config.json").is_file())
+
+
 def resolve_model(name_or_path: str | Path, kv_dtype: KVDtype | str | None = None) -> ModelGeometry:
     """The geometry of a catalog model or of a Hugging Face config on disk.
 
@@ -148,7 +262,7 @@ def resolve_model(name_or_path: str | Path, kv_dtype: KVDtype | str | None = Non
             unreadable, or its geometry is inconsistent.
     """
     path = Path(name_or_path)
-    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+    if _is_config_path(path):
         return from_hf_config(path, kv_dtype=kv_dtype)
     found = lookup_config(str(name_or_path))
     if found is not None:
@@ -179,7 +293,7 @@ def resolve_config(name_or_path: str | Path) -> tuple[str, dict[str, Any]]:
         GeometryError: unknown name (with close matches), or a missing or unreadable file.
     """
     path = Path(name_or_path)
-    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+    if _is_config_path(path):
         cfg, source = load_hf_config(path)
         return str(cfg.get("_name_or_path") or source or cfg.get("model_type") or "config"), cfg
     found = lookup_config(str(name_or_path))
@@ -196,14 +310,16 @@ def resolve_config(name_or_path: str | Path) -> tuple[str, dict[str, Any]]:
 # Counted: token embedding, attention projections (GQA; DeepSeek MLA with its low-rank q/kv
 # projections), the MLP (gated SwiGLU/GeGLU unless the family is known to be ungated; MoE routed and
 # shared experts and the router), RMSNorm weights and an untied lm_head. Not counted: biases other
-# than Qwen2's q/k/v (and `attention_bias`), rotary buffers, and DeepSeek-V3's multi-token-prediction
-# layer, which engines load only for speculative decoding. Checked against the published totals of
+# than Qwen2's q/k/v, `attention_bias` and gpt-oss's expert, router and attention-sink parameters,
+# rotary buffers, and DeepSeek-V3's multi-token-prediction layer, which engines load only for
+# speculative decoding. Checked against the published totals of
 # every catalog model (tests/sizing/test_planner.py).
 
 _UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "starcoder2", "phi", "opt", "falcon"})
 _QKV_BIAS = frozenset({"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"})
 _QK_NORM = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2"})
 _FOUR_NORMS = frozenset({"gemma2", "gemma3", "gemma3_text"})  # pre/post attention and pre/post MLP
+_EXPERT_BIAS = frozenset({"gpt_oss"})  # biased experts and router, one attention-sink logit per head
 
 
 def count_weight_params(cfg: dict[str, Any], label: str = "config") -> dict[str, int]:
@@ -250,6 +366,8 @@ def _attention_params(cfg: dict[str, Any], hidden: int, label: str) -> int:
         params += q_dim + 2 * kv_dim
     if cfg.get("model_type") in _QK_NORM:
         params += 2 * head_dim
+    if cfg.get("model_type") in _EXPERT_BIAS:
+        params += heads
     return params
 
 
@@ -278,6 +396,8 @@ def _mlp_params(cfg: dict[str, Any], hidden: int, layer: int, label: str) -> int
         router += hidden
     if cfg.get("model_type") == "deepseek_v3":  # the router's score-correction bias
         router += num_experts
+    if cfg.get("model_type") in _EXPERT_BIAS:
+        router += num_experts * (2 * expert_inter + hidden + 1)  # gate/up and down biases, router bias
     return num_matrices * hidden * (num_experts * expert_inter + shared_inter) + router
 
 

@@ -79,6 +79,8 @@ class WeightDtype(enum.Enum):
         quant = cfg.get("quantization_config") or {}
         if quant.get("quant_method") == "fp8":
             return cls.FP8
+        if quant.get("quant_method") == "mxfp4":  # gpt-oss: the experts, nearly all weights; the rest is bf16
+            return cls.FP4
         if quant.get("bits") in (4, 8):
             return cls.INT4 if quant["bits"] == 4 else cls.INT8
         try:

@@ -1,10 +1,10 @@
 """`kvtier bench`: the real command in subprocesses — a real pool node, real files, real sockets.
 
 Asserts structure and sanity, never speed: every tier path has spill and fill rows with positive
-GB/s and ratios, p50 <= p99 <= p999; the PNG plots exist and decode; nothing is left behind in the
-SSD directory. A bad SSD directory (missing, refusing files, read-only, full) exits 2 with a message
-before anything is written: read-only and full are real tmpfs mounts in a private mount namespace
-(`unshare -m`), skipped where the machine does not allow one.
+GB/s and ratios, p50 <= p99 <= p999, small samples flagged; the PNG plots exist and decode; nothing
+is left behind in the SSD directory. A bad SSD directory (missing, refusing files, read-only, full)
+exits 2 with a message before anything is written: read-only and full are real tmpfs mounts in a
+private mount namespace (`unshare -m`), skipped where the machine does not allow one.
 Cost: about 25 s on a busy 2-core machine (one `--quick` run of ~17 s, five refusals in parallel
 at ~3 s of torch import each).
 """
@@ -62,6 +62,8 @@ def test_quick_run_has_sane_rows_for_every_path(quick_run):
         assert r["gbps"] > 0 and r["limit_gbps"] > 0 and r["ratio"] > 0, where
         assert 0 < r["p50_us"] <= r["p99_us"] <= r["p999_us"], where
         assert r["limit"], where
+        assert r["small_sample"] is (r["num_ops"] < 30), where  # a --quick run has rows of a few ops
+        assert r["too_few_ops_for"] == [f for f, n in (("p99_us", 100), ("p999_us", 1000)) if r["num_ops"] < n], where
     sizes = {r["block_bytes"] for r in rows}
     assert sizes == {64 << 10, 1 << 20}
     assert {r["queue_depth"] for r in rows} == {1, 4}
@@ -75,6 +77,11 @@ def test_quick_run_reports_where_it_ran(quick_run):
     table = report["table_markdown"].splitlines()
     assert len(table) == 2 + len(report["rows"]) and table[0].startswith("| path | op |")
     assert table[0] in done.stdout  # the same table is printed
+    for line, r in zip(table[2:], report["rows"]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert (cells[6] == "-") is (r["num_ops"] < 100) and cells[11].endswith("*") is r["small_sample"], line
+    if any(r["small_sample"] for r in report["rows"]):
+        assert "*: ratio from fewer than 30 paired ops" in done.stdout
     assert "transport" in done.stdout and "HBM" in done.stdout
 
 

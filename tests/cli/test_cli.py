@@ -235,3 +235,17 @@ def test_info_says_an_ssd_folder_under_a_file_cannot_be_created(tmp_path: Path) 
     ssd = next(t for t in collect(str(config))["tiers"] if t["tier"] == "ssd")
     assert ssd["o_direct"] is False and f"{tmp_path / 'a-file'} is not a directory" in ssd["reason"]
     assert "created at start-up" not in ssd["reason"]
+
+
+def test_info_says_which_catalog_model_a_name_matched(tmp_path: Path) -> None:
+    from kvtier.cli.info import collect
+
+    exact = tiny_config(tmp_path / "exact")
+    assert collect(str(exact))["model_note"] is None
+    typed = tiny_config(tmp_path / "typed", model="meta-llama/Llama-3.1-8B-Instruct", block_tokens=1)
+    raw = yaml.safe_load(typed.read_text())
+    raw["tiers"] = {"dram": {"capacity": "1MiB"}}  # a few blocks of 128 KiB
+    typed.write_text(yaml.safe_dump(raw))
+    info = collect(str(typed))
+    assert info["model"] == "Llama-3.1-8B"
+    assert info["model_note"] == "model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B"

@@ -74,12 +74,72 @@ def test_table_output_is_readable():
         assert text in out.stdout
 
 
+def test_column_headers_name_what_they_count_and_its_unit():
+    out = kvtier_size(*SEED, "--hbm", "24GiB")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.replace("┃", " ").split())  # rich wraps headers over lines
+    assert "blocks × 8" not in text  # the old header over a byte count
+    for header in ("context (tokens)", "KV / sequence", "KV, 8 sequences", "16-token blocks / sequence",
+                   "bytes in blocks, 8 sequences", "size (binary units)", "KV per server", "link GB/s",
+                   "time for 4,096 tokens"):
+        assert all(word in text for word in header.split()), header
+    headers = _header_cells(out.stdout, "context")
+    assert headers == ["context (tokens)", "KV / sequence", "KV, 8 sequences", "16-token blocks / sequence",
+                       "bytes in blocks, 8 sequences"]
+
+
+def _header_cells(stdout: str, first: str) -> list[str]:
+    """The column headers of the table whose first header starts with `first`, rejoined across lines."""
+    lines = stdout.splitlines()
+    for top, line in enumerate(lines):
+        if line.startswith("┏"):
+            rows = []
+            for header_line in lines[top + 1:]:
+                if header_line.startswith("┡"):
+                    break
+                rows.append([cell.strip() for cell in header_line.strip("┃").split("┃")])
+            cells = [" ".join(filter(None, column)) for column in zip(*rows)]
+            if cells and cells[0].startswith(first):
+                return cells
+    raise AssertionError(f"no table starting with {first!r}")
+
+
+@pytest.mark.parametrize(
+    ("typed", "canonical"),
+    [("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B"), ("qwen3-8b", "Qwen3-8B"),
+     ("Qwen/Qwen3-8B", "Qwen3-8B"), ("google/gemma-3-27b-it", "Gemma-3-27B")],
+)  # fmt: skip
+def test_a_name_that_is_not_the_catalogs_prints_what_it_matched(typed, canonical):
+    out = kvtier_size("--model", typed, "--context", "4096")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == f"model: {typed} matched as {canonical}"
+    assert f"{canonical}:" in out.stdout
+
+
+def test_the_catalogs_own_name_prints_no_match_line_and_json_stays_clean():
+    out = kvtier_size("--model", "Llama-3.1-8B", "--context", "4096")
+    assert out.returncode == 0, out.stderr
+    assert "matched as" not in out.stdout
+    json_out = kvtier_size("--model", "meta-llama/Llama-3.1-8B-Instruct", "--context", "4096", "--json")
+    assert json_out.returncode == 0, json_out.stderr
+    report = json.loads(json_out.stdout)  # the line goes to stderr
+    assert (report["model"], report["model_requested"]) == ("Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct")
+    assert "model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B" in json_out.stderr
+    assert "model_requested" not in size_json("--model", "Llama-3.1-8B", "--context", "4096")
+
+
 def test_unknown_model_exits_2_with_a_clear_message():
     out = kvtier_size("--model", "llama-2-8b", "--context", "4096")
     assert out.returncode == 2
     assert "unknown model 'llama-2-8b'" in out.stderr
     assert "Llama-2-7B" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_unknown_newer_model_suggests_close_names():
+    out = kvtier_size("--model", "Qwen/Qwen3-9B", "--context", "4096")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unknown model 'Qwen/Qwen3-9B' (did you mean Qwen3-8B" in out.stderr
 
 
 @pytest.mark.parametrize(

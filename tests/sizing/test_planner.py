@@ -50,14 +50,50 @@ PUBLISHED_PARAMS = {
 }  # fmt: skip
 
 
+# Newer models, as rounded where they are published: "total" as the Hugging Face model page rounds
+# the checkpoint (or, for gpt-oss, OpenAI's model card); "non-embedding" as the Qwen3 model cards and
+# the Gemma 3 technical report (Table 1, text model without the vision encoder) give it. The count must
+# round to the published figure: within half a unit of its last digit.
+PUBLISHED_ROUNDED = {
+    "Llama-3.1-8B": ("total", "8.03B"), "Llama-3.1-70B": ("total", "70.6B"), "Llama-3.1-405B": ("total", "406B"),
+    "Llama-3.2-1B": ("total", "1.24B"), "Llama-3.2-3B": ("total", "3.21B"),
+    "Qwen2.5-0.5B": ("total", "494M"), "Qwen2.5-1.5B": ("total", "1.54B"), "Qwen2.5-3B": ("total", "3.09B"),
+    "Qwen2.5-14B": ("total", "14.8B"), "Qwen2.5-32B": ("total", "32.8B"),
+    "Qwen3-0.6B": ("non-embedding", "0.44B"), "Qwen3-1.7B": ("non-embedding", "1.4B"),
+    "Qwen3-4B": ("non-embedding", "3.6B"), "Qwen3-8B": ("non-embedding", "6.95B"),
+    "Qwen3-14B": ("non-embedding", "13.2B"), "Qwen3-32B": ("non-embedding", "31.2B"),
+    "Qwen3-30B-A3B": ("non-embedding", "29.9B"), "Qwen3-235B-A22B": ("non-embedding", "234B"),
+    "Mixtral-8x22B": ("total", "141B"), "Mistral-Large-2": ("total", "123B"),
+    "Gemma-3-4B": ("non-embedding", "3209M"), "Gemma-3-12B": ("non-embedding", "10759M"),
+    "Gemma-3-27B": ("non-embedding", "25600M"),
+    "gpt-oss-20b": ("total", "20.91B"), "gpt-oss-120b": ("total", "116.83B"),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(("name", "params"), PUBLISHED_PARAMS.items())
 def test_counted_parameters_match_the_published_totals(name, params):
     canonical, cfg = resolve_config(name)
     assert sum(count_weight_params(cfg, canonical).values()) == params
 
 
+@pytest.mark.parametrize(("name", "published"), PUBLISHED_ROUNDED.items())
+def test_counted_parameters_round_to_the_published_figures(name, published):
+    what, figure = published
+    canonical, cfg = resolve_config(name)
+    parts = count_weight_params(cfg, canonical)
+    counted = sum(parts.values()) if what == "total" else parts["attention"] + parts["mlp"] + parts["norms"]
+    digits, unit = figure[:-1], {"M": 1e6, "B": 1e9}[figure[-1]]
+    decimals = len(digits.partition(".")[2])
+    assert abs(counted / unit - float(digits)) <= 0.5 * 10**-decimals, (counted, figure)
+
+
 def test_every_catalog_model_has_a_parameter_count():
-    assert set(catalog_names()) - set(PUBLISHED_PARAMS) == {"kvtier-tiny"}
+    assert set(catalog_names()) - set(PUBLISHED_PARAMS) - set(PUBLISHED_ROUNDED) == {"kvtier-tiny"}
+
+
+def test_gpt_oss_weights_are_sized_in_mxfp4():
+    assert WeightDtype.of_config(resolve_config("openai/gpt-oss-20b")[1]) is WeightDtype.FP4
+    assert WeightDtype.of_config(resolve_config("qwen3-8b")[1]) is WeightDtype.BF16
 
 
 def test_tiny_parameters_by_hand():
