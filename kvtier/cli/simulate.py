@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvtier.cli.bench import create_folder
-from kvtier.model.catalog import resolve_model
+from kvtier.model.catalog import match_note, resolve_model
 from kvtier.cli.simulate_tables import print_report
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError
 from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREFILL_TOKENS_PER_S, SimConfig,
-                             SimPolicy, VirtualTier, parse_capacity, simulate)
+                                    SimPolicy, VirtualTier, parse_capacity, simulate)
+from kvtier.simulate.report import admission_notes
 from kvtier.simulate.servers import Route, check_num_servers, compare, planned_replays, plot_servers
-from kvtier.simulate.sweep import default_points, default_target, plot_runs, plot_sweep, recommend, sweep
+from kvtier.simulate.sweep import (bracket, default_points, default_target, labels_to_search, planned_bisections,
+                                  plot_runs, plot_sweep, recommend, search_smallest, sweep)
 from kvtier.simulate.trace import MOONCAKE_BLOCK_TOKENS, OnError, Trace, load_trace, resolve_trace_path
 from kvtier.kinds import TierKind
 from kvtier.units import check_number
@@ -50,7 +52,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Replay a request trace through kvtier's manager and policies with virtual tiers.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="FILE",
-                   help="JSONL trace, or a name in ../shared/data/traces/mooncake (conversation, synthetic)")
+                   help="JSONL trace (.jsonl, .gz, .zst), or the name of a trace shipped with kvtier: conversation, synthetic (Mooncake)")
     p.add_argument("--capacity", action="append", default=[], metavar="TIER=N", help="a tier and its capacity (repeat)")
     p.add_argument("--bandwidth", action="append", default=[], metavar="TIER=GB/s",
                    help="load bandwidth of a tier (defaults: " + ", ".join(
@@ -76,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     p.add_argument("--on-error", choices=[e.value for e in OnError], default=OnError.STOP.value,
                    help="malformed trace lines: stop with an error naming the line (default) or skip them")
-    p.add_argument("--sweep", action="store_true", help="sweep one tier's capacity and recommend the smallest")
+    p.add_argument("--sweep", action="store_true", help="sweep one tier's capacity, then bisect to the smallest reaching the target, and recommend it")
     p.add_argument("--sweep-tier", default=None, metavar="TIER", help="tier to sweep (default: the last --capacity)")
     p.add_argument("--sweep-points", default=None, metavar="N,N,...",
                    help="capacities to try (default 1%%,2%%,5%%,10%%,20%%,30%%,50%%,75%%,100%% of distinct blocks)")
@@ -89,7 +91,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --servers: by conversation (session affinity, default) or round-robin by request")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars or loading status")
     p.set_defaults(func=run)
     return p
 
@@ -106,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         create_folder(Path(args.plot), "--plot")  # now, not after a replay of minutes
     block_tokens = _positive_int(args.block_tokens, "block-tokens", maximum=MAX_BLOCK_TOKENS)
-    trace = load_trace(resolve_trace_path(args.trace), block_tokens=block_tokens,
-                       on_error=OnError(args.on_error),
-                       limit=None if args.limit is None else _positive_int(args.limit, "limit"))
+    limit = None if args.limit is None else _positive_int(args.limit, "limit")
+    path = resolve_trace_path(args.trace)
+    with _loading(path, not args.no_progress):
+        trace = load_trace(path, block_tokens=block_tokens, on_error=OnError(args.on_error), limit=limit)
     if trace.skipped_lines:
         _warn_skipped(trace)
     geometry = resolve_model(args.model, kv_dtype=args.kv_dtype)
+    if match_note(args.model):
+        print(match_note(args.model), file=sys.stderr)
     block_bytes = geometry.block_bytes(trace.block_tokens)
     bandwidths = DEFAULT_BANDWIDTH_GBPS | _pairs(args.bandwidth, "bandwidth", _bandwidth)
     capacities = _pairs(args.capacity, "capacity", lambda v, where: parse_capacity(
@@ -125,11 +130,11 @@ def run(args: argparse.Namespace) -> int:
     tiers = capacities or {sweep_tier: 1}  # a sweep-only run: the swept tier's size is replaced anyway
     configs = _configs(args, tiers, bandwidths, block_bytes)
     points = _sweep_points(args, trace, block_bytes) if args.sweep else []
-    num_replays = (len(configs) if capacities else 0) + len(configs) * len(points)
-    with _progress(len(trace.requests) * num_replays, not args.no_progress) as advance:
-        runs = [simulate(trace, c, on_progress=advance) for c in configs] if capacities else []
-        rows = sweep(trace, configs, sweep_tier, points, bandwidths[sweep_tier], on_progress=advance) if points else []
-    report = _report(args, trace, geometry, block_bytes, runs, rows, sweep_tier)
+    target = _target(args, trace) if points else None
+    with _progress(not args.no_progress) as bars:
+        runs, rows = _replay(trace, configs, bool(capacities), (sweep_tier, points, bandwidths[sweep_tier]), bars)
+        searches = _search(trace, configs, rows, target, (sweep_tier, points, bandwidths[sweep_tier]), bars)
+    report = _report(args, trace, geometry, block_bytes, runs, rows, sweep_tier, searches, target)
     if args.plot:
         report["plots"] = _plots(Path(args.plot), runs, rows, report, trace)
     if args.json:
@@ -172,9 +177,10 @@ def _run_servers(args: argparse.Namespace, trace: Trace, geometry: Any, block_by
                           "per-server HBM or SSD around a shared pool is not modelled")
     config = _configs(args, capacities, bandwidths, block_bytes)[0]
     route = Route(args.route or Route.CONVERSATION.value)
-    total = len(trace.requests) * planned_replays(num_servers * capacities[TierKind.DRAM])
-    with _progress(total, not args.no_progress) as advance:
-        result = compare(trace, config, num_servers, route, bandwidths[TierKind.POOL], on_progress=advance)
+    name = f"{config.label}, {num_servers} servers"
+    with _progress(not args.no_progress) as bars:
+        bars.add(name, len(trace.requests) * planned_replays(num_servers * capacities[TierKind.DRAM]))
+        result = compare(trace, config, num_servers, route, bandwidths[TierKind.POOL], on_progress=bars.advance(name))
     report = _report(args, trace, geometry, block_bytes, [], [], TierKind.DRAM)
     report["servers"] = result
     report["notes"] += ["--servers models the DRAM level only (no HBM in front, no SSD behind); the pool's "
@@ -275,21 +281,81 @@ def _warn_skipped(trace: Trace) -> None:
           file=sys.stderr)
 
 
+def _replay(trace: Trace, configs: list[SimConfig], with_runs: bool, swept: tuple[TierKind, list[int], float],
+            bars: _Bars) -> tuple[list[dict], list[dict]]:
+    """Each configuration's run (if capacities were given) and sweep, one progress bar per configuration."""
+    tier, points, bandwidth = swept
+    for config in configs:
+        bars.add(config.label, len(trace.requests) * (int(with_runs) + len(points)))
+    runs, rows = [], []
+    for config in configs:
+        advance = bars.advance(config.label)
+        if with_runs:
+            runs.append(simulate(trace, config, on_progress=advance))
+        if points:
+            rows += sweep(trace, [config], tier, points, bandwidth, on_progress=advance)
+    return runs, rows
+
+
+def _search(trace: Trace, configs: list[SimConfig], rows: list[dict], target: float | None,
+            swept: tuple[TierKind, list[int], float], bars: _Bars) -> list[dict]:
+    """Bisects the grid bracket of the configurations that may be recommended (kvtier/simulate/sweep.py)."""
+    if not rows or target is None or trace.max_block_hit_rate <= 0:
+        return []  # nothing to size: `recommend` says so
+    tier, _, bandwidth = swept
+    chosen = [config for config in configs if config.label in labels_to_search(rows, target)]
+    for config in chosen:  # a bar each, added up front so every estimate shows from the start
+        below, above = bracket(rows, config.label, target)
+        bars.add(f"{config.label}: bisecting", len(trace.requests) * planned_bisections(below, above))
+    return [search_smallest(trace, config, tier, rows, target, bandwidth,
+                            on_progress=bars.advance(f"{config.label}: bisecting")) for config in chosen]
+
+
+class _Bars:
+    """One rich progress task per configuration, named by its label, each with its own count and time estimate."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+        self.tasks: dict[str, Any] = {}
+
+    def add(self, name: str, total: int) -> None:
+        if self.progress is not None and total:
+            self.tasks[name] = self.progress.add_task(name, total=total)
+
+    def advance(self, name: str) -> Callable[[int], None] | None:
+        """A callback for `simulate`'s `on_progress` that advances `name`'s task (None when no bars are shown)."""
+        if self.progress is None or name not in self.tasks:
+            return None
+        progress, task = self.progress, self.tasks[name]
+        return lambda n: progress.advance(task, n)
+
+
 @contextmanager
-def _progress(total: int, wanted: bool) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr, shown only on a terminal."""
+def _progress(wanted: bool) -> Iterator[_Bars]:
+    """Progress bars on stderr, shown only on a terminal and without --no-progress."""
     console = Console(stderr=True)
-    if not wanted or not console.is_terminal or total == 0:
-        yield None
+    if not wanted or not console.is_terminal:
+        yield _Bars(None)
         return
-    columns = (TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+               TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("replay", total=total)
-        yield lambda n: progress.advance(task, n)
+        yield _Bars(progress)
+
+
+@contextmanager
+def _loading(path: Path, wanted: bool) -> Iterator[None]:
+    """A spinner on stderr while the trace loads (a large one takes seconds), shown only on a terminal."""
+    console = Console(stderr=True)
+    if not wanted or not console.is_terminal:
+        yield
+        return
+    with console.status(f"loading {path} ..."):
+        yield
 
 
 def _report(args: argparse.Namespace, trace: Trace, geometry: Any, block_bytes: int, runs: list[dict],
-            rows: list[dict], sweep_tier: TierKind) -> dict:
+            rows: list[dict], sweep_tier: TierKind, searches: Sequence[dict] = (), target: float | None = None) -> dict:
     report: dict[str, Any] = {
         "trace": trace.describe(),
         "model": {"name": geometry.name, "kv_dtype": geometry.kv_dtype.value,
@@ -299,14 +365,16 @@ def _report(args: argparse.Namespace, trace: Trace, geometry: Any, block_bytes: 
                       "tier each hit came from); no overlap, no queueing",
         "runs": runs,
     }
-    if runs:  # the first run's headline figures, also at the top level
+    if len(runs) == 1:  # the run's headline figures, also at the top level
         report["block_hit_rate"] = runs[0]["block_hit_rate"]
         report["tiers"] = runs[0]["tiers"]
-    report["notes"] = _notes(runs or rows)
+    elif runs:  # no top-level figure a reader could take for every run's: each run's, by its label
+        report["block_hit_rate_by_run"] = {r["label"]: r["block_hit_rate"] for r in runs}
+    report["notes"] = _notes(runs or rows) + admission_notes(runs)
     if rows:
         report["sweep"] = {"tier": sweep_tier.name.lower(), "points": sorted({r["capacity_blocks"] for r in rows}),
-                           "rows": rows,
-                           "recommendation": recommend(rows, _target(args, trace), trace.max_block_hit_rate)}
+                           "rows": rows, "searches": searches,
+                           "recommendation": recommend(rows, target, trace.max_block_hit_rate, searches)}
     return report
 
 

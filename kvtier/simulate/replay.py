@@ -73,7 +73,7 @@ from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.native_replay import MAX_BLOCKS, NativeTier, NotNative, intern_requests, run_native
-from kvtier.simulate.report import ReplayCounts, make_report
+from kvtier.simulate.report import ADMISSION_MIN_HITS, ADMISSION_TIERS, ReplayCounts, make_report
 from kvtier.simulate.trace import Trace
 from kvtier.observing.stats import DropReason
 from kvtier.kinds import TierKind
@@ -89,10 +89,8 @@ DEFAULT_BANDWIDTH_GBPS: dict[TierKind, float] = {
     TierKind.POOL: 12.5,  # 100 GbE RDMA
     TierKind.SSD: 6.0,  # one NVMe Gen4 drive
 }
-# With admission on, these tiers (slow, wear-limited or shared) admit only blocks hit at least
-# ADMISSION_MIN_HITS times, whether stored directly or demoted: blocks used once never reach them.
-ADMISSION_TIERS = frozenset({TierKind.POOL, TierKind.SSD})
-ADMISSION_MIN_HITS = 1
+# With admission on, ADMISSION_TIERS (defined in report.py, whose notes describe them) admit only
+# blocks hit at least ADMISSION_MIN_HITS times, stored directly or demoted: blocks used once never reach them.
 PROGRESS_EVERY = 256  # requests between progress callbacks
 
 
@@ -186,6 +184,16 @@ class SimConfig:
         return self.policy.value + ("+admission" if self.admission else "")
 
 
+def blocks_of_share(share: float, num_unique_blocks: int) -> int:
+    """Slots that hold `share` (a fraction, 0.05 for 5 %) of a trace's distinct blocks: the nearest whole count.
+
+    The one rounding rule for a capacity given as a share, used by `--capacity dram=5%` and by the
+    sweep's default points alike, so the same share names the same size everywhere (Python's
+    `round`: a tie goes to the even count). The result may be 0; callers decide what that means.
+    """
+    return round(share * num_unique_blocks)
+
+
 def parse_capacity(text: str, *, block_bytes: int, num_unique_blocks: int, where: str) -> int:
     """Slots from a capacity: blocks (`18279`), bytes (`64GiB`, `500GB`) or a share of the trace (`10%`).
 
@@ -209,7 +217,7 @@ def parse_capacity(text: str, *, block_bytes: int, num_unique_blocks: int, where
             share = float(value[:-1])
             if not math.isfinite(share):
                 raise ValueError
-            blocks = math.floor(share / 100 * num_unique_blocks)
+            blocks = blocks_of_share(share / 100, num_unique_blocks)
         elif value.lstrip("+").isdigit():
             blocks = int(value)
         else:

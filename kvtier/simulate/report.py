@@ -2,7 +2,8 @@
 
 `ReplayCounts` is what the manager's replay and the native engine both hand back; `make_report`
 turns it into the JSON-ready dict that the CLI prints and `--json` writes (see
-`kvtier.simulate.replay` for what each count means).
+`kvtier.simulate.replay` for what each count means); `admission_notes` explains, across the runs
+of one command, what admission filtered out.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.kinds import TierKind
+from kvtier.observing.stats import DropReason
 from kvtier.simulate.trace import Trace
 
 if TYPE_CHECKING:
     from kvtier.simulate.replay import SimConfig, VirtualTier
+
+# With admission on, these tiers (slow, wear-limited or shared) admit only blocks hit at least
+# ADMISSION_MIN_HITS times, stored directly or demoted (`replay._tier_rules`); defined here, where
+# `admission_notes` describes them, because replay imports this module.
+ADMISSION_TIERS = frozenset({TierKind.POOL, TierKind.SSD})
+ADMISSION_MIN_HITS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +116,31 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
     p50, p90, p99 = np.percentile(np.asarray(values), [50, 90, 99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
+
+
+def admission_notes(runs: list[dict]) -> list[str]:
+    """Per run with admission on, one line saying why its pool and SSD tiers hit less: what admission refused.
+
+    With admission on, `replay._tier_rules` gives every pool or SSD tier below the top one the rule
+    "admit only blocks hit `ADMISSION_MIN_HITS` times so far", for direct stores and demotions alike;
+    a refused block leaves the cache (`DropReason.ADMISSION`). Where the same policy also ran without
+    admission, the line gives each filtered tier's hit rate (share of all accesses) in both runs.
+    """
+    notes = []
+    for run in runs:
+        filtered = [name for i, name in enumerate(run["tiers"]) if i > 0 and TierKind[name.upper()] in ADMISSION_TIERS]
+        if run["admission"] != "on" or not filtered:
+            continue
+        refused = run["dropped"].get(DropReason.ADMISSION, 0)
+        times = f"{ADMISSION_MIN_HITS} time{'s' * (ADMISSION_MIN_HITS != 1)}"
+        text = (f"{run['label']}: admission lets {' and '.join(filtered)} take only blocks already hit at least "
+                f"{times}, stored or demoted alike; {refused:,} blocks not reused yet found no tier to take them "
+                "and left the cache")
+        plain = next((r for r in runs if r["policy"] == run["policy"] and r["admission"] == "off"), None)
+        if plain is not None:
+            rates = ", ".join(f"{n} {plain['tiers'][n]['hit_rate']:.1%} -> {run['tiers'][n]['hit_rate']:.1%}"
+                              for n in filtered)
+            text += (f"; hit rate without -> with admission: {rates}, all tiers {plain['block_hit_rate']:.1%} -> "
+                     f"{run['block_hit_rate']:.1%}")
+        notes.append(text)
+    return notes

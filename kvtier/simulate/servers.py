@@ -54,6 +54,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier, simulate
+from kvtier.simulate.sweep import bisect_capacity
 from kvtier.simulate.trace import Trace
 
 # A block is common when the distinct blocks that follow it number at least COMMON_MIN_FANOUT and
@@ -270,7 +271,7 @@ def smallest_matching_pool(num_hits: Callable[[int], int], target_hits: int, tot
         hits = [num_hits(size) for size in grid]  # the whole grid, for the curve and to show any dip
         for size, size_hits in zip(grid, hits):
             if size_hits >= target_hits:
-                return _bisect(num_hits, target_hits, below, size)
+                return bisect_capacity(lambda blocks: num_hits(blocks) >= target_hits, below, size)
             below = size
     return None
 
@@ -279,17 +280,6 @@ def planned_replays(total_blocks: int) -> int:
     """An upper bound on `compare`'s whole-trace replays when the grid reaches the target (private counts as one)."""
     widest_gap = max(2, math.ceil(max(b - a for a, b in zip((0, *GRID_SHARES), GRID_SHARES)) * total_blocks))
     return 1 + len(GRID_SHARES) + math.ceil(math.log2(widest_gap))
-
-
-def _bisect(num_hits: Callable[[int], int], target_hits: int, below: int, above: int) -> int:
-    """Smallest size in (below, above] found by bisection: `above` reaches the target, `below` does not."""
-    while above - below > 1:
-        middle = (below + above) // 2
-        if num_hits(middle) >= target_hits:
-            above = middle
-        else:
-            below = middle
-    return above
 
 
 class _PoolReplays:

@@ -1,6 +1,6 @@
 """`kvtier simulate --servers N`: routing, private DRAM per server against one shared pool, the search.
 
-Hand-made traces with answers worked out below; the Mooncake traces (in DEFAULT_TRACE_DIR, or
+Hand-made traces with answers worked out below; the Mooncake traces (in the shared directory, or
 KVTIER_TRACE_DIR) for routing balance and one short CLI run. Counts are asserted, never time.
 """
 
@@ -212,7 +212,7 @@ def test_cli_json_and_plot_on_the_conversation_trace(capsys, tmp_path):
     assert sum(s["num_requests"] for s in servers["per_server"]) == 600
     assert sum(s["num_accesses"] for s in servers["per_server"]) == report["trace"]["num_accesses"]
     d = servers["dram_blocks_per_server"]
-    assert d == int(0.05 * report["trace"]["num_unique_blocks"]) and servers["private"]["capacity_blocks"] == 3 * d
+    assert d == round(0.05 * report["trace"]["num_unique_blocks"]) and servers["private"]["capacity_blocks"] == 3 * d
     for key in ("block_hit_rate", "num_hits", "tokens_saved", "capacity_saved_blocks", "capacity_saved_bytes",
                 "capacity_saved_share"):
         assert key in servers["private"] and key in servers["shared"] and key in servers["matching"]
