@@ -134,3 +134,15 @@ def test_a_bad_variable_is_named(monkeypatch):
     monkeypatch.setenv("KVTIER_POOL", "nowhere")
     with pytest.raises(ConfigError, match="KVTIER_POOL: expected HOST:PORT"):
         read_settings({}, _facts())
+
+
+def test_the_shipped_example_yaml_is_one_the_connector_takes():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "vllm.yaml"
+    given = ec.engine_config({"kvtier_config": str(path)}, "/models/served", environ={})
+    assert not given.model_given and given.config.model == "/models/served"
+    assert [t.kind for t in given.config.tiers] == [TierKind.DRAM, TierKind.SSD] and given.config.tier(TierKind.SSD).persist
+    resized = ec.engine_config({"kvtier_config": str(path), "dram": "1GiB"}, "/models/served", environ={})
+    assert resized.config.tier(TierKind.DRAM).capacity_bytes == GiB
+    assert resized.config.tier(TierKind.DRAM).policy.value == "s3fifo"

@@ -1,13 +1,15 @@
 """The README's `vllm serve` line, run as written: a real OpenAI-compatible server with kvtier.
 
-The command is read from README.md ("Serving with vLLM"), the connector named with no module path
-(vLLM finds it through kvtier's plugin entry point); the test changes only what must be
-local (the model path becomes a tiny random Llama, the kvtier YAML and metrics port point into
-tmp_path) and adds the flags of vLLM's CPU build and of a small test (`--enforce-eager`, a host
-and port, a small `--max-model-len` and `--num-gpu-blocks-override`, vLLM's own prefix cache off
-so that a repeated prompt can only hit kvtier). Neither the block size nor the dtype nor
-`kv_load_failure_policy` is given: kvtier follows vLLM's defaults (128-token blocks and bf16 on
-CPU). Then: a completion over HTTP, the same long prompt again, kvtier's metrics endpoint scraped
+The commands are read from README.md ("Serving with vLLM"): the tiny model is built by its first
+line, the server started by its `vllm serve` line (the connector named with no module path: vLLM
+finds it through kvtier's plugin entry point), and its client block (a chat sent twice, then
+kvtier's metrics) run in bash, its output compared with the lines the README shows. The test
+changes only what must be local (the model folder and the ports; the tiers come from a kvtier
+YAML in tmp_path, with a persistent SSD tier for the restart) and adds the flags of a small test (a
+host and port, a small `--max-model-len` and `--num-gpu-blocks-override`). Neither the block size
+nor the dtype nor `kv_load_failure_policy` is given: kvtier follows vLLM's defaults (128-token
+blocks and bf16 on CPU). Then: a completion over HTTP, the same long prompt again, kvtier's
+metrics endpoint scraped
 (per-tier hits from the worker process, served by the engine-core process), kvtier's start-up
 lines found in the server's log, a clean stop (SIGTERM), and a second server on the same
 persistent SSD tier, its connector given in the long form (`kv_connector_module_path`), that says
@@ -44,11 +46,25 @@ START_DEADLINE_S = 300  # a safety net on a loaded machine, not a measurement
 PROMPT = [random.Random(7).randrange(3, 512) for _ in range(600)]  # 4 full blocks of 128 tokens
 
 
-def readme_command() -> list[str]:
-    """The `vllm serve` line of README.md's "Serving with vLLM" section, split as a shell would."""
+README_MODEL = "/tmp/tiny-llama"  # the model folder the README's blocks name
+
+
+def readme_blocks() -> tuple[list[str], list[str], str]:
+    """README.md's "Serving with vLLM" blocks: the server's commands, the client's, and the output shown."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## Serving with vLLM"):]
-    return shlex.split(next(line for line in section.splitlines() if line.startswith("vllm serve ")))
+    section = section[:section.index("\n## ", 10)]
+    fenced = re.findall(r"^```(\w*)\n(.*?)^```$", section, re.S | re.M)
+    (server, client), (output,) = [b for lang, b in fenced if lang == "bash"][:2], [b for lang, b in fenced if not lang][:1]
+    return server.splitlines(), client.splitlines(), output
+
+
+def readme_command() -> tuple[dict[str, str], list[str]]:
+    """The `vllm serve` line of the README's server block, split as a shell would: its leading
+    VAR=value assignments (the environment) and the command."""
+    words = shlex.split(next(line for line in readme_blocks()[0] if " vllm serve " in f" {line}"))
+    i = next(i for i, w in enumerate(words) if "=" not in w)
+    return dict(w.split("=", 1) for w in words[:i]), words[i:]
 
 
 def _get(url: str, timeout_s: float = 10) -> str:
@@ -63,11 +79,10 @@ class Server:
     """One `vllm serve` process (its own process group), its log file, and the ports it bound itself:
     the API's read from /proc once it listens, kvtier's metrics from the connector's log line."""
 
-    def __init__(self, argv: list[str], log_path: Path, cwd: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, cwd: Path, readme_env: dict[str, str]) -> None:
         self.api_port = self.metrics_port = 0
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_COLOR": "0",
-               "NO_COLOR": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_COLOR": "0", "NO_COLOR": "1", **readme_env}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                          start_new_session=True)
@@ -132,7 +147,12 @@ def _summed(metrics: dict, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("serve")
-    model = build_tiny_llama(work / "model", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=4)
+    model = work / "model"
+    build = shlex.split(readme_blocks()[0][0].replace(README_MODEL, str(model)))  # the README's model, built as it says
+    assert build[:2] == ["python", "-m"], build
+    done = subprocess.run([sys.executable, *build[1:]], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == str(model), done.stderr[-3000:]
+    assert model == build_tiny_llama(model, hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=4)  # reused
     import yaml
 
     # block_tokens as the embedded default (16): vLLM's 128 must win. Inclusive: every block is
@@ -145,8 +165,8 @@ def setup(tmp_path_factory) -> dict:
 
 def _start(setup: dict, name: str, module_path: bool = False) -> Server:
     """The README's server; `module_path`: in the long form, the connector's module named as well."""
-    argv = readme_command()
-    assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv
+    env, argv = readme_command()
+    assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv and argv[2] == README_MODEL
     argv[0], argv[2] = str(Path(sys.executable).with_name("vllm")), setup["model"]
     i = argv.index("--kv-transfer-config") + 1
     transfer = json.loads(argv[i])
@@ -155,12 +175,13 @@ def _start(setup: dict, name: str, module_path: bool = False) -> Server:
     if module_path:
         transfer["kv_connector_module_path"] = "kvtier.integrations.vllm.connector"
     extra = transfer["kv_connector_extra_config"]
-    assert set(extra) == {"kvtier_config", "metrics_port"}
+    assert set(extra) == {"dram", "metrics_port"}
+    del extra["dram"]  # the test's YAML gives the tiers: a small DRAM and a persistent SSD for the restart
     extra.update(kvtier_config=setup["config"], metrics_port=0)  # 0: any free port, named in the log
     argv[i] = json.dumps(transfer)
-    argv += ["--host", "127.0.0.1", "--port", "0", "--enforce-eager", "--max-model-len", "1024",
-             "--num-gpu-blocks-override", "64", "--no-enable-prefix-caching"]
-    server = Server(argv, setup["work"] / f"{name}.log", setup["work"])
+    assert {"--enforce-eager", "--no-enable-prefix-caching"} <= set(argv)
+    argv += ["--host", "127.0.0.1", "--port", "0", "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
+    server = Server(argv, setup["work"] / f"{name}.log", setup["work"], env)
     try:
         server.wait_healthy()
     except BaseException:
@@ -171,14 +192,20 @@ def _start(setup: dict, name: str, module_path: bool = False) -> Server:
 
 @pytest.fixture(scope="module")
 def first(setup) -> dict:
-    """The README's server: the same prompt twice, a scrape, then SIGTERM."""
+    """The README's server: the same prompt twice, a scrape, the README's client block, then SIGTERM."""
     server = _start(setup, "first")
     try:
         outputs = [server.complete(PROMPT, setup["model"]) for _ in range(2)]
         metrics = server.metrics()
+        client = "\n".join(readme_blocks()[1]).replace(README_MODEL, setup["model"])
+        client = client.replace("localhost:8000", f"127.0.0.1:{server.api_port}")
+        client = client.replace("localhost:9464", f"127.0.0.1:{server.metrics_port}")
+        readme_client = subprocess.run(["bash", "-euo", "pipefail", "-c", client], capture_output=True, text=True,
+                                       timeout=300)
     finally:
         status = server.stop()
-    return {"outputs": outputs, "metrics": metrics, "log": server.log(), "status": status}
+    return {"outputs": outputs, "metrics": metrics, "log": server.log(), "status": status,
+            "readme_client": readme_client}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +225,17 @@ def test_the_readme_line_serves_completions(first):
     texts = [out["choices"][0]["text"] for out in first["outputs"]]
     assert all(out["usage"]["prompt_tokens"] == len(PROMPT) for out in first["outputs"])
     assert texts[0] and texts[0] == texts[1]  # greedy: the KV loaded from kvtier is the KV computed
+
+
+def test_the_readme_client_block_prints_the_metric_lines_it_shows(first):
+    run = first["readme_client"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    shown = dict(line.rsplit(" ", 1) for line in readme_blocks()[2].splitlines())
+    printed = dict(line.rsplit(" ", 1) for line in run.stdout.splitlines())
+    assert set(printed) == set(shown)  # the same series; counts add to the test's own requests before
+    assert float(printed['kvtier_vllm_prompt_blocks_total{source="kvtier"}']) >= float(
+        shown['kvtier_vllm_prompt_blocks_total{source="kvtier"}']) > 0
+    assert float(printed['kvtier_vllm_prompt_blocks_total{source="engine"}']) == 0  # vLLM's prefix cache is off
 
 
 def test_a_repeated_prompt_hits_kvtier_on_the_metrics_endpoint(first):

@@ -16,6 +16,11 @@ WORDS = ("the cache keeps every block of keys and values across memory tiers so 
          "one token after another for many users at once").split()
 
 
+# A plain role-prefixed transcript: enough for an OpenAI-compatible server's chat endpoint.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def corpus(num_lines: int = 2000, seed: int = 0) -> list[str]:
     """Deterministic pseudo-sentences to train the tokenizer on."""
     rng = random.Random(seed)
@@ -39,6 +44,7 @@ def build_tokenizer(path: Path, vocab_size: int, extra_special_tokens: tuple[str
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE  # so that servers answer /v1/chat/completions
     fast.save_pretrained(path)
 
 
@@ -205,3 +211,29 @@ def build_tiny_vlm(path: str | Path, *, num_image_tokens: int = 64, image_size: 
         processor.save_pretrained(where)
 
     return _build(path, params, lambda: Blip2ForConditionalGeneration(config), (IMAGE_TOKEN,), write_processor)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtier.integrations.hf.tiny_model DIR`: builds a tiny random Llama (with a
+    tokenizer and a chat template) to try kvtier with an engine, and prints its path."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvtier.integrations.hf.tiny_model", description=main.__doc__)
+    p.add_argument("path", help="the folder to write the model into (created; an identical build is reused)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--hidden-size", type=int, default=128, help="hidden size (default 128)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    args = p.parse_args(argv)
+    for name in ("layers", "hidden_size", "heads", "kv_heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.hidden_size % args.heads or args.heads % args.kv_heads:
+        p.error("--hidden-size must be a multiple of --heads, and --heads of --kv-heads")
+    print(build_tiny_llama(args.path, num_layers=args.layers, hidden_size=args.hidden_size, num_heads=args.heads,
+                           num_kv_heads=args.kv_heads))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

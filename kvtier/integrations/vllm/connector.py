@@ -1,16 +1,15 @@
 """kvtier as a vLLM KV connector (`KVConnectorBase_V1`).
 
-Use it with vLLM's own loader, no plugin needed (`vllm serve MODEL --kv-transfer-config '{...}'`):
+vLLM finds it by name through kvtier's plugin entry point (`plugin`), or by module path:
 
-    KVTransferConfig(kv_connector="KVTierConnector",
-                     kv_connector_module_path="kvtier.integrations.vllm.connector",
-                     kv_role="kv_both",
-                     kv_connector_extra_config={"kvtier_config": "/etc/kvtier/vllm.yaml", "metrics_port": 9464})
+    KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both",
+                     kv_connector_extra_config={"dram": "8GiB", "ssd": "/nvme/kv:200GiB", "metrics_port": 9464})
 
-`kv_connector_extra_config` takes the keys of `vllm_settings._KEYS` (`kvtier_config`, required;
-`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`);
-anything else is an error at start-up. The block size and KV dtype are the engine's, whatever the
-kvtier YAML says; its `model` must be the served model's geometry (checked). vLLM's default
+`kv_connector_extra_config` takes the keys of `settings._KEYS` (tiers in short form, `kvtier_config`,
+`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`;
+all optional, see `engine_config`); anything else is an error at start-up. The model, block size
+and KV dtype are the engine's, whatever a kvtier YAML says; a YAML that names a model has its
+geometry checked against the engine's. vLLM's default
 `kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. kvtier's
 log lines go through vLLM's handlers (`vllm_log`); `metrics_port` serves every rank's metrics from
 the scheduler's process (`vllm_metrics`).
