@@ -4,7 +4,8 @@ it quotes from `kvtier simulate` are what the command prints.
 Each ```python block runs verbatim in a fresh interpreter in an empty folder (offline: nothing may
 come from a model hub). The ```yaml block is validated as a config. Every block of figures that
 starts with `$ kvtier simulate ...` is checked against a real run of that command: each number the
-README shows (counts, percentages, sizes) must appear in the command's output. The `vllm serve`
+README shows (counts, percentages, sizes) must appear in the command's output; so must the sizes
+it says a `kvtier size ...` command prints. The `vllm serve`
 blocks run in tests/integrations/test_vllm_serve.py; `pip install .` in tests/test_install.py;
 `make run` and `make test` are what CI runs.
 
@@ -85,3 +86,22 @@ def test_the_simulate_figures_quoted_are_what_the_command_prints(command, quoted
     printed = set(FIGURE.findall(run.stdout + run.stderr))
     missing = [f for f in quoted if f not in printed]
     assert not missing, f"{command}: the README quotes {missing}, which the command does not print"
+
+
+SAYS = re.compile(r"`(kvtier size [^`]+)` says (.+?)\.\n", re.S)  # the planner's figures
+SIZE = re.compile(r"\d+(?:\.\d+)? (?:KiB|MiB|GiB|GB)")
+CLAIMS = [(command, claim) for command, claim in SAYS.findall(README.read_text()) if SIZE.search(claim)]
+
+
+def test_the_readme_quotes_a_command_with_figures():
+    assert CLAIMS  # `kvtier size ...` says ...
+
+
+@pytest.mark.parametrize("command, claim", CLAIMS, ids=lambda v: v[:40])
+def test_a_command_the_readme_says_prints_figures_prints_them(command, claim):
+    quoted = SIZE.findall(claim)
+    run = subprocess.run([sys.executable, "-m", "kvtier", *shlex.split(command)[1:]], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    missing = [q for q in quoted if q not in run.stdout]
+    assert not missing, f"`{command}`: the README says {missing}, which it does not print"
