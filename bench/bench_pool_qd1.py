@@ -31,7 +31,7 @@ import torch
 
 from kvtier.bench.e2e import NUM_LAYERS, runtime_config
 from kvtier.bench.measure import cpu_spent
-from kvtier.bench.rawsock import RawSocketServer
+from kvtier.bench.rawsock import RawSocketServer, recv_exactly
 from kvtier.kinds import TierKind
 from kvtier.model.layout import BlockLayout
 from kvtier.pool.client.api import PoolClient
@@ -57,15 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ops <= 0:
         p.error("--ops must be positive")
     return args
-
-
-def _fill(sock, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("pool node closed the connection")
-        got += k
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -111,12 +102,12 @@ def measure(args: argparse.Namespace) -> dict:
 
         def bare(i: int) -> None:
             sock.sendall(requests[i % NUM_BLOCKS])
-            _fill(sock, memoryview(head))
+            recv_exactly(sock, memoryview(head))
             *_, header_len, payload_len = PREFIX.unpack(head)
-            _fill(sock, memoryview(header)[:header_len])
+            recv_exactly(sock, memoryview(header)[:header_len])
             if payload_len != size:
                 raise RuntimeError(f"bare GET: a reply of {payload_len} bytes, not {size}")
-            _fill(sock, view)
+            recv_exactly(sock, view)
 
         def load(i: int) -> None:
             if kv.load(kv_keys[i % NUM_BLOCKS], dst, sync=True).failed:

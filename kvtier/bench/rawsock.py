@@ -19,13 +19,13 @@ import threading
 _HEAD = struct.Struct("!cQ")
 
 
-def _fill(sock: socket.socket, view: memoryview) -> None:
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
     """Receives exactly `len(view)` bytes. Raises ConnectionError if the peer closes first."""
     got = 0
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("raw socket peer closed the connection")
+            raise ConnectionError("peer closed the connection")
         got += k
 
 
@@ -36,12 +36,12 @@ def _serve_connection(conn: socket.socket) -> None:
     with conn:
         try:
             while True:
-                _fill(conn, head)
+                recv_exactly(conn, head)
                 op, n = _HEAD.unpack(head)
                 if len(buf) < n:
                     buf = memoryview(bytearray(n))
                 if op == b"P":
-                    _fill(conn, buf[:n])
+                    recv_exactly(conn, buf[:n])
                     conn.sendall(b"k")
                 else:
                     conn.sendall(buf[:n])
@@ -110,12 +110,12 @@ class RawSocketClient:
             sent = len(head)
         if sent - len(head) < len(data):
             self.sock.sendall(data[sent - len(head):])
-        _fill(self.sock, self._ack)
+        recv_exactly(self.sock, self._ack)
 
     def get(self, into: memoryview) -> None:
         """Asks for `len(into)` bytes and receives them into `into`."""
         self.sock.sendall(_HEAD.pack(b"G", len(into)))
-        _fill(self.sock, into)
+        recv_exactly(self.sock, into)
 
     def close(self) -> None:
         self.sock.close()

@@ -21,23 +21,14 @@ from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
 from kvtier.simulate.sweep import recommend, sweep
 from kvtier.simulate.trace import OnError, TraceError, load_trace
 from kvtier.tiers.base import TierKind
-from support.traces import needs_traces
+from support.traces import TINY_TRACE as TINY, needs_traces
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HBM, DRAM, SSD = TierKind.HBM, TierKind.DRAM, TierKind.SSD
 MiB = 1 << 20
 
 
-# Five requests over 512-token blocks, with partial tails; answers worked out by hand below.
-TINY = [
-    {"timestamp": 0, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
-    {"timestamp": 5, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
-    {"timestamp": 9, "input_length": 1536, "output_length": 10, "hash_ids": [1, 2, 4]},
-    {"timestamp": 12, "input_length": 600, "output_length": 10, "hash_ids": [5, 6]},
-    {"timestamp": 20, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
-]
-
-
+# TINY (support.traces): five requests over 512-token blocks, with partial tails; answers worked out by hand below.
 def write_trace(path: Path, lines: list) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return path

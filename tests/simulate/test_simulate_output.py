@@ -24,16 +24,9 @@ from kvtier.simulate.sweep import (DEFAULT_SWEEP_SHARES, bisect_capacity, defaul
                                    sweep)
 from kvtier.simulate.trace import load_trace
 from kvtier.kinds import TierKind
-from support.traces import TRACE_DIR, needs_traces
+from support.traces import TINY_TRACE as TINY, TRACE_DIR, needs_traces
 
 DRAM = TierKind.DRAM
-TINY = [
-    {"timestamp": 0, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
-    {"timestamp": 5, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
-    {"timestamp": 9, "input_length": 1536, "output_length": 10, "hash_ids": [1, 2, 4]},
-    {"timestamp": 12, "input_length": 600, "output_length": 10, "hash_ids": [5, 6]},
-    {"timestamp": 20, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
-]
 
 
 def write_trace(path: Path, lines: list[dict]) -> Path:

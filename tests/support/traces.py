@@ -32,3 +32,13 @@ def conversation() -> Trace:
 @pytest.fixture(scope="module")
 def synthetic() -> Trace:
     return mooncake("synthetic")
+
+
+# Five requests over 512-token blocks, with partial tails (tests/simulate works out answers for it by hand).
+TINY_TRACE = [
+    {"timestamp": 0, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
+    {"timestamp": 5, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
+    {"timestamp": 9, "input_length": 1536, "output_length": 10, "hash_ids": [1, 2, 4]},
+    {"timestamp": 12, "input_length": 600, "output_length": 10, "hash_ids": [5, 6]},
+    {"timestamp": 20, "input_length": 1124, "output_length": 10, "hash_ids": [1, 2, 3]},
+]
