@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.demo.report import plot
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs and pipes: tables unwrapped
+    _quiet_transformers()
     result = run_demo(QUICK if args.quick else FULL, console, Path(args.work_dir))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -46,3 +47,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     console.print("[green]every output is token-identical to recomputation without kvtier[/]")
     return 0
+
+
+def _quiet_transformers() -> None:
+    """Turns off transformers' own progress bars (writing and loading the model): the demo shows its own."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return  # the demo says what is missing when it needs it
+    logging.disable_progress_bar()

@@ -11,12 +11,16 @@ it is).
 from __future__ import annotations
 
 import resource
+import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from kvtier.demo.noise import Load, experiment_notes, spread_notes
+from kvtier.demo.ttft import SUFFIX_TOKENS
 
 
 def proc_memory(pid: int | str = "self") -> dict[str, int | None]:
@@ -83,7 +87,8 @@ def _loaded_out_of(route: str, tier: str, faster: set[str]) -> bool:
 
 
 def tier_table(figures: dict[str, dict[str, Any]], title: str) -> Table:
-    table = Table("tier", "hits", "MiB loaded", "ms/block", "blocks in use", title=title)
+    table = Table("tier", "hits", "MiB loaded", "ms/block", "blocks in use", title=title,
+                  caption="ms/block: submission to landing, queueing included")
     for tier, f in figures.items():
         ms = f["mean_load_ms_per_block"]
         table.add_row(tier, str(f["hits"]), f"{f['bytes_loaded'] / 2**20:.1f}", "-" if ms is None else f"{ms:.2f}",
@@ -124,43 +129,97 @@ def memory_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def print_report(console: Console, result: dict[str, Any]) -> None:
-    console.print(tier_table(result["workload"]["tiers"], "Per tier over the workload"))
+    """The tables after the workload (whose per-tier table was printed with its rounds), each followed
+    by a note on any figure the machine's noise made (see `kvtier.demo.noise`)."""
+    load = Load(**result["load"])
     console.print(workload_ttft_table(result["workload"]["ttft"]))
+    _print_notes(console, spread_notes(_by_length(result["workload"]["turns"], "prompt_tokens"),
+                                       "recomputing {n:,}-token prompts", load))
     console.print(ttft_table(result["ttft"]))
+    _print_notes(console, experiment_notes(result["ttft"], list(result["final"]["usage"]), load))
     console.print(memory_table(result["memory"]))
     if result["memory"] and result["memory"][0]["allocated_bytes"] is None:
         console.print(f"framework memory: {result['memory'][0]['framework']}")
+    console.print(f"machine: {load.describe()} (1-minute, /proc/loadavg, at the start and the end)")
+
+
+def _by_length(rows: list[dict[str, Any]], length_field: str) -> dict[int, list[float]]:
+    """Recompute timings (ms) grouped by size: repeated measurements of the same work."""
+    out: dict[int, list[float]] = {}
+    for r in rows:
+        out.setdefault(r[length_field], []).append(r["recompute_ms"])
+    return out
+
+
+def _print_notes(console: Console, notes: list[str]) -> None:
+    for note in notes:
+        console.print(note, soft_wrap=True)
 
 
 def plot(result: dict[str, Any], directory: Path) -> Path:
-    """`kvtier-demo-ttft.png`: workload TTFT per turn, and the prefix experiment's TTFT per tier."""
+    """`kvtier-demo-ttft.png`: two panels, kvtier's TTFT (ms) against recomputing.
+
+    Left: the workload's turns whose prefix kvtier held, grouped by prompt length (bars: medians;
+    dots: each turn). Right (log scale): the prefix experiment, one group per prefix length, one
+    bar per tier.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     directory.mkdir(parents=True, exist_ok=True)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    turns = [t for t in result["workload"]["turns"] if t["cached_tokens"]]
-    x = [t["prompt_tokens"] for t in turns]
-    left.scatter(x, [t["recompute_ms"] for t in turns], label="recompute", marker="x")
-    left.scatter(x, [t["kvtier_ms"] for t in turns], label="kvtier", marker="o")
-    left.set(xlabel="prompt tokens", ylabel="TTFT (ms)", yscale="log", title="Multi-turn workload")
-    left.legend()
-    lengths = sorted({r["prefix_tokens"] for r in result["ttft"]})
-    tiers = list(dict.fromkeys(r["tier"] for r in result["ttft"]))
-    width = 0.8 / (len(tiers) + 1)
-    for i, name in enumerate(["recompute", *tiers]):
-        ms = [_experiment_ms(result["ttft"], n, name) for n in lengths]
-        right.bar([j + i * width for j in range(len(lengths))], ms, width, label=name)
-    right.set_xticks([j + width * len(tiers) / 2 for j in range(len(lengths))], [f"{n:,}" for n in lengths])
-    right.set(xlabel="prefix tokens", ylabel="TTFT (ms)", yscale="log", title="Prefix placed in one tier")
-    right.legend()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    _plot_workload(left, [t for t in result["workload"]["turns"] if t["cached_tokens"]])
+    _plot_experiment(right, result["ttft"])
     fig.tight_layout()
     path = directory / "kvtier-demo-ttft.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _plot_workload(ax: Any, turns: list[dict[str, Any]]) -> None:
+    lengths = sorted({t["prompt_tokens"] for t in turns})
+    width = 0.4
+    for i, (name, field) in enumerate([("recompute", "recompute_ms"), ("kvtier", "kvtier_ms")]):
+        xs = [j + (i - 0.5) * width for j in range(len(lengths))]
+        same = [[t[field] for t in turns if t["prompt_tokens"] == n] for n in lengths]
+        bars = ax.bar(xs, [statistics.median(ms) for ms in same], width, label=f"{name} (median)", alpha=0.6)
+        for x, ms in zip(xs, same):
+            ax.scatter([x] * len(ms), ms, color=bars.patches[0].get_facecolor(), edgecolor="black", s=14,
+                       zorder=3, alpha=1.0)
+    counts = [sum(t["prompt_tokens"] == n for t in turns) for n in lengths]
+    ax.set_xticks(range(len(lengths)), [f"{n:,}\n({c} turn{'s' * (c != 1)})" for n, c in zip(lengths, counts)])
+    top = max((max(t["recompute_ms"], t["kvtier_ms"]) for t in turns), default=1.0)
+    ax.set(xlabel="prompt length (tokens)", ylabel="time to first token (ms)", ylim=(0, 1.3 * top),
+           title="Multi-turn workload: turns whose prefix kvtier held\n(bars: median; dots: each turn)")
+    ax.legend(loc="upper center", ncol=2)
+
+
+def _plot_experiment(ax: Any, rows: list[dict[str, Any]]) -> None:
+    lengths = sorted({r["prefix_tokens"] for r in rows})
+    tiers = list(dict.fromkeys(r["tier"] for r in rows))
+    width = 0.8 / (len(tiers) + 1)
+    for i, name in enumerate(["recompute", *tiers]):
+        ms = [_experiment_ms(rows, n, name) for n in lengths]
+        label = "recompute (median)" if name == "recompute" else f"kvtier, prefix in {name}"
+        ax.bar([j + i * width for j in range(len(lengths))], ms, width, label=label)
+    ax.set_xticks([j + width * len(tiers) / 2 for j in range(len(lengths))], [f"{n:,}" for n in lengths])
+    ax.set(xlabel=f"stored prefix length (tokens; +{SUFFIX_TOKENS} new tokens computed)",
+           ylabel="time to first token (ms, log scale)", yscale="log",
+           title="Prefix placed in one tier vs recomputing it")
+    _plain_log_ticks(ax.yaxis)
+    ax.legend()
+
+
+def _plain_log_ticks(axis: Any) -> None:
+    """Ticks at 1, 2, 5 x 10^k labelled as plain numbers ("20", not "2 x 10^1")."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _experiment_ms(rows: list[dict[str, Any]], length: int, name: str) -> float:

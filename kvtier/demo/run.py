@@ -15,6 +15,7 @@ and its TTFT is measured against recomputing it, in the same run.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.demo.noise import MISS_COST, load_since, read_load_average, turn_note
 from kvtier.demo.report import memory_probe, print_report, tier_figures, tier_table
 from kvtier.demo.ttft import prefix_experiment, timed_generate, timed_recompute
 from kvtier.model.keys import Namespace
@@ -73,11 +75,14 @@ def run_demo(plan: Plan, console: Console, work_dir: Path) -> dict[str, Any]:
         console: where progress and tables go.
         work_dir: the model is built here (and reused across runs).
     """
+    load_start = read_load_average()
+    console.print(f"machine: {os.cpu_count()} cores, 1-minute load average "
+                  f"{'unknown' if load_start is None else f'{load_start:.1f}'} (/proc/loadavg) at the start")
     with serving(demo_config(), work_dir, console) as (hf, node):
         device = hf.device
         memory = [memory_probe("model loaded", hf.kv, device, node.proc.pid)]
         turns, during = run_workload(hf, plan, console, lambda: memory_probe(
-            "during generation (peak of the turns)", hf.kv, device, node.proc.pid))
+            "during generation (peak of the turns)", hf.kv, device, node.proc.pid), load_start)
         workload_snapshot = hf.kv.snapshot()
         after_prefill: list[dict[str, Any]] = []
         with console.status("TTFT experiment: prefixes placed in DRAM, the pool and the SSD"):
@@ -85,6 +90,7 @@ def run_demo(plan: Plan, console: Console, work_dir: Path) -> dict[str, Any]:
                                      after_prefill=lambda n: after_prefill.append(memory_probe(
                                          f"after a {n:,}-token prefill", hf.kv, device, node.proc.pid)))
         memory += after_prefill + [during]
+        load = load_since(load_start)
         identical = all(t["identical"] for t in turns) and all(r["identical"] for r in ttft)
         result = {"plan": dataclasses.asdict(plan), "device": str(device), "runtime": hf.kv.describe(),
                   "outputs_identical": identical,
@@ -92,7 +98,8 @@ def run_demo(plan: Plan, console: Console, work_dir: Path) -> dict[str, Any]:
                                "misses": workload_snapshot["misses"],
                                "tiers": tier_figures(workload_snapshot, hf.kv.layout.block_bytes),
                                "ttft": workload_summary(turns)},
-                  "ttft": ttft, "memory": memory, "final": hf.kv.snapshot()}
+                  "ttft": ttft, "memory": memory, "final": hf.kv.snapshot(),
+                  "load": {"start": load.start, "end": load.end, "num_cores": load.num_cores}}
     print_report(console, result)
     return result
 
@@ -149,31 +156,45 @@ def warm_up(model: Any, device: torch.device) -> None:
             model(torch.arange(3, 3 + n, device=device)[None] % model.config.vocab_size)
 
 
-def run_workload(hf: Any, plan: Plan, console: Console, probe) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_workload(hf: Any, plan: Plan, console: Console, probe,
+                 load_start: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every user's turns, round by round; each turn served by kvtier and recomputed, compared.
 
+    Prints a line per turn (with a note where its figures are the machine's noise, see
+    `kvtier.demo.noise`), and the per-tier table after each round, the last one being the whole
+    workload's. Progress shows only in a terminal, and goes away when done.
+
+    Args:
+        load_start: the 1-minute load average when the demo started, for the notes.
     Returns:
-        One dict per turn, and the memory probe with the highest RSS taken mid-generation.
+        One dict per turn (round, user and the user's turn number, 1-based: turn 1 opens the
+        conversation), and the memory probe with the highest RSS taken mid-generation.
     """
     tokenizer = _tokenizer(hf)
     conversations = [_text_ids(tokenizer, plan.document_tokens, plan.seed * 1000 + u) for u in range(plan.num_users)]
     schedule = [(r, u) for r in range(plan.num_rounds) for u in range(plan.num_users)
                 for _ in range(2 if u == r % plan.num_users else 1)]
     turns, peak = [], {"rss_bytes": -1}
-    with Progress(console=console) as progress:
+    num_turns = [0] * plan.num_users
+    console.print(MISS_COST, soft_wrap=True)
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("conversations", total=len(schedule))
         for i, (r, u) in enumerate(schedule):
             if len(conversations[u]) > plan.document_tokens:  # a later message of the conversation
                 conversations[u] = torch.cat([conversations[u], _text_ids(
                     tokenizer, plan.message_tokens, 7919 * (i + 1) + plan.seed)])
             turn, conversations[u], sample = _turn(hf, conversations[u], plan.reply_tokens, probe)
-            turns.append({"round": r, "user": u, **turn})
+            num_turns[u] += 1
+            turns.append({"round": r, "user": u, "turn": num_turns[u], **turn})
             peak = max(peak, sample, key=lambda m: m["rss_bytes"] or 0)
-            progress.console.print(_turn_line(turns[-1]))
+            progress.console.print(_turn_line(turns[-1]), soft_wrap=True)
+            if note := turn_note(turns[-1], load_since(load_start)):
+                progress.console.print(f"  {note}", soft_wrap=True)
             progress.update(task, advance=1, description=_hits_line(hf.kv.stats.hits))
             if i + 1 == len(schedule) or schedule[i + 1][0] != r:
-                progress.console.print(tier_table(tier_figures(hf.kv.snapshot(), hf.kv.layout.block_bytes),
-                                                  f"after round {r + 1}"))
+                title = (f"Per tier over the workload (after round {r + 1} of {plan.num_rounds})"
+                         if r + 1 == plan.num_rounds else f"Per tier after round {r + 1} of {plan.num_rounds}")
+                progress.console.print(tier_table(tier_figures(hf.kv.snapshot(), hf.kv.layout.block_bytes), title))
     return turns, peak
 
 
@@ -189,7 +210,7 @@ def _turn(hf: Any, ids: torch.Tensor, reply_tokens: int, probe) -> tuple[dict[st
     hits = {TierKind(t).name.lower(): n - hits_before.get(t, 0) for t, n in hf.kv.stats.hits.items()
             if n - hits_before.get(t, 0)}
     return ({"prompt_tokens": len(ids), "cached_tokens": got.num_cached_tokens, "hits": hits,
-             "recompute_ms": want.ttft_s * 1e3, "kvtier_ms": got.ttft_s * 1e3,
+             "recompute_ms": want.ttft_s * 1e3, "kvtier_ms": got.ttft_s * 1e3, "prepare_ms": got.prepare_s * 1e3,
              "identical": torch.equal(want.tokens, got.tokens)}, got.tokens, sample)
 
 
@@ -223,8 +244,9 @@ def _text_ids(tokenizer: Any, num_tokens: int, seed: int) -> torch.Tensor:
 def _turn_line(t: dict[str, Any]) -> str:
     hits = ", ".join(f"{tier} {n}" for tier, n in t["hits"].items()) or "none"
     mark = "[green]identical[/]" if t["identical"] else "[red]DIFFERENT[/]"
-    return (f"round {t['round'] + 1} user {t['user']}: {t['prompt_tokens']:,} tokens, {t['cached_tokens']:,} from kvtier "
-            f"(blocks hit: {hits}); TTFT {t['kvtier_ms']:.0f} ms vs {t['recompute_ms']:.0f} ms recomputed; {mark}")
+    return (f"round {t['round'] + 1} user {t['user']} turn {t['turn']}: {t['prompt_tokens']:,} tokens, "
+            f"{t['cached_tokens']:,} from kvtier (blocks hit: {hits}); "
+            f"TTFT {t['kvtier_ms']:.0f} ms vs {t['recompute_ms']:.0f} ms recomputed; {mark}")
 
 
 def _hits_line(hits: dict) -> str:

@@ -50,11 +50,13 @@ class FirstTokenClock:
 
 @dataclass(frozen=True)
 class Timed:
-    """One request: its tokens (prompt + generated), time to first token, prompt tokens served by kvtier."""
+    """One request: its tokens (prompt + generated), time to first token, prompt tokens served by kvtier,
+    and the part of the TTFT kvtier spent before the model ran (the lookup, and loading what it found)."""
 
     tokens: torch.Tensor
     ttft_s: float
     num_cached_tokens: int = 0
+    prepare_s: float = 0.0
 
 
 def timed_recompute(model: Any, ids: torch.Tensor, max_new_tokens: int) -> Timed:
@@ -66,7 +68,7 @@ def timed_recompute(model: Any, ids: torch.Tensor, max_new_tokens: int) -> Timed
 
 def timed_generate(hf: Any, ids: torch.Tensor, max_new_tokens: int,
                    on_token: Callable[[int], None] | None = None) -> Timed:
-    """Greedy `generate` on a kvtier prefix cache; the clock includes loading the stored prefix.
+    """Greedy `generate` on a kvtier prefix cache; the clock includes the lookup and loading the stored prefix.
 
     The request's new full blocks are stored (and waited for) after the clock stops, as a server
     would do after answering.
@@ -75,12 +77,13 @@ def timed_generate(hf: Any, ids: torch.Tensor, max_new_tokens: int,
     cache = hf.prefix_cache()
     try:
         num_cached = cache.prepare(ids)
+        prepare_s = time.perf_counter() - clock.start_s
         out = hf.model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=max_new_tokens,
                                 streamer=clock)
         cache.save(out[0]).wait()
     finally:
         cache.close()
-    return Timed(out[0].cpu(), clock.ttft_s, num_cached)
+    return Timed(out[0].cpu(), clock.ttft_s, num_cached, prepare_s)
 
 
 def prefix_experiment(hf: Any, prefix_lengths: Sequence[int], tiers: Sequence[TierKind], *, seed: int,

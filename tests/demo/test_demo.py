@@ -7,6 +7,7 @@ Cost: ~30 s on a busy 2-core machine (one quick demo run, shared by every test i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,21 @@ def test_memory_rows_cover_load_prefill_and_generation(demo):
         assert m["rss_bytes"] > 0 and m["peak_rss_bytes"] >= m["rss_bytes"]
         assert set(m["tier_share"]) == set(TIERS) and all(0 <= s <= 1 for s in m["tier_share"].values())
         assert (m["allocated_bytes"] is None) == (result["device"] == "cpu")
+
+
+def test_every_turn_line_names_a_distinct_round_user_and_turn(demo):
+    proc, result, _ = demo
+    labels = re.findall(r"^round (\d+) user (\d+) turn (\d+):", proc.stdout, re.MULTILINE)
+    assert len(labels) == len(result["workload"]["turns"]) == len(set(labels))
+    assert [(str(t["round"] + 1), str(t["user"]), str(t["turn"])) for t in result["workload"]["turns"]] == labels
+
+
+def test_the_per_tier_tables_follow_their_rounds_once_and_no_progress_line_is_left(demo):
+    proc, result, _ = demo
+    num_rounds = result["plan"]["num_rounds"]
+    assert proc.stdout.count("Per tier over the workload") == 1
+    assert proc.stdout.count("Per tier after round") == num_rounds - 1
+    assert proc.stdout.index("Per tier over the workload") < proc.stdout.index("Workload TTFT")
+    assert not re.search(r"^hits .*\d+%", proc.stdout, re.MULTILINE)  # the progress bar's line
+    assert "it/s]" not in proc.stderr  # transformers' own progress bars
+    assert "A miss costs kvtier a lookup" in proc.stdout
