@@ -263,7 +263,8 @@ RUNTIME_STEPS = st.lists(st.tuples(st.sampled_from(["store", "load", "load", "pr
        inline=st.booleans())
 def test_a_runtime_with_the_resident_path_serves_and_counts_as_one_without(tmp_path_factory, steps, tiers, inline):
     """Real tiers (HBM stand-in, DRAM, SSD files) and real bytes: the same answers, the same
-    blocks where they were, the same counters (bytes per route included), with and without."""
+    blocks where they were, the same counters (bytes per route included), with and without;
+    with copies on workers (not `inline`), the same answers and the same blocks held (see below)."""
     kw = dict(inline_bytes=4 * BLOCK if inline else 0, **tiers)
     fast, general = runtime(tmp_path_factory.mktemp("fast"), **kw), runtime(tmp_path_factory.mktemp("general"), **kw)
     general._resident._media = ()  # the general path only
@@ -293,6 +294,15 @@ def test_a_runtime_with_the_resident_path_serves_and_counts_as_one_without(tmp_p
                         assert torch.equal(outs[0][i], blocks([k])[0]) and torch.equal(outs[1][i], outs[0][i])
             for kv in (fast, general):
                 kv.quiesce(WAIT_S)
+            if not inline:
+                # Copies on the engine's workers: a demotion a store starts completes in its own
+                # thread, before or after the store, and a policy ranks whichever landed last as
+                # the more recent, so which of two blocks a later eviction picks is the machine's
+                # timing (two runtimes of one path differ as often). What must agree: the blocks
+                # held (every tier here has room for them all but DRAM alone, which moves nothing).
+                held = [{k for k, w in zip(universe, kv.where(universe)) if w is not None} for kv in (fast, general)]
+                assert held[0] == held[1], f"after {op} {keys}"
+                continue
             assert fast.where(universe) == general.where(universe), f"after {op} {keys}"
             counts = [{k: v for k, v in kv.stats.snapshot().items() if k != "transfer_latency"} for kv in (fast, general)]
             assert counts[0] == counts[1], f"after {op} {keys}"
