@@ -283,8 +283,7 @@ def kv_transfer_config(kvtier_yaml: Path) -> str:
     """The --kv-transfer-config JSON, as the README's `vllm serve` line has it: vLLM's default
     `kv_load_failure_policy` (the connector itself asks for `recompute`); kvtier's own metrics
     served on 127.0.0.1, on a port the server picks (`kvtier_metrics_port` finds it)."""
-    return json.dumps({"kv_connector": "KVTierConnector",
-                       "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+    return json.dumps({"kv_connector": "KVTierConnector",  # found by name: kvtier's plugin entry point
                        "kv_role": "kv_both", "kv_connector_extra_config": {"kvtier_config": str(kvtier_yaml),
                                                                            "metrics_port": 0}})
 

@@ -349,8 +349,8 @@ def test_the_kvtier_config_the_servers_get_is_one_kvtier_accepts(tmp_path):
 def test_the_transfer_config_is_the_readme_line_shape(tmp_path):
     got = json.loads(serve_procs.kv_transfer_config(tmp_path / "k.yaml"))
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if ln.startswith("vllm serve ") and "--kv-transfer-config" in ln)
-    shown = json.loads(line.split("--kv-transfer-config '", 1)[1].rstrip("'"))
+    line = next(ln for ln in readme.splitlines() if " vllm serve " in f" {ln}" and "--kv-transfer-config" in ln)
+    shown = json.loads(line.split("--kv-transfer-config '", 1)[1].split("'", 1)[0])
     assert {k: v for k, v in got.items() if k != "kv_connector_extra_config"} == \
         {k: v for k, v in shown.items() if k != "kv_connector_extra_config"}
     assert got["kv_connector_extra_config"] == {"kvtier_config": str(tmp_path / "k.yaml"), "metrics_port": 0}
