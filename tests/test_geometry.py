@@ -298,7 +298,8 @@ def test_unknown_newer_name_suggests_its_family_and_never_an_older_model():
 @pytest.mark.parametrize(
     ("name", "note"),
     [("meta-llama/Llama-3.1-8B-Instruct", "model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B"),
-     ("qwen3-8b", "model: qwen3-8b matched as Qwen3-8B"),
+     ("qwen3-8b", None), ("llama-2-7b", None),  # the catalog's name in another case: nothing to say
+     ("Qwen/Qwen3-8B", "model: Qwen/Qwen3-8B matched as Qwen3-8B"),
      ("meta-llama/Llama-3.3-70B-Instruct", "model: meta-llama/Llama-3.3-70B-Instruct matched as Llama-3.1-70B"),
      ("Llama-3.1-8B", None), ("Qwen3-8B", None), ("no-such-model", None)],
 )  # fmt: skip

@@ -233,11 +233,11 @@ def match_note(name_or_path: str | Path) -> str | None:
     """`model: meta-llama/Llama-3.1-8B-Instruct matched as Llama-3.1-8B`, for a CLI to print.
 
     Returns:
-        The line, or None when the name typed is exactly the catalog's, a path, or not in the catalog:
-        a reader then sees the name they typed, or the config's own name, or an error.
+        The line, or None when the name typed is the catalog's (in any case), a path, or not in the
+        catalog: a reader then sees the name they typed, or the config's own name, or an error.
     """
     canonical = catalog_match(name_or_path)
-    if canonical is None or str(name_or_path) == canonical:
+    if canonical is None or str(name_or_path).lower() == canonical.lower():  # the same name, in other case
         return None
     return f"model: {name_or_path} matched as {canonical}"
 
