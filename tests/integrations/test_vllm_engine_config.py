@@ -146,3 +146,10 @@ def test_the_shipped_example_yaml_is_one_the_connector_takes():
     resized = ec.engine_config({"kvtier_config": str(path), "dram": "1GiB"}, "/models/served", environ={})
     assert resized.config.tier(TierKind.DRAM).capacity_bytes == GiB
     assert resized.config.tier(TierKind.DRAM).policy.value == "s3fifo"
+
+
+def test_a_malformed_yaml_tier_is_refused_even_where_a_short_form_resizes_it(tmp_path):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"tiers": {"dram": "64MiB"}}))
+    with pytest.raises(ConfigError, match=r"tiers\.dram: expected a mapping, got '64MiB'"):
+        read_settings({"kvtier_config": str(path), "dram": "4MiB"}, _facts())

@@ -87,7 +87,9 @@ def engine_config(extra: Mapping[str, Any], engine_model: str,
         value, where = _given(extra, environ, name)
         if value is None:
             continue
-        below = tiers.get(name) if isinstance(tiers.get(name), dict) else {}
+        below = tiers.get(name, {})
+        if not isinstance(below, dict):  # as config_from_dict would say, had no short form replaced it
+            raise ConfigError(f"config file {path}: tiers.{name}: expected a mapping, got {below!r}")
         tiers[name] = {**below, **_short_tier(name, value, where)}
         short.append(f"{name} from {where}")
     if "dram" not in tiers and not tiers_raw:  # no YAML tiers: short forms of lower tiers get a DRAM in front
