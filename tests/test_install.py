@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from support.traces import TRACE_DIR, needs_traces
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,17 +93,15 @@ def test_the_console_script_and_the_vllm_entry_point_are_installed(installed, tm
     assert "kvtier = kvtier.integrations.vllm.plugin:register" in entry_points
 
 
+@needs_traces  # the uncompressed originals: the shared/ directory next to the repo, or KVTIER_TRACE_DIR
 def test_the_shipped_traces_are_the_originals_byte_for_byte():
-    from support.traces import SHARED_TRACE_DIR
     import zstandard
 
     from kvtier.simulate.trace import DEFAULT_TRACE_DIR, resolve_trace_path
 
-    if not (SHARED_TRACE_DIR / "conversation_trace.jsonl").is_file():
-        pytest.skip(f"the uncompressed originals are not in {SHARED_TRACE_DIR}")
     for name in ("conversation", "synthetic"):
         shipped = resolve_trace_path(name)
         assert shipped == DEFAULT_TRACE_DIR / f"{name}_trace.jsonl.zst"
         with open(shipped, "rb") as f:
             assert zstandard.ZstdDecompressor().stream_reader(f).read() == \
-                (SHARED_TRACE_DIR / f"{name}_trace.jsonl").read_bytes()
+                (TRACE_DIR / f"{name}_trace.jsonl").read_bytes()
