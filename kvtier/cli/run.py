@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     cfg = load_config(args.config)
     geometry = resolve_model(cfg.model, kv_dtype=cfg.kv_dtype)
-    if match_note(cfg.model):
-        console.print(match_note(cfg.model))
+    note = match_note(cfg.model)
+    if note:
+        console.print(note)
     layout = geometry.block_layout(cfg.block_tokens)
     ns = Namespace(geometry.name, geometry.kv_dtype.value, cfg.block_tokens, cfg.tenant)
     gen = torch.Generator().manual_seed(0)

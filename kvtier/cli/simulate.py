@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if trace.skipped_lines:
         _warn_skipped(trace)
     geometry = resolve_model(args.model, kv_dtype=args.kv_dtype)
-    if match_note(args.model):
-        print(match_note(args.model), file=sys.stderr)
+    note = match_note(args.model)
+    if note:
+        print(note, file=sys.stderr)
     block_bytes = geometry.block_bytes(trace.block_tokens)
     bandwidths = DEFAULT_BANDWIDTH_GBPS | _pairs(args.bandwidth, "bandwidth", _bandwidth)
     capacities = _pairs(args.capacity, "capacity", lambda v, where: parse_capacity(
@@ -303,7 +304,8 @@ def _search(trace: Trace, configs: list[SimConfig], rows: list[dict], target: fl
     if not rows or target is None or trace.max_block_hit_rate <= 0:
         return []  # nothing to size: `recommend` says so
     tier, _, bandwidth = swept
-    chosen = [config for config in configs if config.label in labels_to_search(rows, target)]
+    labels = labels_to_search(rows, target)
+    chosen = [config for config in configs if config.label in labels]
     for config in chosen:  # a bar each, added up front so every estimate shows from the start
         below, above = bracket(rows, config.label, target)
         bars.add(f"{config.label}: bisecting", len(trace.requests) * planned_bisections(below, above))

@@ -54,7 +54,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.kinds import TierKind
 from kvtier.simulate.replay import SimConfig, VirtualTier, simulate
-from kvtier.simulate.sweep import bisect_capacity
+from kvtier.simulate.sweep import bisect_capacity, planned_bisections
 from kvtier.simulate.trace import Trace
 
 # A block is common when the distinct blocks that follow it number at least COMMON_MIN_FANOUT and
@@ -279,7 +279,7 @@ def smallest_matching_pool(num_hits: Callable[[int], int], target_hits: int, tot
 def planned_replays(total_blocks: int) -> int:
     """An upper bound on `compare`'s whole-trace replays when the grid reaches the target (private counts as one)."""
     widest_gap = max(2, math.ceil(max(b - a for a, b in zip((0, *GRID_SHARES), GRID_SHARES)) * total_blocks))
-    return 1 + len(GRID_SHARES) + math.ceil(math.log2(widest_gap))
+    return 1 + len(GRID_SHARES) + planned_bisections(0, widest_gap)
 
 
 class _PoolReplays:
