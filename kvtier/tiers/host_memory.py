@@ -31,29 +31,33 @@ def memory_limit() -> tuple[int, str] | None:
         (bytes, "MemTotal" or the cgroup file), the smaller of the two where both are known; None
         where neither can be read.
     """
-    known = []
-    total = _meminfo_bytes("MemTotal")
-    if total is not None:
-        known.append((total, "the machine's memory (MemTotal)"))
-    for path in _cgroup_limit_files():
-        limit = _read_int(path)
-        if limit is None:
-            continue  # not there (another cgroup version) or unreadable: the next candidate
-        if limit < _UNLIMITED_BYTES:
-            known.append((limit, f"this process's cgroup memory limit ({path})"))
-        break  # the first file found is this process's own cgroup: its parents' limits are not read
-    return min(known) if known else None
+    return _smallest(_meminfo_bytes("MemTotal"), "the machine's memory (MemTotal)")
 
 
 def available_memory() -> tuple[int, str] | None:
     """The memory this process could take now without making room: MemAvailable, or its cgroup's
     limit where that is lower, and where the figure comes from; None where neither can be read."""
-    available = _meminfo_bytes("MemAvailable")
-    known = [(available, "available now (MemAvailable)")] if available is not None else []
-    limit = memory_limit()
-    if limit is not None and limit[1] != "the machine's memory (MemTotal)":
+    return _smallest(_meminfo_bytes("MemAvailable"), "available now (MemAvailable)")
+
+
+def _smallest(meminfo: int | None, what: str) -> tuple[int, str] | None:
+    """The smaller of a /proc/meminfo figure (`what` says which) and this process's cgroup limit."""
+    known = [(meminfo, what)] if meminfo is not None else []
+    limit = _cgroup_limit()
+    if limit is not None:
         known.append(limit)
     return min(known) if known else None
+
+
+def _cgroup_limit() -> tuple[int, str] | None:
+    """This process's own cgroup memory limit and its file; None where it has none or none can be read."""
+    for path in _cgroup_limit_files():
+        limit = _read_int(path)
+        if limit is None:
+            continue  # not there (another cgroup version) or unreadable: the next candidate
+        # the first file found is this process's own cgroup: its parents' limits are not read
+        return (limit, f"this process's cgroup memory limit ({path})") if limit < _UNLIMITED_BYTES else None
+    return None
 
 
 def _cgroup_limit_files() -> list[Path]:
