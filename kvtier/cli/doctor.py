@@ -172,11 +172,12 @@ def check_o_direct(ssd_dir: str | None) -> Check:
     make (a file on the path, an unwritable ancestor) is a failure naming why.
     """
     from kvtier.errors import TierIOError
+    from kvtier.tiers.build import nearest_existing
     from kvtier.tiers.ssd_files import open_directory
 
     directory = Path(ssd_dir) if ssd_dir else Path(tempfile.gettempdir())
     name, hint = f"O_DIRECT on {directory}", "give --ssd-dir (or tiers.ssd.path) a folder kvtier can write in"
-    existing = next(p for p in (directory, *directory.parents) if os.path.lexists(p))
+    existing = nearest_existing(directory)
     if not existing.is_dir():
         why = "is not a directory" if existing == directory else f"is not a directory, so {directory} cannot be created"
         return Check(name, "fail", f"{existing} {why}", hint)

@@ -79,6 +79,11 @@ def _naming_capacity(cfg: TierConfig, build: Callable[[], Tier]) -> Tier:
         raise CapacityError(f"tiers.{cfg.kind.name.lower()}.capacity: {e}") from None
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` itself or its nearest ancestor that exists (a file too: the SSD folder cannot be made under it)."""
+    return next(p for p in (path, *path.parents) if os.path.lexists(p))
+
+
 def _make_ssd_directory(path: Path) -> None:
     """Creates the SSD tier's folder, unless its nearest existing ancestor is a device or kernel
     folder (/dev, /proc, /sys: nothing is made there).
@@ -114,7 +119,7 @@ def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, 
                                 "disk_bytes": num_slots * stride, "persist": cfg.persist}
     if cfg.o_direct is False:
         return {**facts, "o_direct": False, "reason": "o_direct: false in the config"}
-    probe_dir = next(p for p in (cfg.path, *cfg.path.parents) if os.path.lexists(p))
+    probe_dir = nearest_existing(cfg.path)
     if not probe_dir.is_dir():  # a file on the way: start-up cannot create the folder
         return {**facts, "o_direct": False, "reason": f"{probe_dir} is not a directory: the tier would fail to start"}
     try:
