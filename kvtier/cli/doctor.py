@@ -172,7 +172,7 @@ def check_o_direct(ssd_dir: str | None) -> Check:
     make (a file on the path, an unwritable ancestor) is a failure naming why.
     """
     from kvtier.errors import TierIOError
-    from kvtier.tiers.build import nearest_existing
+    from kvtier.tiers.build import nearest_existing, probe_o_direct_in
     from kvtier.tiers.ssd_files import open_directory
 
     directory = Path(ssd_dir) if ssd_dir else Path(tempfile.gettempdir())
@@ -184,10 +184,10 @@ def check_o_direct(ssd_dir: str | None) -> Check:
     try:
         os.close(open_directory(str(existing)))
         if existing == directory:
-            refusal, where = _probe_in(directory), ""
+            refusal, where = probe_o_direct_in(directory, ".kvtier-doctor-"), ""
         else:
             with tempfile.TemporaryDirectory(dir=existing, prefix=".kvtier-doctor-") as scratch:
-                refusal = _probe_in(Path(scratch))
+                refusal = probe_o_direct_in(Path(scratch), ".kvtier-doctor-")
             where = f" (probed in {existing}: the directory is created at start-up)"
     except (OSError, TierIOError) as e:
         why = "cannot probe" if existing == directory else f"cannot create the directory in {existing}"
@@ -195,22 +195,6 @@ def check_o_direct(ssd_dir: str | None) -> Check:
     if refusal:
         return Check(name, "warn", refusal + where, "the SSD tier falls back to the page cache here")
     return Check(name, "ok", "an aligned O_DIRECT write and read succeeded" + where)
-
-
-def _probe_in(directory: Path) -> str | None:
-    """The SSD tier's own probe (so both agree) on a scratch file in `directory`, removed after.
-
-    Returns:
-        Why O_DIRECT is refused there, or None when it works.
-    Raises:
-        OSError: the scratch file cannot be made or probed.
-    """
-    from kvtier.tiers.ssd import _probe_direct
-
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-doctor-") as f:
-        f.truncate(4096)
-        f.flush()
-        return _probe_direct(f.name)
 
 
 def check_cuda() -> Check:

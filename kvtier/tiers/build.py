@@ -108,10 +108,27 @@ _MEDIA = {TierKind.HBM: Medium.DEVICE.value, TierKind.DRAM: Medium.HOST.value, T
           TierKind.POOL: Medium.REMOTE.value}
 
 
-def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, object]:
+def probe_o_direct_in(directory: Path, prefix: str) -> str | None:
+    """The SSD tier's own O_DIRECT probe (so every report agrees with it) on a scratch file named
+    `prefix`... in `directory`, removed after.
+
+    Returns:
+        Why O_DIRECT is refused there, or None when it works.
+    Raises:
+        OSError, TierIOError: the scratch file cannot be made or probed.
+    """
     import tempfile
 
     from kvtier.tiers.ssd import ALIGN_BYTES, _probe_direct
+
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=prefix) as f:
+        f.truncate(ALIGN_BYTES)
+        f.flush()
+        return _probe_direct(f.name)
+
+
+def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, object]:
+    from kvtier.tiers.ssd import ALIGN_BYTES
 
     stride = -(-slot_bytes // ALIGN_BYTES) * ALIGN_BYTES
     facts: dict[str, object] = {"directory": str(cfg.path), "exists": cfg.path.is_dir(),
@@ -123,10 +140,7 @@ def _planned_ssd(cfg: TierConfig, slot_bytes: int, num_slots: int) -> dict[str, 
     if not probe_dir.is_dir():  # a file on the way: start-up cannot create the folder
         return {**facts, "o_direct": False, "reason": f"{probe_dir} is not a directory: the tier would fail to start"}
     try:
-        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".kvtier-info-") as f:
-            f.truncate(ALIGN_BYTES)
-            f.flush()
-            refusal = _probe_direct(f.name)
+        refusal = probe_o_direct_in(probe_dir, ".kvtier-info-")
     except (OSError, TierIOError) as e:
         return {**facts, "o_direct": False, "reason": f"cannot probe O_DIRECT in {probe_dir}: {e}"}
     where = "" if probe_dir == cfg.path else f" (probed in {probe_dir}: the directory is created at start-up)"
