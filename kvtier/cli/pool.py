@@ -1,4 +1,5 @@
-"""`kvtier pool serve` runs a memory pool node; `kvtier pool stats` asks one what it holds.
+"""`kvtier pool serve` runs a memory pool node; `kvtier pool stats` asks one what it holds;
+`kvtier pool events` republishes a tenant's KV events from a node on ZMQ (`pool_events`).
 
 `serve` prints one JSON line `{"event": "ready", "listen": "HOST:PORT", "transport": ...}` on stdout
 once it accepts connections (tools and tests wait for it; with port 0 it carries the port chosen),
@@ -58,6 +59,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "no credential is asked, so keep it on a trusted address")
     serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                        help="address the metrics are served on (default 127.0.0.1, whatever --listen says)")
+    serve.add_argument("--max-subscribers-per-tenant", type=int, default=4,
+                       help="KV event subscribers (SUBSCRIBE) one tenant may have at once (default 4)")
+    serve.add_argument("--event-queue-batches", type=int, default=256,
+                       help="event batches queued per subscriber; past it the oldest are dropped and counted "
+                            "(default 256)")
+    serve.add_argument("--event-ring-batches", type=int, default=4096,
+                       help="event batches kept per tenant for replay (SUBSCRIBE from a seq; default 4096)")
     serve.set_defaults(func=run_serve)
     stats = sub.add_parser("stats", help="show a node's capacity, use, hits, evictions and transport",
                            description="What the credential may see: a tenant's own use and counters and the "
@@ -69,6 +77,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     stats.add_argument("--timeout-s", type=float, default=5.0)
     stats.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     stats.set_defaults(func=run_stats)
+    from kvtier.cli.pool_events import add_events_parser  # no pyzmq import until it runs
+
+    add_events_parser(sub)
     return p
 
 
@@ -80,6 +91,7 @@ def node_config(args: argparse.Namespace):
         CapacityError: --capacity is more than this machine's (or cgroup's) memory.
     """
     from kvtier.pool.detect import TransportKind, choose_transport
+    from kvtier.pool.node.events import EventLimits
     from kvtier.pool.node.server import NodeConfig
     from kvtier.pool.tenants import load_tenants, open_tenants
     from kvtier.units import parse_address, parse_size
@@ -102,7 +114,8 @@ def node_config(args: argparse.Namespace):
         raise ConfigError(f"--handshake-timeout-s: must be in (0, 1e6), got {args.handshake_timeout_s}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port: expected a port number 0-65535 (0: any free port), got {args.metrics_port}")
-    for name in ("max_connections", "max_handshakes", "max_leases_per_connection", "max_leases_per_tenant"):
+    for name in ("max_connections", "max_handshakes", "max_leases_per_connection", "max_leases_per_tenant",
+                 "max_subscribers_per_tenant", "event_queue_batches", "event_ring_batches"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     transport, reason = choose_transport(TransportKind(args.transport), verbs=args.verbs)
@@ -112,7 +125,10 @@ def node_config(args: argparse.Namespace):
                       max_lease_s=args.max_lease_s, max_connections=args.max_connections,
                       max_handshakes=args.max_handshakes, handshake_timeout_s=args.handshake_timeout_s,
                       max_leases_per_connection=args.max_leases_per_connection,
-                      max_leases_per_tenant=args.max_leases_per_tenant)
+                      max_leases_per_tenant=args.max_leases_per_tenant,
+                      events=EventLimits(max_subscribers_per_tenant=args.max_subscribers_per_tenant,
+                                         queue_batches=args.event_queue_batches,
+                                         ring_batches=args.event_ring_batches))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -218,6 +234,9 @@ def _print_table(f: dict[str, Any]) -> None:
         ("duplicate puts", (f"{format_size(f.get('duplicate_put_bytes', 0))} sent for keys already stored "
                             f"(and dropped); {format_size(f.get('bytes_in', 0))} written")),
         ("leases", f"{f['active_leases']:,} active, {f['leases_expired']:,} expired"),
+        ("KV events", (f"{f.get('events_published', 0):,} batches published, {f.get('events_dropped', 0):,} dropped "
+                       f"for slow subscribers, {f.get('event_subscribers', 0):,} subscribers, "
+                       f"{f.get('blocks_announced', 0):,} blocks announced ({f.get('announce_ignored', 0):,} ignored)")),
     ]
     if node_wide:
         rows.append(("connections", (

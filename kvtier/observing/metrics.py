@@ -115,7 +115,8 @@ class NodeCollector:
     and the active transport (with the reason it was chosen) as an info metric."""
 
     GAUGES = frozenset({"capacity_bytes", "used_bytes", "region_bytes", "num_regions", "free_regions",
-                        "num_blocks", "active_leases", "accesses_in_flight", "active_connections", "uptime_s"})
+                        "num_blocks", "active_leases", "accesses_in_flight", "active_connections", "uptime_s",
+                        "announced_bytes", "event_subscribers"})  # the last two: shared-tier KV events
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats

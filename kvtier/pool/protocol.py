@@ -35,6 +35,7 @@ MAX_KEY_BYTES = 64
 MAX_NAME_BYTES = 64
 MAX_INLINE_BYTES = 256 << 20  # block bytes one GET reply may carry; a node leases further hits instead
 REPLY = 0x80
+MAX_ANNOUNCE_TOKENS = 2048  # an announced block's block_size (and tokens) at most: its metadata stays small
 
 
 class MsgType(enum.IntEnum):
@@ -60,6 +61,14 @@ class MsgType(enum.IntEnum):
     # that predates it answers MALFORMED, which a client probes for once (`PoolClient`) and then
     # sends PUTs to that node instead.
     MULTI_PUT = 18
+    # Shared-tier KV events (issue 32), added after version 1 shipped as MULTI_PUT was: a node that
+    # predates them answers MALFORMED, which a client probes for once per node (`NodeLink.serves`).
+    # SUBSCRIBE: from_seq (nil: live only) -> {next_seq, oldest_seq}, then the connection carries only
+    # EVENTS frames (the reply type, the SUBSCRIBE's request id): {seq, dropped} + one msgpack
+    # KVEventBatch in vLLM's wire shape, the session's tenant's events only (`kvtier.pool.node.events`).
+    SUBSCRIBE = 19
+    EVENTS = 20
+    ANNOUNCE = 21  # the engine's hashes of blocks the tenant stored -> counts announced and ignored
     ERROR = 0xFF
 
 
@@ -112,6 +121,7 @@ _GRANT = ("tuple", ("uint", "uint", "uint", "uint", "uint"))  # status, region, 
 _QP_INFO = {"qpn": "uint", "psn": "uint", "gid": "text", "lid": "uint", "mtu": "uint"}
 _REGIONS = ("list", ("tuple", ("uint", "uint", "uint", "uint")))  # region id, addr, rkey, length
 _HIT = ("tuple", ("bool", "uint", "uint", "uint", "uint", "uint", "uint", "bool"))
+_HASHES = ("list", "hash")  # vLLM's ExternalBlockHash: an int (u64) or bytes
 
 REQUESTS: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"tenant": "name", "nonce": "nonce"},
@@ -133,6 +143,10 @@ REQUESTS: dict[MsgType, dict[str, Any]] = {
     MsgType.STATS: {},
     MsgType.RDMA_CONNECT: _QP_INFO,
     MsgType.RDMA_REGIONS: {},
+    MsgType.SUBSCRIBE: {"from_seq": "opt_uint"},
+    # per key: its vLLM hash, the parent's (nil: none or unknown) and its tokens ([]: not told)
+    MsgType.ANNOUNCE: {"keys": _KEYS, "hashes": _HASHES, "parents": ("list", "opt_hash"),
+                       "tokens": ("list", _UINTS), "block_size": "uint"},
 }
 REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"nonce": "nonce", "node": "name"},
@@ -153,12 +167,16 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.STATS: {"stats": "map"},
     MsgType.RDMA_CONNECT: {**_QP_INFO, "regions": _REGIONS},
     MsgType.RDMA_REGIONS: {"regions": _REGIONS},
+    MsgType.SUBSCRIBE: {"next_seq": "uint", "oldest_seq": "uint"},
+    MsgType.EVENTS: {"seq": "uint", "dropped": "uint"},  # dropped: batches lost to this subscriber since its last frame
+    MsgType.ANNOUNCE: {"announced": "uint", "ignored": "uint"},
     MsgType.ERROR: {"code": "uint", "message": "text"},
 }
 # Fields that must be lists of equal length.
 _PARALLEL = {MsgType.PUT_BEGIN: ("keys", "lengths"), MsgType.PUT_COMMIT: ("keys", "gens", "checksums"),
              MsgType.PUT_ABORT: ("keys", "gens"), MsgType.ALLOC: ("keys", "lengths"),
-             MsgType.MULTI_PUT: ("keys", "lengths", "checksums")}
+             MsgType.MULTI_PUT: ("keys", "lengths", "checksums"),
+             MsgType.ANNOUNCE: ("keys", "hashes", "parents", "tokens")}
 
 
 _SEQUENCES = (list, tuple)
@@ -183,10 +201,17 @@ def _checker(spec: Any) -> Callable[[Any], bool]:
         "name": lambda v: type(v) is str and 1 <= len(v) <= MAX_NAME_BYTES and v.isprintable(),
         "text": lambda v: type(v) is str and len(v) <= 4096,
         "map": lambda v: isinstance(v, dict),
+        "opt_uint": lambda v: v is None or (type(v) is int and 0 <= v <= U64),
+        "hash": _is_hash,
+        "opt_hash": lambda v: v is None or _is_hash(v),
     }
     if spec not in checks:
         raise AssertionError(f"unknown spec {spec!r}")  # a bug in the tables above, not bad input
     return checks[spec]
+
+
+def _is_hash(v: Any) -> bool:
+    return (type(v) is int and 0 <= v <= U64) or (type(v) is bytes and 1 <= len(v) <= MAX_KEY_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +338,7 @@ def parse_prefix(data: bytes | bytearray | memoryview, max_payload: int,
 
 
 _REQUEST_PAYLOADS = frozenset({MsgType.WRITE, MsgType.WRITE_COMMIT, MsgType.PUT, MsgType.MULTI_PUT})
-_REPLY_PAYLOADS = frozenset({MsgType.READ, MsgType.GET})
+_REPLY_PAYLOADS = frozenset({MsgType.READ, MsgType.GET, MsgType.EVENTS})
 
 
 def parse_header(prefix: Prefix, body: bytes | bytearray | memoryview, *, reply: bool) -> tuple[MsgType, dict]:
@@ -353,6 +378,22 @@ def check_multi_put(header: dict[str, Any], payload_len: int, request_id: int = 
     if total != payload_len:
         raise ProtocolError(ErrorCode.MALFORMED, f"MULTI_PUT.lengths: entries of {total} bytes in all, "
                                                  f"payload of {payload_len}", request_id)
+
+
+def check_announce(header: dict[str, Any], request_id: int = 0) -> None:
+    """Checks an ANNOUNCE's block size and that each key's tokens are none or one block's.
+
+    Raises:
+        ProtocolError(MALFORMED): block_size outside [1, MAX_ANNOUNCE_TOKENS], or a key's tokens
+            neither empty nor `block_size` long.
+    """
+    size = header["block_size"]
+    if not 1 <= size <= MAX_ANNOUNCE_TOKENS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"ANNOUNCE.block_size: {size} outside [1, {MAX_ANNOUNCE_TOKENS}]",
+                            request_id)
+    if any(len(tokens) not in (0, size) for tokens in header["tokens"]):
+        raise ProtocolError(ErrorCode.MALFORMED, f"ANNOUNCE.tokens: each must be empty or {size} long",
+                            request_id)
 
 
 def _unpack(body: bytes | bytearray | memoryview, request_id: int) -> Any:

@@ -36,6 +36,7 @@ from kvtier.errors import ConfigError, TransferError
 from kvtier.pool.base import Location, RemoteIO, Transport
 from kvtier.pool.buffers import byte_view
 from kvtier.pool.client.connection import AuthFailed, NodeLink, NodeUnavailable
+from kvtier.pool.client.events import EventStream, announce_by_home
 from kvtier.pool.client.node_calls import STORED, NodeCalls, grant_status
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.protocol import MAX_BATCH, GrantStatus, MsgType
@@ -281,6 +282,29 @@ class PoolClient:
                     self.links[node].call(MsgType.DELETE, {"keys": keys[start: start + MAX_BATCH]})
                 except NodeUnavailable:
                     break
+
+    # ---- shared-tier KV events (`kvtier.pool.client.events`) ---------------------------------
+
+    def announce(self, keys: Sequence[bytes], hashes: Sequence[int | bytes], *, block_size: int,
+                 parents: Sequence[int | bytes | None] | None = None,
+                 tokens: Sequence[Sequence[int]] | None = None) -> dict[str, int]:
+        """Tells each key's home node the engine's block hash of the block stored under it (with its
+        parent's hash and its `block_size` tokens where known), so that the node publishes the
+        tenant's `BlockStored`/`BlockRemoved` events for it. Keys not stored (or not yet) are ignored.
+
+        Returns:
+            {"announced", "ignored", "failed"}: blocks counted by the nodes, and keys whose node
+            could not be reached or predates events (`events.NotServed`, logged).
+        """
+        return announce_by_home(self.links, self.home, keys, hashes, block_size,
+                                parents if parents is not None else [None] * len(keys),
+                                tokens if tokens is not None else [()] * len(keys))
+
+    def subscribe(self, node: int = 0, from_seq: int | None = None) -> EventStream:
+        """A stream of this tenant's shared-tier KV events on node `node` (an `events.EventStream`:
+        iterate it, close it to unsubscribe); with `from_seq`, the node's kept batches from that
+        seq come first. Raises as `EventStream`."""
+        return EventStream(self.links[node], from_seq)
 
     # ---- facts and lifecycle ----------------------------------------------------------------
 

@@ -254,6 +254,7 @@ class NodeLink:
         self._down_until = 0.0
         self.transport: str | None = None  # as the node reported it
         self.multi_put: bool | None = None  # whether the node serves MULTI_PUT (None: not known yet)
+        self._serves: dict[MsgType, bool] = {}  # see `serves`
         self.last_error: str | None = None
 
     @property
@@ -297,6 +298,32 @@ class NodeLink:
         except NodeUnavailable as e:
             self._fail(None, e)
             raise
+
+    def serves(self, msg: MsgType, probe: dict[str, Any]) -> bool:
+        """Whether the node serves `msg`, a message added after version 1 shipped (as MULTI_PUT
+        was): asked once, with `probe` (a request of that type that changes nothing), on a
+        connection of its own, since a node that predates it answers MALFORMED and closes it.
+
+        Raises:
+            NodeUnavailable, AuthFailed: as `dedicated`, or the probe failed otherwise.
+        """
+        known = self._serves.get(msg)
+        if known is None:
+            conn = self.dedicated()
+            try:
+                conn.call(msg, probe)
+                known = True
+            except RemoteError:
+                known = True  # refused, but understood
+            except NodeUnavailable as e:
+                if e.code is not ErrorCode.MALFORMED:
+                    raise
+                log.warning("pool node %s does not know %s (an older node)", self.name, msg.name)
+                known = False
+            finally:
+                conn.close()
+            self._serves[msg] = known
+        return known
 
     def close(self) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvtier.pool.node.events import EventLimits
 from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
 from kvtier.pool.tenants import Tenant
 
@@ -33,4 +34,5 @@ class NodeConfig:
     max_leases_per_tenant: int = MAX_LEASES_PER_TENANT
     auth_free_failures: int = 5  # failed authentications a peer address may make before it is throttled
     auth_max_backoff_s: float = 60.0
+    events: EventLimits = EventLimits()  # shared-tier KV events: subscribers, queues, replay ring
     node_id: str = field(default_factory=lambda: os.urandom(4).hex())

@@ -8,6 +8,7 @@ it cannot be evicted or its slot reused. A connection must authenticate first; a
 the protocol gets an error reply and closes that connection only; the leases a connection took end
 when it closes. STATS shows a tenant its own use and counters and the node's static facts; only an
 operator (`Tenant.operator`) sees node-wide figures, as the node's metrics endpoint does.
+A tenant's shared-tier KV events (ANNOUNCE, SUBSCRIBE) go to its own subscribers only (`events`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from kvtier.pool.node.blocks import Access, Region
 from kvtier.pool.buffers import block_checksum
 from kvtier.pool.node.control import CONTROL, Session, commit
 from kvtier.pool.node.config import NodeConfig
+from kvtier.pool.node.events import EventHub
 from kvtier.pool.node.fair_lock import FairLock
 from kvtier.pool.node.memory import LeaseReaper, pin_malloc_thresholds
 from kvtier.pool.node.multi_put import serve_multi_put
+from kvtier.pool.node.subscribe import serve_subscription
 from kvtier.pool.protocol import (
     MAX_INLINE_BYTES,
     REPLY,
@@ -39,6 +42,7 @@ from kvtier.pool.protocol import (
     MsgType,
     Prefix,
     ProtocolError,
+    check_announce,
     encode_error,
     encode_hits,
 )
@@ -54,11 +58,14 @@ class PoolNode:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
+        quotas = {t.name: t.quota_bytes for t in config.tenants.values()}
+        self.events = EventHub(config.events, quotas)
         self.store = BlockStore(config.capacity_bytes, config.region_bytes,
-                                {t.name: t.quota_bytes for t in config.tenants.values()}, time.monotonic,
+                                quotas, time.monotonic,
                                 config.max_lease_s, id_base=int.from_bytes(os.urandom(5), "little") << 20,
                                 scrub=self._scrub, max_leases_per_owner=config.max_leases_per_connection,
-                                max_leases_per_tenant=config.max_leases_per_tenant)
+                                max_leases_per_tenant=config.max_leases_per_tenant,
+                                on_remove=self.events.on_remove)
         self.arena = Arena(self.store.capacity_bytes, config.hugepages)
         self.rdma = None
         if config.transport == "rdma":
@@ -75,8 +82,10 @@ class PoolNode:
         self._data = {MsgType.WRITE: self._write, MsgType.WRITE_COMMIT: self._write, MsgType.PUT: self._put,
                       MsgType.READ: self._read, MsgType.GET: self._get,  # requests that move block bytes
                       MsgType.MULTI_PUT: self._multi_put}
+        self._streams = {MsgType.SUBSCRIBE: serve_subscription}  # requests that turn the connection into a stream
         self._control = {**{msg: functools.partial(handler, self.store) for msg, handler in CONTROL.items()},
-                         MsgType.RDMA_REGIONS: lambda s, h: {"regions": self.rdma.regions(s.tenant)}}
+                         MsgType.RDMA_REGIONS: lambda s, h: {"regions": self.rdma.regions(s.tenant)},
+                         MsgType.ANNOUNCE: self._announce}
         if self.rdma is not None:  # one-sided writes: a commit is checked against the bytes that landed
             self._control[MsgType.PUT_COMMIT] = lambda s, h: commit(self.store, s, h, self._holds)
 
@@ -110,6 +119,7 @@ class PoolNode:
         self._spawn(self._door.run, "kvtier-pool-accept")
         pin_malloc_thresholds()  # the node's process is the memory node's: see `memory`
         self._spawn(LeaseReaper(self.store, self._lock, self._stopping, self.counters).run, "kvtier-pool-expire")
+        self._spawn(self.events.run, "kvtier-pool-events", self._stopping)
         return self.address
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -118,6 +128,7 @@ class PoolNode:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self.events.close()  # subscribers' streams end within their poll; the flusher returns
         if self._door is not None:
             self._door.stop()
         deadline = time.monotonic() + timeout_s
@@ -143,13 +154,15 @@ class PoolNode:
         with self._lock:
             door = self._door.counters if self._door is not None else {}
             return {**self._static_facts(), "scope": "node", **self.store.stats(tenant), **self.counters, **door,
+                    **self.events.stats(),
                     "active_connections": len(self._conns),
                     "handshakes_pending": self._door.num_pending if self._door is not None else 0}
 
     def tenant_stats(self, tenant: str) -> dict[str, Any]:
         """What `tenant` may see: the node's static facts and its own use, quota and counters."""
         with self._lock:
-            return {**self._static_facts(), "scope": "tenant", **self.store.tenant_stats(tenant)}
+            return {**self._static_facts(), "scope": "tenant", **self.store.tenant_stats(tenant),
+                    **self.events.stats(tenant)}
 
     def _static_facts(self) -> dict[str, Any]:
         return {"node": self.config.node_id, "transport": self.config.transport,
@@ -224,6 +237,9 @@ class PoolNode:
         is gone when it returns, not kept while the connection waits for the next one: 4,096
         keys of a GET are 200 KB.)"""
         prefix, msg, header = frames.read_head(self.store.region_bytes, reply=False)
+        stream = self._streams.get(msg)
+        if stream is not None:  # outside `busy`: a stream is no request that `stop` should wait for
+            return stream(self.events, frames, session.tenant, prefix.request_id, header, self._stopping)
         with busy:
             self._dispatch(frames, session, prefix, msg, header)
 
@@ -262,6 +278,11 @@ class PoolNode:
         with self._lock:
             reply = handler(session, header)
         frames.send(REPLY | msg, rid, reply)
+
+    def _announce(self, s: Session, h: dict) -> dict:
+        """ANNOUNCE (lock held): the engine's hashes of the tenant's READY blocks (`EventHub.announce`)."""
+        check_announce(h)
+        return self.events.announce(s.tenant, self.store.find(s.tenant, h["keys"]), h)
 
     def _receive_block(self, frames: wire.FrameSocket, access: Access, finish: Callable[[bool], Any]) -> Any:
         """The one place block bytes come in: `access.length` payload bytes from the socket straight

@@ -50,12 +50,13 @@ class Slabs:
         quotas: tenant name -> quota in bytes.
         scrub: zeroes node memory (see `Scrub`).
         id_base: the first generation minus one.
+        on_remove: called with a block's id as it leaves, whatever the path (the node's events).
     Raises:
         ValueError: region_bytes not a positive multiple of 4 KiB or not below 4 GiB, or capacity below one region.
     """
 
     def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
-                 scrub: Scrub = no_memory, id_base: int = 0) -> None:
+                 scrub: Scrub = no_memory, id_base: int = 0, on_remove: Callable[[int], None] | None = None) -> None:
         if region_bytes < CLASS_ALIGN_BYTES or region_bytes % CLASS_ALIGN_BYTES:
             raise ValueError(f"region_bytes must be a positive multiple of {CLASS_ALIGN_BYTES}, got {region_bytes}")
         if region_bytes >= 2**32:  # a block's length is kept in 32 bits (`BlockTable.length`)
@@ -70,7 +71,7 @@ class Slabs:
         self.tenants = {name: TenantState(q, dict.fromkeys(TENANT_COUNTERS, 0), self.table.tenant_code(name))
                         for name, q in quotas.items()}
         self.counters = dict.fromkeys(("region_handovers", "scrubbed_bytes"), 0)
-        self._scrub = scrub
+        self._scrub, self._on_remove = scrub, on_remove
         self._tick = 0
         self._gen = id_base
 
@@ -116,6 +117,8 @@ class Slabs:
         """Frees the block's slot (and its region once empty); `block`: a handle or an id. The block
         must not be busy."""
         i = block if block.__class__ is int else block.id
+        if self._on_remove is not None:
+            self._on_remove(i)
         table = self.table
         region, slot = self.regions[table.region[i]], table.slot[i]
         t = self.tenants[region.tenant]

@@ -50,6 +50,7 @@ class BlockStore:
             location or lease from before a restart never names a block or lease after it.
         scrub: zeroes node memory (`slabs.Scrub`); the default, for a store without memory, does nothing.
         max_leases_per_owner, max_leases_per_tenant: live leases one connection or tenant may hold.
+        on_remove: called with the id of every block that leaves (see `Slabs`).
     Raises:
         ValueError: as `Slabs`.
     """
@@ -57,8 +58,9 @@ class BlockStore:
     def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
                  clock: Callable[[], float], max_lease_s: float = 60.0, id_base: int = 0, *,
                  scrub: Scrub = no_memory, max_leases_per_owner: int = MAX_LEASES_PER_OWNER,
-                 max_leases_per_tenant: int = MAX_LEASES_PER_TENANT) -> None:
-        self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base)
+                 max_leases_per_tenant: int = MAX_LEASES_PER_TENANT,
+                 on_remove: Callable[[int], None] | None = None) -> None:
+        self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base, on_remove)
         self.region_bytes, self.regions = region_bytes, self._slabs.regions
         self._tenants, self._table = self._slabs.tenants, self._slabs.table
         self._num_inflight = 0
