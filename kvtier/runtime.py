@@ -23,6 +23,7 @@ import xxhash
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.deciding.cost import LoadCost
 from kvtier.deciding.manager import Move, TierManager, TierSlots
+from kvtier.deciding.residency import ResidencyBatch, ResidencyLog
 from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.kinds import Medium, TierKind
 from kvtier.model.layout import BlockLayout
@@ -117,6 +118,7 @@ class KVTier:
         self._shared = None if shared is None else SharedLookup(
             shared, self.tiers[shared], self.manager, self._lock, self.stats, self._runner.submit_moves)
         self._metrics_server = None
+        self._residency: ResidencyLog | None = None  # see `log_residency`
         self._closed = False
 
     @classmethod
@@ -272,6 +274,24 @@ class KVTier:
             unpinned, moves = self.manager.unpin(keys)
             self._runner.submit_moves(moves)
             return unpinned
+
+    def log_residency(self, limit: int | None) -> None:
+        """Starts logging which blocks become ready in or leave each tier below HBM, up to `limit`
+        entries between `take_residency` calls (see `kvtier.deciding.residency`); None stops it.
+
+        Raises:
+            ConfigError: `limit` is not a positive number.
+        """
+        log = ResidencyLog(limit) if limit is not None else None
+        with self._lock:
+            self.manager.log_residency(log)
+            self._residency = log
+
+    def take_residency(self) -> ResidencyBatch:
+        """The residency changes logged since the last call, in order, and the drops counted
+        (empty when `log_residency` is off)."""
+        with self._lock:
+            return self._residency.take() if self._residency is not None else ResidencyBatch()
 
     def where(self, keys: Sequence[Hashable]) -> list[TierKind | None]:
         """The fastest tier holding a ready copy of each key (None: not stored)."""

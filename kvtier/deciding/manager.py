@@ -38,8 +38,10 @@ from kvtier.errors import ConfigError, KVTierError
 from kvtier.deciding.index import FREE, FREEING, NO_TIER, READY, WRITING, BlockIndex, SlotAllocator
 from kvtier.deciding.plans import (Fallback, LoadPlan, LoadSource, Move, MoveReason, Placement, StoreOutcome, StorePlan,
                           TierSlots)
+from kvtier.deciding.residency import REMOVED as _REMOVED, STORED as _STORED, ResidencyLog
 from kvtier.policy.admission import AdmissionKind
-from kvtier.policy.base import EvictionPolicy
+from kvtier.deciding.retention import DoomedQueues, HintBook, HintError, HintLimits, check_hint
+from kvtier.policy.base import EvictionPolicy, HintKind
 from kvtier.policy.lru import SlotLRUPolicy
 from kvtier.observing.stats import DropReason, Stats
 from kvtier.kinds import CacheMode, TierKind
@@ -116,6 +118,10 @@ class TierManager:
         ConfigError: duplicate tiers, no tiers, or a bad watermark pair.
     """
 
+    # Retention hints (`apply_hint`), off until the first hint: then `_start_hints` sets these.
+    _hint_limits = HintLimits()
+    _hints: HintBook | None = None
+
     def __init__(self, tiers: Sequence[TierSlots], *, mode: CacheMode = CacheMode.EXCLUSIVE,
                  promote_to: TierKind | None = TierKind.DRAM, stats: Stats | None = None) -> None:
         kinds = [t.kind for t in tiers]
@@ -184,6 +190,15 @@ class TierManager:
                                       [self._policies.get(k) for k in _KINDS])
         self._memory_tiers: frozenset[TierKind] = frozenset()
         self._derive_resident()
+        self._residency: ResidencyLog | None = None  # see `log_residency`
+
+    def log_residency(self, log: ResidencyLog | None) -> None:
+        """Logs every copy that becomes READY or leaves READY, below HBM, into `log` (None: stop).
+
+        The points are `_make_ready`, `_finish_demotion`'s inlined path, `_retire_unlisted` (a READY
+        copy only: a failed write was never servable), `adopt*` and the resident verbs' C paths
+        (logged here from their results). Off, each costs one `is not None` test."""
+        self._residency = log
 
     def _derive_cascade(self) -> None:
         """The per-tier tables that follow from the order and the tiers out of service."""
@@ -375,6 +390,182 @@ class TierManager:
         for order_chain in self._order_chain:
             order_chain(keys, partial_tail)
 
+    # ---- retention hints (see kvtier.deciding.retention) ----------------------------------
+
+    def configure_hints(self, limits: HintLimits) -> None:
+        """Sets the hints' bounds and budgets; before the first `apply_hint` (KVTierError after)."""
+        if self._hints is not None:
+            raise KVTierError("configure_hints: hints were already applied with the limits in force")
+        self._hint_limits = limits
+
+    def apply_hint(self, keys: Iterable[Hashable], *, now: float, session: str | None = None,
+                   retain_s: float | None = None, closed: bool = False, tenant: str = "") -> None:
+        """Applies one request's hint to its block keys (all of them, head first), after its store.
+
+        A hint with no session marks the keys as used by unhinted traffic (never doomed by a
+        close). Until the first call the manager behaves exactly as without hints; from then on
+        its victims are chosen as `kvtier.deciding.retention` describes, and `place_resident`
+        declines (its C eviction does not see hints). Counts go to `stats.hints`.
+
+        Args:
+            keys: the request's block keys.
+            now: the caller's clock, seconds (trace time in the simulator); it never goes back.
+            session: the request's conversation.
+            retain_s: keep the blocks for this long, in the last tier, within the tenant's budget.
+            closed: the session ended with this request.
+            tenant: whose retention budget `retain_s` is charged to.
+        Raises:
+            HintError: a field is out of range (`reason` says which); counted, nothing changed.
+        """
+        try:
+            check_hint(session, retain_s, closed, self._hint_limits)
+            if isinstance(now, bool) or not isinstance(now, (int, float)) or not math.isfinite(now):
+                raise HintError("bad_now", f"now must be a finite number of seconds, got {now!r}")
+        except HintError as e:
+            self.stats.hints[f"refused:{e.reason}"] += 1
+            raise
+        book = self._hints if self._hints is not None else self._start_hints()
+        keys = list(keys)
+        for key in book.advance(now):
+            if key in self._held:
+                self._release_held(key, self._held.pop(key))
+        book.use(keys, session)
+        if retain_s is not None:  # blocks stored (or being stored) only: a budget is not spent on misses
+            book.retain([key for key in keys if key in self._ids], retain_s, tenant)
+        if closed:
+            for key in book.close(session):
+                book.release(key)  # its retention ends with the sessions that asked for it
+                if key in self._held:
+                    self._release_held(key, self._held.pop(key))
+                self._doom(key)
+        self.stats.hints["applied"] += 1
+        book.prune(self._ids.__contains__, 4 * self.index.capacity)
+
+    def num_retained(self, tenant: str | None = None) -> int:
+        """Keys under a retention hint now, `tenant`'s or everyone's."""
+        return self._hints.num_retained(tenant) if self._hints is not None else 0
+
+    def _start_hints(self) -> HintBook:
+        """Turns hints on: the book, the doomed queues, and every tier's victims rebound to use them."""
+        book = self._hints = HintBook(self._hint_limits, self._slots[self._last].num_slots, self.stats.hints)
+        self._held: dict[Hashable, TierKind] = {}  # retained keys set aside out of their tier's policy
+        self._doomed = DoomedQueues(book, self.order)
+        self._notes = {k: t.policy.note_hint for k, t in self._tiers.items() if getattr(t.policy, "notes_hints", False)}
+        for tier in self.order:
+            self._bind_hinted_victims(tier)
+        return book
+
+    def _release_held(self, key: Hashable, tier: TierKind) -> None:
+        """A retained block set aside in `tier` whose deadline lapsed goes back into the policy,
+        as a newcomer, where its copy is still READY there (it may have been promoted or dropped)."""
+        block = self._ids.get(key)
+        slot = self._slot[tier][block] if block is not None else -1
+        if slot < 0 or self._state[tier][slot] != READY:
+            return
+        policy = self._tiers[tier].policy
+        if (slot if getattr(policy, "tracks_slots", False) else key) not in policy:
+            self._policies[tier].insert(slot)
+
+    def _doom(self, key: Hashable) -> None:
+        """Queues doomed `key` in each tier holding a copy, and tells the policies that note hints."""
+        block = self._ids.get(key)
+        if block is None:
+            return
+        for tier in self.order:
+            if self._slot[tier][block] >= 0:
+                self._doomed.push(tier, key)
+                note = self._notes.get(tier)
+                if note is not None:
+                    note(key, HintKind.CLOSED)
+
+    def _bind_hinted_victims(self, tier: TierKind) -> None:
+        """`_victim[tier]` and `_victims[tier]` with hints: a doomed block first; and while `tier`
+        is the last in service, a retained block the policy meets as a candidate is protected,
+        then, once the policy's call returns, set aside (`_set_aside`). `_victims` declines (None)
+        while doomed keys are queued, so that `_rebalance` takes them one at a time."""
+        policy, retained = self._tiers[tier].policy, self._hints.retained
+        key_of, owners, base, aside = self._key_of, self._owner[tier], self._protected_in(tier), []
+
+        def guard(slot: int) -> bool:
+            return base(slot) or (not self._below[tier] and retained(key_of(owners[slot])))
+
+        def guard_aside(slot: int) -> bool:  # `guard`, noting the retained slots it protects
+            if base(slot):
+                return True
+            if self._below[tier] or not retained(key_of(owners[slot])):
+                return False
+            aside.append(slot)
+            return True
+
+        if getattr(policy, "tracks_slots", False):
+            first, several = functools.partial(policy.evict_one, guard_aside), functools.partial(policy.evict,
+                                                                                                protected=guard_aside)
+        else:
+            ids, slots = self._ids, self._slot[tier]
+            keyed = _KeyedPolicy(policy, self.index, tier, lambda key: guard_aside(slots[ids[key]])
+                                 if key in ids and slots[ids[key]] >= 0 else True)
+            first, several = keyed.evict_one, keyed.evict
+        doomed, queue = self._doomed_victim(tier, guard), self._doomed.queues[tier]
+
+        def victim() -> int | None:
+            if queue:
+                slot = doomed()
+                if slot is not None:
+                    return slot
+            slot = first()
+            if aside:
+                self._set_aside(tier, aside)
+            return slot
+
+        def victims(n: int) -> list[int] | None:
+            if queue:
+                return None
+            chosen = several(n)
+            if aside:
+                self._set_aside(tier, aside)
+            return chosen
+
+        self._victim[tier], self._victims[tier] = victim, victims
+
+    def _set_aside(self, tier: TierKind, slots: list[int]) -> None:
+        """Takes the retained blocks in `slots` of `tier` out of its policy (READY, kept, as a
+        pinned block is) until their deadlines lapse (`_release_held`); empties `slots`.
+
+        Protecting them where they stand instead would leave them at the policy's old end, each
+        stepped over by every later eviction: a replay with a 300 s ttl ran ~30 times slower so.
+        They leave with `remove`, not as victims: a policy with ghost lists does not remember them."""
+        remove, owners = self._policies[tier].remove, self._owner[tier]
+        for slot in dict.fromkeys(slots):  # a policy may ask of one candidate twice
+            self._held[self._key_of(owners[slot])] = tier
+            remove(slot)
+        slots.clear()
+
+    def _doomed_victim(self, tier: TierKind, guard: Callable[[int], bool]) -> Callable[[], int | None]:
+        """The slot of `tier`'s first queued doomed block that `guard` does not protect (taken
+        out of the policy and queued in the tiers below, where it is demoted next), or None. A
+        doomed block still being written into `tier` keeps its place in the queue."""
+        ids, slots, state, owners = self._ids, self._slot[tier], self._state[tier], self._owner[tier]
+
+        def usable(key: Hashable) -> int | None:
+            block = ids.get(key)
+            slot = slots[block] if block is not None else -1
+            return slot if slot >= 0 and not guard(slot) else None
+
+        def pending(key: Hashable) -> bool:
+            block = ids.get(key)
+            slot = slots[block] if block is not None else -1
+            return slot >= 0 and state[slot] == WRITING
+
+        def victim() -> int | None:
+            slot = self._doomed.pop(tier, usable, pending)
+            if slot is not None:
+                self._policies[tier].remove(slot)
+                for lower in self._below[tier]:
+                    self._doomed.push(lower, self._key_of(owners[slot]))
+                self.stats.hints["doomed_evicted"] += 1
+            return slot
+        return victim
+
     def num_used(self, tier: TierKind) -> int:
         return self._slots[tier].num_used
 
@@ -418,6 +609,8 @@ class TierManager:
             self._refresh(block)
             self._checksums[block] = tuple(checksums)
             self._policies[tier].insert(slot)
+            if self._residency is not None:
+                self._residency.append(_STORED, tier, key)
             taken.add(slot)
         self._slots[tier].take(taken)
         return len(taken)
@@ -451,6 +644,8 @@ class TierManager:
             self._state[tier][slot] = READY
             self._refresh(block)
             self._policies[tier].insert(slot)
+            if self._residency is not None:
+                self._residency.append(_STORED, tier, key)
             adopted.append((key, slot))
         self.stats.count_shared({"adopted": len(adopted)})
         return adopted, self._drain()
@@ -681,17 +876,19 @@ class TierManager:
         out of service, which has a free slot for each or else nothing below it (its oldest
         unprotected blocks are then dropped, as `_evict` drops a victim of the last tier, each its
         block's only copy). Returns (tier, block ids, slots), their copies WRITING until
-        `finish_resident`; None: nothing changed, take `prepare_store`."""
+        `finish_resident`; None: nothing changed, take `prepare_store` (always, once hints are on)."""
         tier = self.order[0] if target is None else target
-        if self._down or self._queue is not None or tier not in self._resident_stores:
+        if self._down or self._queue is not None or tier not in self._resident_stores or self._hints is not None:
             return None
         if not self._resident.absent(keys):
             return None
         n, free = len(keys), self._free_lists[tier]
         short = n - len(free)
         if short > 0:
-            if self._below[tier]:
-                return None  # its victims would be demoted: moves, the general path's
+            if self._below[tier] or self._residency is not None:
+                # Its victims would be demoted: moves, the general path's. Or logged: the C
+                # eviction clears their keys, so the general path evicts them (and logs each).
+                return None
             victims, victim_slots = array("i", bytes(4 * short)), array("i", bytes(4 * short))
             wasted = self._resident.evict(tier, short, victims, victim_slots)
             if wasted < 0:
@@ -717,6 +914,10 @@ class TierManager:
         if ok:
             self._resident.ready(tier, ids, slots)
             self.stats.stores[tier] += len(ids)
+            if self._residency is not None:
+                append, key_of = self._residency.append, self._key_of
+                for block in ids:
+                    append(_STORED, tier, key_of(block))
         else:
             for block in ids:
                 self.stats.io_errors += 1
@@ -965,6 +1166,12 @@ class TierManager:
         state[slot] = READY
         self._policies[dst].insert(slot)
         self.stats.demotions[src, dst] += 1
+        log = self._residency  # what `_make_ready` and `_retire_unlisted` log (a retired source: logged then)
+        if log is not None:
+            key = self._key_of(block)
+            log.append(_STORED, dst, key)
+            if self._state[src][source] == READY:
+                log.append(_REMOVED, src, key)
         self._slot[src][block] = -1  # `_retire_unlisted(block, src, EVICTED)`, from here on
         self._state[src][source] = FREE
         self._owner[src][source] = -1
@@ -1287,6 +1494,8 @@ class TierManager:
         if tier < self._ready[block]:  # what `_refresh` would find: one more READY copy (NO_TIER is 255)
             self._ready[block] = tier
         self._policies[tier].insert(slot)
+        if self._residency is not None:
+            self._residency.append(_STORED, tier, self._key_of(block))
 
     # ---- a copy leaves: two steps, two verbs ---------------------------------------------
     # `_retire`: the copy leaves service (FREEING: no new reader, out of its policy; the block is
@@ -1303,6 +1512,8 @@ class TierManager:
         slots, state = self._slot[tier], self._state[tier]
         slot = slots[block]
         if state[slot] != FREEING:
+            if self._residency is not None and state[slot] == READY:  # a failed write was never servable
+                self._residency.append(_REMOVED, tier, self._key_of(block))
             state[slot] = FREEING
             if self._num_copies[block] == 1:  # the only copy (once per block dropped): no READY copy is left
                 self._ready[block] = NO_TIER

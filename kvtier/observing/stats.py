@@ -85,6 +85,11 @@ class Stats:
     # makes instead: `PoolTier.writes_shared`), "forgotten" (blocks the index listed on the shared
     # tier that a lookup found gone from it: evicted by the node, or its node lost)
     shared: Counter = field(default_factory=Counter)
+    # Retention hints (`TierManager.apply_hint`): "applied", "refused:<reason>", "over_budget"
+    # (blocks a retain_s left unprotected: the tenant's budget was spent), "session_blocks_over"
+    # (blocks past a session's bound), "closed" (sessions closed), "doomed_evicted" (victims taken
+    # first because every session that used them had closed)
+    hints: Counter = field(default_factory=Counter)
     # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
     transfer_latency: dict = field(default_factory=dict)
     transfer_seconds: Counter = field(default_factory=Counter)  # (src, dst) -> summed seconds
@@ -129,6 +134,7 @@ class Stats:
                 "checksum_errors": self.checksum_errors, "io_errors": self.io_errors,
                 "tier_failures": tiers(self.tier_failures), "tier_recoveries": tiers(self.tier_recoveries),
                 "store_retries": self.store_retries, "fallback_reads": tiers(self.fallback_reads), "shared": dict(sorted(self.shared.items())),
+                "hints": dict(sorted(self.hints.items())),
                 "prefetch": {"issued": self.prefetch_issued, "used": self.prefetch_used,
                              "cancelled": self.prefetch_cancelled, "wasted": self.prefetch_wasted},
                 "bytes_moved": pairs(self.bytes_moved),

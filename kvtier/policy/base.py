@@ -7,12 +7,30 @@ changed. Every implementation passes `kvtier.testing.policy_contract` unchanged.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
 
+class HintKind(enum.Enum):
+    """What a request's hint said about a key (see kvtier.deciding.retention)."""
+
+    RETAINED = "retained"  # kept for a while, in the last tier
+    CLOSED = "closed"  # every session that used it has ended: it is worth little now
+
+
 class EvictionPolicy(ABC):
     """Orders the keys resident in one tier by how much they deserve to stay."""
+
+    # Whether the manager should call `note_hint` (it does only where this is True).
+    notes_hints = False
+
+    def note_hint(self, key: Hashable, kind: HintKind) -> None:
+        """Told by the manager what a hint said of a resident `key`; unknown keys are ignored.
+
+        Optional: the manager already evicts doomed keys first and protects retained ones itself,
+        so a policy need not act on it. The default does nothing.
+        """
 
     @abstractmethod
     def insert(self, key: Hashable) -> None:

@@ -41,12 +41,24 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvtier.policy.arc import ARCPolicy
+from kvtier.policy.base import HintKind
 
 
 class ChainARCPolicy(ARCPolicy):
     """ARC that ranks a request's blocks deepest-first and sends a partial tail to the old end."""
 
     chain_aware = True  # the manager calls `order_chain` after each request
+    notes_hints = True  # and `note_hint` when a hint is applied
+
+    def note_hint(self, key: Hashable, kind: HintKind) -> None:
+        """A key whose sessions all closed goes to the least recent end of its list, as a
+        partial tail does; other hints change nothing. Keys not resident are ignored."""
+        if kind is not HintKind.CLOSED:
+            return
+        for resident in (self._t2, self._t1):
+            if key in resident:
+                resident.move_to_end(key, False)
+                return
 
     def order_chain(self, keys: Sequence[Hashable], partial_tail: bool = False) -> None:
         """Re-ranks one request's blocks: head most recent, tail least; keys not resident are skipped.

@@ -94,6 +94,20 @@ class PolicyContract:
         assert drain(policy) == drain(twin)
 
 
+    def test_note_hint_reorders_at_most(self, new_policy: MakePolicy) -> None:
+        """`note_hint` (kvtier.deciding.retention) ignores unknown keys and never adds or drops one."""
+        from kvtier.policy.base import HintKind
+
+        policy, twin = with_history(new_policy), with_history(new_policy)
+        policy.note_hint(999, HintKind.CLOSED)
+        assert drain(policy) == drain(twin)
+        policy, twin = with_history(new_policy), with_history(new_policy)
+        for key in [k for k in range(40) if k in policy][:3]:
+            policy.note_hint(key, HintKind.CLOSED)
+            policy.note_hint(key, HintKind.RETAINED)
+        assert len(policy) == len(twin)
+        assert sorted(drain(policy)) == sorted(drain(twin))
+
     def test_remove_forgets_a_resident_key(self, new_policy: MakePolicy) -> None:
         policy = with_history(new_policy)
         key = next(k for k in range(40) if k in policy)
