@@ -6,8 +6,10 @@ vLLM finds it by name through kvtier's plugin entry point (`plugin`), or by modu
                      kv_connector_extra_config={"dram": "8GiB", "ssd": "/nvme/kv:200GiB", "metrics_port": 9464})
 
 `kv_connector_extra_config` takes the keys of `settings._KEYS` (tiers in short form, `kvtier_config`,
-`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`;
-all optional, see `engine_config`); anything else is an error at start-up. The model, block size
+`model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`,
+`kv_events`; all optional, see `engine_config`); anything else is an error at start-up. With vLLM's
+`--kv-events-config` on, kvtier publishes its DRAM, SSD and pool blocks beside vLLM's GPU ones
+(`take_events`, `vllm_events`), unless `kv_events` is false. The model, block size
 and KV dtype are the engine's, whatever a kvtier YAML says; a YAML that names a model has its
 geometry checked against the engine's. vLLM's default
 `kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. kvtier's
@@ -120,10 +122,12 @@ except ImportError as e:  # this module is vLLM's to load; say what is missing
         from e
 
 from kvtier.errors import ConfigError, GeometryError
+from kvtier.integrations.vllm.events import MEDIA, BlockHashes, EventSettings, KVEvents, WorkerResidency
 from kvtier.integrations.vllm.log import log_through_vllm, settings_summary
 from kvtier.integrations.vllm.lookup import LookupServer, fetch_report
 from kvtier.integrations.vllm.metrics import EngineCollector, rank_report, start_metrics
 from kvtier.integrations.vllm.pages import CPU_BACKENDS
+from kvtier.integrations.vllm.pool_names import PoolNames, names_pool_blocks, pool_names
 from kvtier.integrations.vllm.scheduler import (
     KeyDirectory,
     LoadSpec,
@@ -146,6 +150,8 @@ from kvtier.model.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
+EVENTS = EventSettings()  # the bounds of kvtier's KV events (`vllm_events`)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -166,22 +172,27 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers → scheduler, once per step: by rank, engine-level keys stored and keys that failed to load."""
+    """Workers → scheduler, once per step: by rank, engine-level keys stored and keys that failed to
+    load; with KV events on, the rank's residency changes (op, tier, engine key: `vllm_events`) and
+    what its log dropped by (tier, op)."""
 
     stored: dict[int, list[BlockKey]] = field(default_factory=dict)
     missing: dict[int, list[BlockKey]] = field(default_factory=dict)
+    residency: dict[int, list[tuple[int, int, BlockKey]]] = field(default_factory=dict)
+    dropped: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """vLLM merges the ranks' metadata with this."""
         if not isinstance(other, KVTierWorkerMetadata):
             return self
-        return KVTierWorkerMetadata(_merge(self.stored, other.stored), _merge(self.missing, other.missing))
+        return KVTierWorkerMetadata(_merge(self.stored, other.stored), _merge(self.missing, other.missing),
+                                    _merge(self.residency, other.residency), {**self.dropped, **other.dropped})
 
     def ranks(self) -> list[int]:
-        return sorted(set(self.stored) | set(self.missing))
+        return sorted(set(self.stored) | set(self.missing) | set(self.residency) | set(self.dropped))
 
 
-def _merge(a: dict[int, list[BlockKey]], b: dict[int, list[BlockKey]]) -> dict[int, list[BlockKey]]:
+def _merge(a: dict[int, list], b: dict[int, list]) -> dict[int, list]:
     return {rank: a.get(rank, []) + b.get(rank, []) for rank in set(a) | set(b)}
 
 
@@ -207,16 +218,22 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_started: float | None = None  # when vLLM bound this step's metadata (before its forward)
         self._metrics_server: Any = None
         self._owns_backend = role == KVConnectorRole.WORKER
+        self._events: KVEvents | None = None  # the scheduler's KV events (`vllm_events`), where on
+        self._pool_names: PoolNames | None = None  # the worker's names of its pool blocks (`vllm_pool_names`)
         if self._owns_backend:
             self._backend = SHARED.acquire(self.settings.backend_id(), lambda: open_backend(self.settings))
             self._lookup_server = _serve_lookups(self.settings, self._backend, self._report)
         else:
             directory = KeyDirectory(self.settings, _max_keys(self.settings))
-            self._scheduler = SchedulerSide(self.settings, directory)
+            if self.settings.kv_events:
+                self._events = _scheduler_events(self.settings, kv_cache_config)
+            hashes = self._events.hashes if self._events is not None else None
+            self._scheduler = SchedulerSide(self.settings, directory, hashes, names_pool_blocks(self.settings))
             log.info("%s", settings_summary(self.settings))
             if self.settings.metrics_port is not None:
                 collector = EngineCollector(self.settings.sharding.num_ranks, self._fetch_report,
-                                            self._scheduler.prompt_blocks)
+                                            self._scheduler.prompt_blocks,
+                                            self._events.counts if self._events is not None else None)
                 self._metrics_server = start_metrics(self.settings, collector)
 
     @classmethod
@@ -250,6 +267,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         sharding = self.settings.sharding
         self._worker = WorkerSide(self._backend, self.settings.layout, layers, self.settings.load_timeout_s,
                                   self.stats, sharding, _agree_across_ranks() if sharding.num_ranks > 1 else None)
+        if self.settings.kv_events:
+            self._worker.residency = WorkerResidency(self._backend, EVENTS.max_per_step_per_rank,
+                                                     sharding.num_shards > 1, EVENTS.max_mapped_keys)
+            self._pool_names = pool_names(self.settings, self._backend)
 
     def _check_backends(self, names: list[str]) -> None:
         """Every layer's attention backend reads its pages the way the page format's name says."""
@@ -304,6 +325,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._step_started = time.perf_counter()
+        meta = self._meta()
+        if self._pool_names is not None and meta is not None and meta.stores:
+            self._pool_names.name(meta.stores)  # before any of the step's stores reaches the pool
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
@@ -348,10 +372,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         self._worker.reap()
         stored, missing = self._worker.take_reports()
-        if not stored and not missing:
+        residency, dropped = self._worker.residency.take() if self._worker.residency is not None else ([], {})
+        if not stored and not missing and not residency and not dropped:
             return None
         rank = self.settings.sharding.rank
-        return KVTierWorkerMetadata({rank: stored} if stored else {}, {rank: missing} if missing else {})
+        return KVTierWorkerMetadata({rank: stored} if stored else {}, {rank: missing} if missing else {},
+                                    {rank: residency} if residency else {}, {rank: dropped} if dropped else {})
 
     def shutdown(self) -> None:
         if self._metrics_server is not None:
@@ -364,6 +390,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close(self.settings.load_timeout_s)
             self._worker = None
+        if self._pool_names is not None:  # after the stores landed, before the pool tier closes
+            self._pool_names.close(self.settings.load_timeout_s)
+            self._pool_names = None
         if self._owns_backend:
             self._owns_backend = False
             SHARED.release(self.settings.backend_id())
@@ -373,7 +402,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def _report(self) -> dict[str, Any]:
         """This worker rank's metrics report (asked for over its lookup socket)."""
         in_flight = self._worker.num_stores_in_flight if self._worker is not None else 0
-        return rank_report(self.settings.sharding.rank, self._backend, self.stats, in_flight)
+        report = rank_report(self.settings.sharding.rank, self._backend, self.stats, in_flight)
+        if self._pool_names is not None:
+            report["pool_names"] = vars(self._pool_names.counts)
+        return report
 
     def _fetch_report(self, rank: int) -> dict[str, Any] | None:
         return fetch_report(self.settings.lookup_socket(rank), self.settings.lookup_timeout_s)
@@ -405,8 +437,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, KVTierWorkerMetadata):
             for rank in meta.ranks():
                 self._scheduler.directory.report(meta.stored.get(rank, ()), meta.missing.get(rank, ()), rank)
+                if self._events is not None:
+                    self._events.add(rank, meta.residency.get(rank, ()), meta.dropped.get(rank))
         if connector_output.invalid_block_ids:
             self._scheduler.on_invalid_blocks(set(connector_output.invalid_block_ids), self._block_ids_of)
+
+    def take_events(self) -> list[Any]:
+        """kvtier's KV events of this step (vLLM's `BlockStored` / `BlockRemoved` per tier: `vllm_events`);
+        vLLM publishes them after its own GPU events. Bounded; never waits."""
+        return self._events.take() if self._events is not None else []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.finished(request.request_id)
@@ -437,6 +476,17 @@ def _recompute_failed_loads(transfer: Any) -> None:
         log.info("kvtier: kv_load_failure_policy %r -> 'recompute' (kvtier is a cache: a block it cannot "
                  "load is recomputed)", transfer.kv_load_failure_policy)
         transfer.kv_load_failure_policy = "recompute"
+
+
+def _scheduler_events(settings: Settings, kv_cache_config: Any) -> KVEvents:
+    """The scheduler's KV events: kvtier keys mapped to vLLM's block hashes, which vLLM computes
+    every `hash_block_size` tokens (the block size, unless groups of several block sizes)."""
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or settings.block_tokens
+    hashes = BlockHashes(settings.group_keys, [g.index for g in settings.kv_groups], settings.block_tokens,
+                         int(hash_block_size), EVENTS.max_mapped_keys)
+    log.info("kvtier: publishing its blocks as vLLM KV events (mediums %s)",
+             ", ".join(f"{t.name.lower()} {m.medium}" for t, m in MEDIA.items()))
+    return KVEvents(EVENTS, settings.sharding.num_ranks, hashes)
 
 
 def _max_keys(settings: Settings) -> int:

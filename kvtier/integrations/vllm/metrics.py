@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.events import EventCounts
 from kvtier.integrations.vllm.inputs import RefusalReason
 from kvtier.integrations.vllm.scheduler import PromptBlocks
 from kvtier.integrations.vllm.settings import EXTRA, Settings
@@ -59,10 +60,13 @@ class EngineCollector:
         num_ranks: worker ranks of the engine (tensor_parallel_size).
         fetch: returns rank r's `rank_report`, or None when it cannot be had.
         prompt_blocks: the scheduler's counts of where prompt blocks came from.
+        event_counts: the counters of kvtier's KV events (`vllm_events`), where they are on.
     """
 
-    def __init__(self, num_ranks: int, fetch: Callable[[int], dict | None], prompt_blocks: PromptBlocks) -> None:
+    def __init__(self, num_ranks: int, fetch: Callable[[int], dict | None], prompt_blocks: PromptBlocks,
+                 event_counts: EventCounts | None = None) -> None:
         self._num_ranks, self._fetch, self._prompt_blocks = num_ranks, fetch, prompt_blocks
+        self._event_counts = event_counts
 
     def collect(self) -> Iterator[Metric]:
         reports = {rank: self._fetch(rank) for rank in range(self._num_ranks)}
@@ -76,6 +80,8 @@ class EngineCollector:
         skipped.add_metric([], self._prompt_blocks.window_skipped_bytes)
         yield skipped
         yield from self._unkeyable_families()
+        if self._event_counts is not None:
+            yield from event_families(self._event_counts)
         yield from merge_ranks((str(rank), _families(report)) for rank, report in reports.items() if report)
 
     def _prompt_block_family(self) -> CounterMetricFamily:
@@ -99,6 +105,26 @@ class EngineCollector:
         yield requests
 
 
+def event_families(counts: EventCounts) -> Iterator[Metric]:
+    """kvtier's KV events: blocks published and dropped (never waited for), by tier and op."""
+    published = CounterMetricFamily("kvtier_kv_events_published", "Blocks kvtier published as vLLM KV events, "
+                                    "by tier and op (stored, removed)", labels=["tier", "op"])
+    for (tier, op), n in sorted(counts.published.items()):
+        published.add_metric([tier, op], n)
+    yield published
+    dropped = CounterMetricFamily("kvtier_kv_events_dropped", "Blocks whose KV event kvtier dropped instead of "
+                                  "waiting, by tier, op and where: worker (a rank's log was full between steps), "
+                                  "queue (the scheduler's was), unmapped (no vLLM block hash known)",
+                                  labels=["tier", "op", "where"])
+    for (tier, op, where), n in sorted(counts.dropped.items()):
+        dropped.add_metric([tier, op, where], n)
+    yield dropped
+    forgotten = CounterMetricFamily("kvtier_kv_events_join_forgotten", "(block, tier) pairs the join across "
+                                    "worker ranks forgot for its bound")
+    forgotten.add_metric([], counts.num_join_forgotten)
+    yield forgotten
+
+
 def _families(report: dict) -> Iterator[Metric]:
     snapshot, described = report["snapshot"], report["describe"]
     yield from RuntimeCollector(lambda: snapshot, lambda: described).collect()
@@ -111,6 +137,13 @@ def _families(report: dict) -> Iterator[Metric]:
                                 "finished")
     backlog.add_metric([], connector.get("num_stores_in_flight", 0))
     yield backlog
+    names = report.get("pool_names")
+    if names is not None:  # the rank that names its pool blocks with vLLM's hashes (`vllm_pool_names`)
+        family = CounterMetricFamily("kvtier_pool_named_blocks", "Blocks this rank put in the pool, by what became "
+                                     "of their announcement with vLLM's hashes", labels=["outcome"])
+        for outcome, n in sorted(names.items()):
+            family.add_metric([outcome], n)
+        yield family
     client = snapshot.get("pool_client")
     if client is not None:
         family = CounterMetricFamily("kvtier_pool_client", "The pool client's counters, by name", labels=["name"])

@@ -19,6 +19,7 @@ from typing import Any
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, Refusal, RequestInputs, read_inputs
 from kvtier.integrations.vllm.lookup import RankLookup
 from kvtier.integrations.vllm.backends import SHARED, Backend
+from kvtier.integrations.vllm.events import BlockHashes, ExtBlock
 from kvtier.integrations.vllm.settings import NULL_BLOCK_ID, Settings
 from kvtier.model.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 
@@ -43,6 +44,9 @@ class StoreSpec:
     `prefix_block_ids` are the request's engine blocks up to the last one stored, in every group: if
     a load into any of them fails in this step, the KV computed on top of it is wrong (every later
     layer's KV depends on every earlier layer's) and the store is dropped.
+
+    `names`: per key, vLLM's name of the block (`ExtBlock`, None where unknown), sent only where
+    the worker announces its pool blocks (`vllm_pool_names`); else empty.
     """
 
     req_id: str
@@ -50,6 +54,7 @@ class StoreSpec:
     block_ids: tuple[int, ...]
     prefix_block_ids: tuple[int, ...]
     group: int = 0
+    names: tuple[ExtBlock | None, ...] = ()
 
 
 @dataclass
@@ -181,9 +186,11 @@ class RequestTracker:
     """
 
     def __init__(self, request: Any, namespace: Namespace,
-                 inputs: RequestInputs | Refusal = RequestInputs()) -> None:
+                 inputs: RequestInputs | Refusal = RequestInputs(), hashes: BlockHashes | None = None) -> None:
         self.request = request  # vLLM's Request: `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`
         self._namespace = namespace
+        self._hashes = hashes  # where new keys are mapped to vLLM's block hashes (KV events on)
+        self._num_mapped = 0  # leading keys mapped there
         self.refusal = inputs if isinstance(inputs, Refusal) else None
         self._inputs = inputs if isinstance(inputs, RequestInputs) else RequestInputs()
         self.keys: list[BlockKey] = []
@@ -199,6 +206,9 @@ class RequestTracker:
             parent = self.keys[-1] if self.keys else ROOT_KEY
             extras = self._inputs.extras(first, len(tokens) // size, size)
             self.keys += block_keys(self._namespace, list(tokens), parent, extras)
+        if self._hashes is not None and self._num_mapped < len(self.keys):  # vLLM hashes a block as it fills
+            self._num_mapped += self._hashes.record(self.request, self._num_mapped, self.keys[self._num_mapped:],
+                                                    self._inputs.plain)
         return self.keys[:num_blocks]
 
 
@@ -221,9 +231,13 @@ class PromptBlocks:
 class SchedulerSide:
     """The scheduler-side state of one engine's connector."""
 
-    def __init__(self, settings: Settings, directory: KeyDirectory) -> None:
+    def __init__(self, settings: Settings, directory: KeyDirectory, hashes: BlockHashes | None = None,
+                 name_stores: bool = False) -> None:
         self.settings = settings
         self.directory = directory
+        self.hashes = hashes  # kvtier key -> vLLM block hash, for KV events (None: off)
+        # send group 0's stores with vLLM's names of their blocks (the worker announces them to the pool)
+        self._name_stores = name_stores and hashes is not None
         self.prompt_blocks = PromptBlocks()
         self._trackers: dict[str, RequestTracker] = {}
         self._loads: dict[str, list[LoadSpec]] = {}
@@ -236,7 +250,8 @@ class SchedulerSide:
             inputs = read_inputs(request, self._adapters)
             if isinstance(inputs, Refusal):
                 self._refused(inputs)
-            tracker = self._trackers[request.request_id] = RequestTracker(request, self.settings.namespace, inputs)
+            tracker = self._trackers[request.request_id] = RequestTracker(request, self.settings.namespace, inputs,
+                                                                          self.hashes)
         return tracker
 
     def _refused(self, refusal: Refusal) -> None:
@@ -360,8 +375,11 @@ class SchedulerSide:
                       if table[i] != NULL_BLOCK_ID and k not in queued]
             queued.update(k for k, _ in picked)
             if picked:
-                specs.append(StoreSpec(item.req_id, tuple(k for k, _ in picked), tuple(b for _, b in picked),
-                                       prefix, group.index))
+                keys_picked = tuple(k for k, _ in picked)
+                names = tuple(self.hashes.get(k) for k in keys_picked) if self._name_stores and group.index == 0 \
+                    else ()
+                specs.append(StoreSpec(item.req_id, keys_picked, tuple(b for _, b in picked), prefix, group.index,
+                                       names))
         return specs
 
     def on_invalid_blocks(self, invalid_block_ids: set[int], block_ids_of: Callable[[str], Sequence[Any]]) -> None:

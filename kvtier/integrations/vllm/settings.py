@@ -53,7 +53,9 @@ _KEYS = {"dram": f"a DRAM tier of this size, e.g. 8GiB ({ENV['dram']})",
          "lookup_timeout_s": "the longest the scheduler waits for a worker rank to answer a lookup (default 1)",
          "metrics_port": "serve kvtier's Prometheus metrics, every worker rank's, from the scheduler's process on "
                          "this port (0: any free port, logged; engine i of a data-parallel group: port + i)",
-         "metrics_addr": "the address the metrics are served on (default 127.0.0.1)"}
+         "metrics_addr": "the address the metrics are served on (default 127.0.0.1)",
+         "kv_events": "publish kvtier's DRAM, SSD and pool blocks as vLLM KV events (BlockStored/BlockRemoved) "
+                      "where vLLM's --kv-events-config enables them (default true; false: only vLLM's own)"}
 
 
 NULL_BLOCK_ID = 0  # vLLM's placeholder for a block a group does not keep (`BlockPool.null_block`)
@@ -149,6 +151,7 @@ class EngineFacts:
     groups: tuple[KVGroup, ...] = ()
     scale_bytes: int = 0
     config_overrides: tuple[tuple[str, str], ...] = ()
+    kv_events: bool = False  # vLLM's kv_events_config enables KV cache events
 
     @property
     def element_dtype(self) -> str:
@@ -181,6 +184,7 @@ class Settings:
     groups: tuple[KVGroup, ...] = ()  # () as in `EngineFacts`: one group of every layer
     config_source: str = ""  # where the config came from, for the start-up line (`EngineConfig.source`)
     layer_group: Mapping[str, int] = field(default_factory=dict)  # layer name -> group (absent: 0)
+    kv_events: bool = False  # publish kvtier's blocks as vLLM KV events (`vllm_events`)
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
@@ -254,7 +258,15 @@ def read_settings(extra: Mapping[str, Any], facts: EngineFacts) -> Settings:
                     can_store=facts.kv_role in ("kv_both", "kv_producer"),
                     sharding=facts.sharding, lookup_timeout_s=timeouts[1], engine_tag=facts.engine_tag,
                     page_format=page, groups=facts.groups, layer_group=layer_group, config_source=given.source,
+                    kv_events=facts.kv_events and _flag(extra, "kv_events", True),
                     **_metrics(extra, facts.data_parallel_rank))
+
+
+def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = extra.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{EXTRA}.{name}: expected true or false, got {value!r}")
+    return value
 
 
 def _overrides(overrides: tuple[tuple[str, str], ...]) -> str:
@@ -407,7 +419,14 @@ def engine_facts(vllm_config: Any, kv_cache_config: Any) -> EngineFacts:
                        data_parallel_rank=int(parallel.data_parallel_rank or 0),
                        mla=isinstance(spec, MLAAttentionSpec), attention=attention, groups=kv_groups,
                        scale_bytes=spec.num_kv_heads * spec.block_size * SCALE_BYTES if inline_scales(spec) else 0,
-                       config_overrides=tuple(config_overrides(model, vllm_config.cache_config).items()))
+                       config_overrides=tuple(config_overrides(model, vllm_config.cache_config).items()),
+                       kv_events=_kv_events_enabled(vllm_config))
+
+
+def _kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (`--kv-events-config`), as its offloading connector reads it."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return events is not None and bool(events.enable_kv_cache_events)
 
 
 def _sharding(vllm_config: Any) -> Sharding:

@@ -39,6 +39,7 @@ import torch
 from kvtier.errors import GeometryError, KVTierError
 from kvtier.moving.handle import TransferHandle
 from kvtier.integrations.vllm.backends import Backend
+from kvtier.integrations.vllm.events import WorkerResidency
 from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
 from kvtier.integrations.vllm.shards import Sharding
 from kvtier.model.keys import BlockKey
@@ -234,6 +235,8 @@ class WorkerSide:
         self.timeout_s = timeout_s
         self.sharding, self.agree = sharding or Sharding(), agree
         self.stats = stats or WorkerStats()
+        # KV events on: this rank's residency log, told which engine key each rank key stands for
+        self.residency: WorkerResidency | None = None
         self._loads: list[_Load] = []
         self._stores: dict[int, _Stores] = {}  # by group
         self._in_flight: list[_InFlight] = []
@@ -254,6 +257,8 @@ class WorkerSide:
             self._wait_stores_of(spec.keys)
             staging = self._staging(len(spec.keys))
             keys = self.sharding.keys(spec.keys)
+            if self.residency is not None:
+                self.residency.note(spec.keys, keys)
             try:
                 handle = self.backend.load(keys, staging)
             except Exception as e:  # a broken backend: the blocks are failed loads, vLLM recomputes them
@@ -443,6 +448,8 @@ class WorkerSide:
         block_ids = [b for s in specs for b in s.block_ids]
         if self.layers[0].device.type == "cpu" and not self._padded:
             keys = [k for s in specs for k in self.sharding.keys(s.keys)]
+            if self.residency is not None:
+                self.residency.note([k for s in specs for k in s.keys], keys)
             try:
                 reservation = self.backend.reserve(keys)
             except Exception as e:  # a broken backend: staged, and its store reports the failure
@@ -488,6 +495,8 @@ class WorkerSide:
                 self._report((), spec.keys)
                 continue
             keys = self.sharding.keys(spec.keys)
+            if self.residency is not None:
+                self.residency.note(spec.keys, keys)
             try:
                 handle = self.backend.store(keys, rows, background=True)
             except Exception as e:  # a broken backend: the blocks are simply not cached
