@@ -24,6 +24,7 @@ from kvtier.config import CacheMode
 from kvtier.errors import ConfigError
 from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREFILL_TOKENS_PER_S, SimConfig,
                                     SimPolicy, VirtualTier, parse_capacity, simulate)
+from kvtier.simulate.hints import compare_hints, derive_hints, parse_hints
 from kvtier.simulate.report import admission_notes
 from kvtier.simulate.servers import Route, check_num_servers, compare, planned_replays, plot_servers
 from kvtier.simulate.sweep import (bracket, default_points, default_target, labels_to_search, planned_bisections,
@@ -41,6 +42,7 @@ EXAMPLES = """examples:
   kvtier simulate --trace synthetic --model llama-3-8b --capacity dram=64GiB --capacity ssd=2TiB --json
   kvtier simulate --trace conversation --capacity hbm=2000 --sweep --sweep-tier dram --plot plots/
   kvtier simulate --trace conversation --servers 4 --capacity dram=2.5% --plot plots/
+  kvtier simulate --trace conversation --capacity dram=5% --policy lru,chain-arc --hints session-end
 capacities: blocks (18279), bytes (64GiB, 500GB: needs the model's block size) or a share of the
 trace's distinct blocks (10%). Tiers: hbm, dram, pool, ssd."""
 
@@ -89,6 +91,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "one pool of N x D shared by all, and the smallest pool matching the private hit rate")
     p.add_argument("--route", choices=[r.value for r in Route], default=None,
                    help="with --servers: by conversation (session affinity, default) or round-robin by request")
+    p.add_argument("--hints", default=None, metavar="SPEC",
+                   help="derive retention hints (session-end, ttl=300s, wrong=0.1; comma-separated) and report "
+                        "each run with and without them, as shares of the LRU -> Belady gap (kvtier/simulate/hints.py)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of tables")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bars or loading status")
@@ -130,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
                                                                                  else TierKind.DRAM)
     tiers = capacities or {sweep_tier: 1}  # a sweep-only run: the swept tier's size is replaced anyway
     configs = _configs(args, tiers, bandwidths, block_bytes)
+    if args.hints is not None:
+        return _run_hints(args, trace, geometry, block_bytes, configs, sweep_tier)
     points = _sweep_points(args, trace, block_bytes) if args.sweep else []
     target = _target(args, trace) if points else None
     with _progress(not args.no_progress) as bars:
@@ -138,6 +145,28 @@ def run(args: argparse.Namespace) -> int:
     report = _report(args, trace, geometry, block_bytes, runs, rows, sweep_tier, searches, target)
     if args.plot:
         report["plots"] = _plots(Path(args.plot), runs, rows, report, trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, Console() if sys.stdout.isatty() else Console(width=160))
+    return 0
+
+
+def _run_hints(args: argparse.Namespace, trace: Trace, geometry: Any, block_bytes: int, configs: list[SimConfig],
+               sweep_tier: TierKind) -> int:
+    """`--hints SPEC`: every configuration with and without derived hints (kvtier/simulate/hints.py)."""
+    if args.sweep or not args.capacity:
+        raise ConfigError("hints: --hints needs --capacity and cannot be combined with --sweep")
+    spec = parse_hints(args.hints)
+    hinted = derive_hints(trace, spec)
+    print("kvtier simulate: --hints: the native engine (kvtier/_replay.c) does not replay hints; "
+          "the hinted runs use the manager", file=sys.stderr)
+    with _progress(not args.no_progress) as bars:
+        for config in configs:
+            bars.add(config.label, 2 * len(trace.requests))
+        rows = compare_hints(trace, hinted, configs, lambda config, _: bars.advance(config.label))
+    report = _report(args, trace, geometry, block_bytes, [], [], sweep_tier)
+    report["hints"] = {"spec": spec.label, "rows": rows}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -157,6 +186,8 @@ def _check_servers_options(args: argparse.Namespace) -> int | None:
             raise ConfigError("route: --route applies only with --servers N")
         return None
     num_servers = check_num_servers(args.servers)
+    if args.hints is not None:
+        raise ConfigError("servers: --servers cannot be combined with --hints; drop one")
     if args.sweep:
         raise ConfigError("servers: --servers cannot be combined with --sweep (it searches the shared pool's size "
                           "itself); drop --sweep")

@@ -43,6 +43,8 @@ def print_report(report: dict, console: Console) -> None:
         console.print(*_servers_tables(report["servers"], width))
         console.print(*_loads_tables(report["servers"], width))
         console.print(f"[bold]pooling:[/bold] {report['servers']['message']}")
+    if "hints" in report:
+        console.print(*_hints_tables(report["hints"], width))
     if "sweep" in report:
         console.print(*_sweep_tables(report["sweep"], width))
         console.print(f"[bold]recommendation:[/bold] {report['sweep']['recommendation']['message']}")
@@ -171,6 +173,24 @@ def _servers_tables(result: dict, width: int) -> list[Table]:
         _Column("read", [_bytes(t["bytes_read"]) for t in traffic]),
         _Column("written", [_bytes(t["bytes_written"]) for t in traffic]),
         _Column("traffic\nover", [where for _, _, where in rows], "left"),
+    ], width)
+
+
+def _hints_tables(result: dict, width: int) -> list[Table]:
+    rows = result["rows"]
+
+    def share(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    return _fit(f"retention hints ({result['spec']}): share of the LRU -> Belady gap closed", [
+        _Column("run", [r["label"] for r in rows], "left"),
+        _Column("tiers", [", ".join(f"{k}={n:,}" for k, n in r["tiers"].items()) for r in rows], "left"),
+        _Column("LRU", [f"{r['lru']:.2%}" for r in rows], drop_rank=1),
+        _Column("Belady", [f"{r['belady']:.2%}" for r in rows], drop_rank=1),
+        _Column("hit\nno hints", [f"{r['block_hit_rate']:.2%}" for r in rows]),
+        _Column("hit\nhints", [f"{r['block_hit_rate_hinted']:.2%}" for r in rows]),
+        _Column("gap closed\nno hints", [share(r["gap_closed"]) for r in rows]),
+        _Column("gap closed\nhints", [share(r["gap_closed_hinted"]) for r in rows]),
     ], width)
 
 

@@ -33,6 +33,12 @@ final LRU order to be the same keys. Timing: `replay_s` is the replay alone for 
 preparation before it (the manager's key lists and Belady's future index; the native engine's
 interning of hash ids into arrays) is outside it, inside the `simulate` call.
 
+Retention hints. A trace whose requests carry hints (`session`, `closed`, `retain_s`: see
+kvtier/simulate/trace.py, or derived by kvtier/simulate/hints.py) is replayed with one more verb per
+request, after `order_chain`: `apply_hint(keys, now=timestamp, ...)` (kvtier/deciding/retention.py),
+the trace's time being the manager's clock; a request without a hint in such a trace counts as
+unhinted use. The native engine does not replay hints: "auto" falls back to the manager, saying so.
+
 Accounting (what `block_hit_rate` means). Every hash id of a request is one block access, the
 partial tail block included: its id names the tail's tokens as exactly as a full block's id does, so
 it is stored and hit like one (`full_blocks_only` drops it instead, as engines that never cache a
@@ -274,6 +280,11 @@ def native_declines(config: SimConfig) -> str | None:
     return None
 
 
+def has_hints(trace: Trace) -> bool:
+    """Whether any request of `trace` carries a retention hint (the replay then applies them)."""
+    return any(r.hinted for r in trace.requests)
+
+
 def simulate(trace: Trace, config: SimConfig, *, on_progress: Callable[[int], None] | None = None,
              engine: SimEngine | str = SimEngine.AUTO) -> dict:
     """Replays `trace` through `config`'s tiers: a fresh manager, or the native engine (see the module docstring).
@@ -311,6 +322,8 @@ def replay_counts(trace: Trace, config: SimConfig, *, engine: SimEngine | str = 
     except ValueError:
         raise ConfigError(f"engine: expected one of {[e.value for e in SimEngine]}, got {engine!r}") from None
     declined = native_declines(config) if engine is not SimEngine.MANAGER else None
+    if declined is None and engine is not SimEngine.MANAGER and has_hints(trace):
+        declined = "hints: the native engine (kvtier/_replay.c) does not replay retention hints"
     arrays = None
     if engine is not SimEngine.MANAGER and declined is None:
         try:
@@ -408,6 +421,7 @@ class _Replay:
         seconds_per_token = 1 / cfg.prefill_tokens_per_s
         order, single = m.order, len(m.order) == 1
         order_chain, partial_tails = m.order_chain, not cfg.full_blocks_only
+        apply_hint = m.apply_hint if has_hints(trace) else None
         block_tokens, ttft, ttft_no_cache = self.block_tokens, self.ttft_s, self.ttft_no_cache_s
         for i, request in enumerate(trace.requests):
             blocks = keys[i]
@@ -427,6 +441,9 @@ class _Replay:
             if n < len(blocks):
                 self._store(blocks[n:])
             order_chain(blocks, partial_tail=request.partial_tail and partial_tails)  # a no-op but for chain-arc
+            if apply_hint is not None:  # trace time is the manager's clock; a request without one is unhinted use
+                apply_hint(blocks, now=request.timestamp_ms / 1000, session=request.session,
+                           retain_s=request.retain_s, closed=request.closed)
             self.num_accesses += len(blocks)
             cached = min(n * block_tokens, request.input_tokens)
             self.cached_tokens += cached
@@ -462,7 +479,8 @@ class _Replay:
             {k: stats.evictions[k] for k in kinds}, {k: self.engine_reads[k] for k in kinds},
             {k: m.num_used(k) for k in kinds}, {r: stats.demotions[r] for r in routes},
             {r: stats.promotions[r] for r in routes}, {reason: n for reason, n in stats.dropped.items() if n},
-            self.num_accesses, self.cached_tokens, self.input_tokens, self.ttft_s, self.ttft_no_cache_s, orders)
+            self.num_accesses, self.cached_tokens, self.input_tokens, self.ttft_s, self.ttft_no_cache_s, orders,
+            dict(stats.hints) if m.num_retained() or stats.hints else None)
 
 
 def _check_positive(field: str, value: object, *, integral: bool) -> None:

@@ -44,6 +44,7 @@ class ReplayCounts:
         num_accesses, cached_tokens, input_tokens: over all requests.
         ttft_s, ttft_no_cache_s: per request, the TTFT model's estimate with and without the cache.
         lru_orders: per tier, its LRU order at the end (keys, oldest first); only when asked for.
+        hints: the manager's `Stats.hints` counters, for a replay with hints; else None.
     """
 
     engine: str
@@ -63,6 +64,7 @@ class ReplayCounts:
     ttft_s: Sequence[float]
     ttft_no_cache_s: Sequence[float]
     lru_orders: dict[TierKind, list[Hashable]] | None = None
+    hints: dict[str, int] | None = None  # the manager's hint counters, where the trace had hints
 
 
 
@@ -70,7 +72,8 @@ def make_report(trace: Trace, cfg: SimConfig, counts: ReplayCounts) -> dict:
     """The JSON-ready report of a finished replay."""
     num_hits = sum(counts.hits.values())
     accesses, replay_s = counts.num_accesses, counts.replay_s
-    return {
+    hints = {"hints": dict(sorted(counts.hints.items()))} if counts.hints is not None else {}
+    return hints | {
         "label": cfg.label, "policy": cfg.policy.value, "admission": "on" if cfg.admission else "off",
         "mode": cfg.mode.value, "promote_to": cfg.promote_to.name.lower() if cfg.promote_to else None,
         "partial_blocks": "excluded" if cfg.full_blocks_only else "counted",

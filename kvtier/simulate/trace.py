@@ -1,7 +1,9 @@
 """Reading Mooncake-format request traces for `kvtier simulate`.
 
 One JSON object per line: `{"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>,
-"hash_ids": [<int>, ...]}`. Each hash id names one `block_tokens`-token block of the input (512 in
+"hash_ids": [<int>, ...]}`, optionally with retention hints: `"session"` (1-128 printable ASCII
+characters), `"closed"` (a bool; needs a session) and `"retain_s"` (seconds, > 0; see
+kvtier.deciding.retention). Each hash id names one `block_tokens`-token block of the input (512 in
 the Mooncake FAST'25 traces); ids are prefix-chained, so equal ids mean equal prefixes. Traces
 differ on the partial tail block: the Mooncake traces list an id for it too
 (`len(hash_ids) == ceil(input_length / block_tokens)`), others list full blocks only (floor). Both
@@ -32,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.deciding.retention import MAX_SESSION_CHARS
 from kvtier.errors import KVTierError
 
 try:  # a dependency of kvtier; optional here only so that plain and gzip traces never need it
@@ -77,6 +80,16 @@ class TraceRequest:
     output_tokens: int
     hash_ids: tuple[int, ...]
     partial_tail: bool = False
+    # Optional retention hints (kvtier.deciding.retention): the request's conversation, that it
+    # ended with this request, and how long to keep its blocks (seconds).
+    session: str | None = None
+    closed: bool = False
+    retain_s: float | None = None
+
+    @property
+    def hinted(self) -> bool:
+        """Whether the request carries any hint."""
+        return self.session is not None or self.retain_s is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,7 +337,23 @@ def parse_line(text: str, block_tokens: int, ids: dict[int, int] | None = None) 
         setdefault = ids.setdefault
         hash_ids = [setdefault(h, h) for h in hash_ids]
     return TraceRequest(float(timestamp), input_tokens, output_tokens, tuple(hash_ids),
-                        partial_tail=len(hash_ids) == ceil != floor)
+                        len(hash_ids) == ceil != floor, *_hint_fields(obj))
+
+
+def _hint_fields(obj: dict) -> tuple[str | None, bool, float | None]:
+    """A line's optional hint fields (session, closed, retain_s); ValueError naming a bad one."""
+    session, closed, retain_s = obj.get("session"), obj.get("closed", False), obj.get("retain_s")
+    if session is not None and (not isinstance(session, str) or not 1 <= len(session) <= MAX_SESSION_CHARS
+                                or not session.isascii() or not session.isprintable()):
+        raise ValueError(f"session must be a string of 1-{MAX_SESSION_CHARS} printable ASCII characters, "
+                         f"got {session!r}")
+    if not isinstance(closed, bool):
+        raise ValueError(f"closed must be true or false, got {closed!r}")
+    if closed and session is None:
+        raise ValueError("closed needs a session (the session it closes)")
+    if retain_s is not None and (not _is_number(retain_s) or not 0 < retain_s < math.inf):
+        raise ValueError(f"retain_s must be a positive number of seconds, got {retain_s!r}")
+    return session, closed, None if retain_s is None else float(retain_s)
 
 
 def _is_number(value: object) -> bool:
