@@ -46,7 +46,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,8 +118,21 @@ class SharedTier(Tier):
         self._memory = KeyMemory(4 * self.num_slots, negative_cache_s)
         self._lock = threading.Lock()
         self._closed = False
+        self._on_put: Callable[[list[bytes]], None] | None = None  # see `listen_puts`
 
     # ---- what the runtime tells and asks a shared tier ---------------------------------------
+
+    def listen_puts(self, listener: Callable[[list[bytes]], None] | None) -> None:
+        """Calls `listener(keys)` with the keys of the shared blocks this tier has just put in the
+        store (stored by this put, or found there by it), once per put, after the store committed
+        them; None stops. Blocks sent by a peer (`writes_shared` False, a put answered BUSY) or
+        found held without a put (deduplicated) are not this tier's puts and are not passed.
+
+        The listener runs on the writing (transfer) thread: it must be quick and must not raise.
+        Why a hook here: the put's completion is the one moment a block is known to be on the
+        store, whichever path wrote it (a write-through store, a demotion into the pool).
+        """
+        self._on_put = listener
 
     def register_host_memory(self, memory: torch.Tensor) -> None:
         """Told by the runtime about the host memory the memory tiers' slots lie in (the DRAM
@@ -329,6 +342,11 @@ class SharedTier(Tier):
             why = "another process was writing it and did not finish in time" if r.status is Put.BUSY else r.why
             failed[j] = self._failure(keys[j])(f"POOL slot {slots[j]}: the pool did not take block "
                                                f"{keys[j].hex()[:16]} ({why})")
+        listener = self._on_put
+        if listener is not None:
+            put = [keys[j] for j, r in zip(ready, results) if r.status is Put.STORED]
+            if put:
+                listener(put)
         return failed
 
     def _not_held(self, ready: list[int], keys: list[bytes]) -> list[int]:

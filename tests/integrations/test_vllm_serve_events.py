@@ -10,7 +10,12 @@ cache on (its GPU events need it), and tiers of 4 blocks (DRAM) and 8 blocks (SS
 mode, so six 4-block prompts spill DRAM -> SSD and are evicted from SSD. Batches are decoded with
 vLLM's own msgspec classes.
 
-Cost: ~1-2 minutes on 2 cores (one server start, mostly vLLM's start-up).
+A second server has a `pool` tier on a real pool node (`kvtier pool serve` on 127.0.0.1): the
+engine writes its blocks through to the pool and names them there with vLLM's hashes
+(`vllm_pool_names`), so a subscriber of the node's events (the tenant's SUBSCRIBE) sees them
+`BlockStored` (medium SHARED) under the hashes of vLLM's own GPU events, with their tokens.
+
+Cost: ~2-4 minutes on 2 cores (two server starts, mostly vLLM's start-up).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.integrations.hf.tiny_model import build_tiny_llama
+from kvtier.pool.client.api import PoolClient
+from kvtier.pool.node.process import running_node
 
 from test_vllm_serve import Server, _summed
 
@@ -206,3 +213,77 @@ def test_every_batch_arrives_in_sequence_and_the_counters_match_what_was_publish
             assert 0 < len(_hashes(_kvtier(events, kind, medium))) <= published
     assert _summed(metrics, "kvtier_kv_events_dropped_total") == 0
     assert any("kvtier: publishing its blocks as vLLM KV events" in line for line in served["log"].splitlines())
+
+
+# ---- the pool tier: the node publishes the blocks the engine wrote, under vLLM's hashes -----------
+
+def _node_stored(stream, num_hashes: int, timeout_s: float) -> list[dict]:
+    """The node's BlockStored events (as msgpack maps) until `num_hashes` hashes came or time ran out."""
+    stored: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while sum(len(e["block_hashes"]) for e in stored) < num_hashes and time.monotonic() < deadline:
+        frame = stream.next_frame(deadline - time.monotonic())
+        if frame is not None:
+            stored += [e for e in frame.batch()[1] if e["type"] == "BlockStored"]
+    return stored
+
+
+@pytest.fixture(scope="module")
+def served_pool(tmp_path_factory) -> dict:
+    import yaml
+
+    work = tmp_path_factory.mktemp("serve-pool-events")
+    model = build_tiny_llama(work / "model", hidden_size=128, num_heads=4, num_kv_heads=2, num_layers=4)
+    prompts = PROMPTS[:2]
+    with running_node(capacity="64MiB") as node, PoolClient([node.address], timeout_s=30) as client, \
+            client.subscribe() as stream:
+        config = work / "kvtier.yaml"
+        config.write_text(yaml.safe_dump({"model": str(model), "tiers": {
+            "dram": {"capacity": f"{4 * BLOCK_BYTES // 1024}KiB"},
+            "pool": {"capacity": f"{32 * BLOCK_BYTES // 1024}KiB", "nodes": [node.address]}}}))
+        topic = "kv@pod-b@tiny"
+        subscriber = Subscriber(topic)
+        transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"kvtier_config": str(config), "metrics_port": 0}}
+        events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                         "endpoint": f"tcp://127.0.0.1:{subscriber.port}", "topic": topic}
+        argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--enforce-eager",
+                "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events_config),
+                "--host", "127.0.0.1", "--port", "0", "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
+        server = Server(argv, work / "server.log", work, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+        try:
+            server.wait_healthy()
+            for prompt in prompts:
+                server.complete(prompt, str(model))
+            # the pool's names go out as the puts land, on the worker's own thread: no step needed
+            node_stored = _node_stored(stream, 4 * len(prompts), EVENTS_DEADLINE_S)
+            hashes = {h for e in node_stored for h in e["block_hashes"]}
+            subscriber.wait_for(lambda events: hashes <= set(_hashes(_kvtier(events, "BlockStored", "GPU"))),
+                                EVENTS_DEADLINE_S)
+            metrics = server.metrics()
+            node_stats = client.stats()[0]
+        finally:
+            server.stop()
+            subscriber.close()
+    return {"events": subscriber.events(), "node_stored": node_stored, "metrics": metrics,
+            "node_stats": node_stats, "log": server.log()}
+
+
+def test_the_pool_node_publishes_the_engines_blocks_under_vllms_gpu_hashes(served_pool):
+    events, node_stored = served_pool["events"], served_pool["node_stored"]
+    gpu = _kvtier(events, "BlockStored", "GPU")
+    tokens = {}
+    for e in gpu:
+        for i, h in enumerate(e.block_hashes):
+            tokens[h] = list(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+    named = [h for e in node_stored for h in e["block_hashes"]]
+    assert len(named) == len(set(named)) >= 8, f"the node published {named}; engine log:\n{served_pool['log'][-3000:]}"
+    assert set(named) <= set(tokens), "every block the node names is one of vLLM's GPU blocks"
+    for e in node_stored:
+        assert (e["medium"], e["locality"], e["ownership"], e["block_size"]) == \
+            ("SHARED", "REMOTE", "kvtier-pool", BLOCK_TOKENS)
+        assert e["token_ids"] == [t for h in e["block_hashes"] for t in tokens[h]]
+    # the scrape and the node's stats follow the events read: more may have been named since
+    assert _summed(served_pool["metrics"], "kvtier_pool_named_blocks_total", outcome="announced") >= len(named)
+    assert served_pool["node_stats"]["blocks_announced"] >= len(named)
+    assert _summed(served_pool["metrics"], "kvtier_pool_named_blocks_total", outcome="failed") == 0

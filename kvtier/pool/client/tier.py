@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -112,6 +113,18 @@ class PoolTier(SharedTier):
 
     def client_counters(self) -> dict[str, int]:
         return self._client.counters
+
+    def announce(self, keys: list[bytes], hashes: list[int | bytes], *, block_size: int,
+                 parents: list[int | bytes | None], tokens: list[Sequence[int]]) -> dict[str, int]:
+        """Names shared blocks this tier put with the engine's block hashes, so their nodes publish
+        the tenant's KV events for them (`PoolClient.announce`: returns its counts, raises as it).
+
+        Raises:
+            TierIOError: the tier is closed.
+        """
+        with self._lock:
+            self._check_open()
+        return self._client.announce(keys, hashes, block_size=block_size, parents=parents, tokens=tokens)
 
     def describe(self) -> dict[str, object]:
         """The base facts plus nodes, tenant, and the data plane in use with its reason (per node
