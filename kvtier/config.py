@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvtier.deciding.retention import HintLimits
 from kvtier.errors import ConfigError
 from kvtier.policy import PolicyKind
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
@@ -116,6 +117,18 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HintsConfig:
+    """Retention hints (`kvtier.deciding.retention`): whether requests' hints are taken, and their bounds.
+
+    Off, an engine reads no hint and `KVTier.apply_hint` ignores every one (counted `disabled`).
+    On (the default), nothing changes until the first hint arrives.
+    """
+
+    enabled: bool = True
+    limits: HintLimits = field(default_factory=HintLimits)
+
+
+@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     """The whole runtime configuration."""
 
@@ -128,6 +141,7 @@ class KVTierConfig:
     promote_to: TierKind | None = TierKind.DRAM  # None: loads never promote
     transfer: TransferConfig = field(default_factory=TransferConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    hints: HintsConfig = field(default_factory=HintsConfig)
 
     def tier(self, kind: TierKind) -> TierConfig | None:
         return next((t for t in self.tiers if t.kind is kind), None)
@@ -287,7 +301,18 @@ def _tier(name: str, raw: Any) -> TierConfig:
     )
 
 
-_TOP_FIELDS = {"model", "kv_dtype", "block_tokens", "mode", "tenant", "promote_to", "tiers", "transfer", "prefetch"}
+_TOP_FIELDS = {"model", "kv_dtype", "block_tokens", "mode", "tenant", "promote_to", "tiers", "transfer", "prefetch",
+               "hints"}
+_HINT_FIELDS = {"max_sessions": int, "max_session_blocks": int, "retain_fraction_per_tenant": float,
+                "retain_fraction": float, "max_retain_s": float}
+
+
+def _hints(raw: Any) -> HintsConfig:
+    """The `hints` section: `enabled` and `HintLimits`' fields (ranges checked there, naming the field)."""
+    raw = _mapping(raw, "hints")
+    _check_keys(raw, {"enabled", *_HINT_FIELDS}, "hints")
+    limits = {name: _number(raw[name], f"hints.{name}", cls, 0) for name, cls in _HINT_FIELDS.items() if name in raw}
+    return HintsConfig(enabled=_bool(raw.get("enabled", True), "hints.enabled"), limits=HintLimits(**limits))
 
 
 def config_from_dict(raw: Any) -> KVTierConfig:
@@ -340,6 +365,7 @@ def config_from_dict(raw: Any) -> KVTierConfig:
             target=_configured_tier(prefetch_raw, "target", tiers, where="prefetch.target"),
             budget_bytes=parse_size(prefetch_raw.get("budget", "256MiB"), "prefetch.budget"),
         ),
+        hints=_hints(raw.get("hints")),
     )
 
 

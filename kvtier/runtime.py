@@ -24,12 +24,13 @@ from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.deciding.cost import LoadCost
 from kvtier.deciding.manager import Move, TierManager, TierSlots
 from kvtier.deciding.residency import ResidencyBatch, ResidencyLog
+from kvtier.deciding.retention import HintError
 from kvtier.errors import ConfigError, KVTierError, TierIOError
 from kvtier.kinds import Medium, TierKind
 from kvtier.model.layout import BlockLayout
 from kvtier.moving.engine import Endpoint, TransferEngine
 from kvtier.moving.handle import Stage, TransferHandle
-from kvtier.observing.stats import Stats
+from kvtier.observing.stats import DropReason, Stats
 from kvtier.plan_runner import PlanRunner
 from kvtier.policy import make_policy
 from kvtier.resident import Reservation, ResidentPath
@@ -94,6 +95,7 @@ class KVTier:
             self.manager = TierManager(
                 [self._slots(cfg) for cfg in config.tiers], mode=config.mode,
                 promote_to=config.promote_to, stats=self.stats)
+            self.manager.configure_hints(config.hints.limits)
             self._recall()
         except BaseException:
             self._close_tiers()
@@ -275,6 +277,40 @@ class KVTier:
             self._runner.submit_moves(moves)
             return unpinned
 
+    def apply_hint(self, keys: Sequence[Hashable], *, session: str | None = None, retain_s: float | None = None,
+                   closed: bool = False, tenant: str | None = None) -> bool:
+        """Applies one request's retention hint to its block keys (see `kvtier.deciding.retention`).
+
+        Call it once the request's blocks are stored or being stored: a lease covers only blocks
+        kvtier holds. With no hint fields, the keys count as used outside any session, so that no
+        later close dooms them. Deadlines run on this process's monotonic clock.
+
+        Args:
+            keys: the request's block keys, head first.
+            session, retain_s, closed: the hint, as `kvtier.integrations.hints.RetentionHint` holds it.
+            tenant: whose retention budget a lease is charged to (default: the config's tenant).
+        Returns:
+            True if applied; False if refused: a field out of range (counted `refused:<reason>`) or
+            hints off in the config (counted `disabled`), both in `snapshot()["hints"]`. A hint
+            never raises: it is advice, and the request it came with is served either way.
+        """
+        with self._lock:
+            if not self.config.hints.enabled:
+                self.stats.hints["disabled"] += 1
+                return False
+            try:
+                self.manager.apply_hint(keys, now=time.monotonic(), session=session, retain_s=retain_s,
+                                        closed=closed, tenant=self.config.tenant if tenant is None else tenant)
+            except HintError as e:  # counted by the manager
+                log.debug("kvtier: %s", e)
+                return False
+        return True
+
+    def num_retained(self, tenant: str | None = None) -> int:
+        """Blocks under a retention hint now, `tenant`'s or everyone's."""
+        with self._lock:
+            return self.manager.num_retained(tenant)
+
     def log_residency(self, limit: int | None) -> None:
         """Starts logging which blocks become ready in or leave each tier below HBM, up to `limit`
         entries between `take_residency` calls (see `kvtier.deciding.residency`); None stops it.
@@ -332,7 +368,8 @@ class KVTier:
         """Usage, every counter, and the tiers out of service now (`unavailable`, with why)."""
         with self._lock:
             snap = {"usage": self.usage(), **self.stats.snapshot(), "unavailable": self._service.facts(),
-                    "store_backlog_bytes": self._backlog_bytes, "cost": self.cost.facts().as_dict()}
+                    "store_backlog_bytes": self._backlog_bytes, "cost": self.cost.facts().as_dict(),
+                    "retained_blocks": self.manager.num_retained()}
         pool = self.tiers.get(TierKind.POOL)
         client = pool.client_counters() if isinstance(pool, SharedTier) else None
         if client is not None:

@@ -82,6 +82,18 @@ def test_optional_sections_may_be_omitted_or_null(tmp_path: Path) -> None:
                                "transfer": None, "prefetch": None})
     assert cfg.transfer.io_workers == 4 and cfg.transfer.chunk_bytes == 2**20
     assert cfg.tiers[0].high_watermark == 0.95 and cfg.tiers[0].low_watermark == 0.85
+    assert cfg.hints.enabled and cfg.hints.limits.max_retain_s == 3600
+
+
+def test_the_hints_section_sets_the_retention_limits(tmp_path: Path) -> None:
+    cfg = load_dict(tmp_path, {"model": "kvtier-tiny", "tiers": {"dram": {"capacity": 4096}},
+                               "hints": {"enabled": False, "max_retain_s": 600, "max_sessions": 8,
+                                         "max_session_blocks": 100, "retain_fraction_per_tenant": 0.1,
+                                         "retain_fraction": 0.3}})
+    limits = cfg.hints.limits
+    assert cfg.hints.enabled is False
+    assert (limits.max_retain_s, limits.max_sessions, limits.max_session_blocks) == (600.0, 8, 100)
+    assert (limits.retain_fraction_per_tenant, limits.retain_fraction) == (0.1, 0.3)
 
 
 # ---- parse_size ----------------------------------------------------------------------------------
@@ -194,6 +206,16 @@ BAD_VALUES = [
     ("model", 8, "model"),
     ("tiers", {}, "tiers"),
     ("tiers", ["hbm", "dram"], "tiers"),
+    ("hints", ["retain"], "hints"),
+    ("hints.pin_all", True, "hints.pin_all"),
+    ("hints.enabled", "yes", "hints.enabled"),
+    ("hints.max_retain_s", 0, "hints.max_retain_s"),
+    ("hints.max_retain_s", "1h", "hints.max_retain_s"),
+    ("hints.max_sessions", 0, "hints.max_sessions"),
+    ("hints.max_sessions", 1.5, "hints.max_sessions"),
+    ("hints.max_session_blocks", -1, "hints.max_session_blocks"),
+    ("hints.retain_fraction_per_tenant", 1.0, "hints.retain_fraction_per_tenant"),
+    ("hints.retain_fraction", float("nan"), "hints.retain_fraction"),
 ]
 
 

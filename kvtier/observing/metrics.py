@@ -61,9 +61,15 @@ class RuntimeCollector:
         yield _by_label("kvtier_evictions", "Copies evicted, by tier", "tier", snap["evictions"])
         yield _by_label("kvtier_dropped", "Blocks that left the cache, by reason", "reason", snap["dropped"])
         yield _by_label("kvtier_prefetch", "Prefetched blocks by outcome", "outcome", snap["prefetch"])
+        yield _by_label("kvtier_hints", "Retention hints by outcome: applied, refused:<reason>, disabled; and "
+                        "blocks over_budget (not retained: the tenant's budget was spent), session_blocks_over, "
+                        "doomed_evicted; sessions closed", "outcome", snap.get("hints", {}))
         yield _by_label("kvtier_tier_failures", "Times a tier was taken out of service", "tier", snap["tier_failures"])
         yield _by_label("kvtier_tier_recoveries", "Times a tier came back after a probe", "tier",
                         snap["tier_recoveries"])
+        retained = GaugeMetricFamily("kvtier_retained_blocks", "Blocks under a retention hint's lease now")
+        retained.add_metric([], snap.get("retained_blocks", 0))
+        yield retained
         backlog = GaugeMetricFamily("kvtier_store_backlog_bytes", "Bytes of stores submitted and not yet landed "
                                     "(past transfer.max_store_backlog a store is dropped, never waited for)")
         backlog.add_metric([], snap.get("store_backlog_bytes", 0))

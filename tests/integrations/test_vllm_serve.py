@@ -13,7 +13,9 @@ metrics endpoint scraped
 (per-tier hits from the worker process, served by the engine-core process), kvtier's start-up
 lines found in the server's log, a clean stop (SIGTERM), and a second server on the same
 persistent SSD tier, its connector given in the long form (`kv_connector_module_path`), that says
-how many blocks it restored and hits them.
+how many blocks it restored and hits them. On that second server, requests carrying retention hints
+in `kv_transfer_params` (a lease in a session, then the session's close) and one with a malformed
+hint (answered all the same), the hint counters and the leased blocks read off the metrics endpoint.
 
 Cost: 1-3 minutes on 2 cores: two server starts (~25-60 s each, mostly vLLM's start-up).
 """
@@ -44,6 +46,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 300  # a safety net on a loaded machine, not a measurement
 PROMPT = [random.Random(7).randrange(3, 512) for _ in range(600)]  # 4 full blocks of 128 tokens
+HINTED = [random.Random(8).randrange(3, 512) for _ in range(600)]  # 4 blocks a session leases, then closes
+MALFORMED = [random.Random(9).randrange(3, 512) for _ in range(300)]
 
 
 README_MODEL = "/tmp/tiny-llama"  # the model folder the README's blocks name
@@ -111,8 +115,8 @@ class Server:
                 pass
         pytest.fail(f"vllm serve not healthy within {START_DEADLINE_S} s:\n{self.log()[-6000:]}")
 
-    def complete(self, prompt: list[int], model: str) -> dict:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    def complete(self, prompt: list[int], model: str, **fields) -> dict:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.api_port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -216,9 +220,20 @@ def second(setup, first) -> dict:
     try:
         output = server.complete(PROMPT, setup["model"])
         metrics = server.metrics()
+        hinted = _hinted_requests(server, setup["model"])
     finally:
         status = server.stop()
-    return {"output": output, "metrics": metrics, "log": server.log(), "status": status}
+    return {"output": output, "metrics": metrics, "log": server.log(), "status": status, "hinted": hinted}
+
+
+def _hinted_requests(server: Server, model: str) -> dict:
+    """A lease in session s-42, a scrape; a malformed hint; the session's closing turn, a scrape."""
+    leased = server.complete(HINTED, model, kv_transfer_params={"kvtier": {"retain_s": 300, "session": "s-42"}})
+    during = server.metrics()
+    malformed = server.complete(MALFORMED, model, kv_transfer_params={"kvtier": {"retain_s": "forever"}})
+    closing = server.complete(HINTED + HINTED[:40], model, kv_transfer_params={"kvtier": {"session": "s-42",
+                                                                                           "closed": True}})
+    return {"outputs": [leased, malformed, closing], "during": during, "after": server.metrics()}
 
 
 def test_the_readme_line_serves_completions(first):
@@ -273,3 +288,19 @@ def test_a_restarted_server_restores_the_ssd_tier_and_hits_it(first, second):
     assert restored and " 0 blocks restored" not in restored[0], restored
     assert second["output"]["choices"][0]["text"] == first["outputs"][0]["choices"][0]["text"]
     assert _summed(second["metrics"], "kvtier_hits_total", tier="ssd") > 0
+
+
+def test_hints_in_kv_transfer_params_lease_blocks_until_their_session_closes(second):
+    hinted = second["hinted"]
+    prompts = [HINTED, MALFORMED, HINTED + HINTED[:40]]
+    assert [out["usage"]["prompt_tokens"] for out in hinted["outputs"]] == [len(p) for p in prompts], \
+        "every request answered, the malformed one too"
+    during, after = hinted["during"], hinted["after"]
+    assert _summed(during, "kvtier_retained_blocks", rank="0") == len(HINTED) // 128, "the session's 4 blocks leased"
+    assert _summed(after, "kvtier_hints_read_total") == 2
+    assert _summed(after, "kvtier_hints_refused_total", reason="bad_retain_s") == 1
+    assert _summed(after, "kvtier_hints_refused_total") == 1
+    assert _summed(after, "kvtier_hints_total", rank="0", outcome="applied") >= 3  # lease, the malformed's, close
+    assert _summed(after, "kvtier_hints_total", rank="0", outcome="closed") == 1
+    assert _summed(after, "kvtier_hints_total", outcome="over_budget") == 0
+    assert _summed(after, "kvtier_retained_blocks", rank="0") == 0, "s-42 closed: its blocks lost their lease"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,10 +33,11 @@ if importlib.util.find_spec("transformers") is None:  # the caches below subclas
     raise ImportError("kvtier.integrations.hf.adapter needs Hugging Face transformers: pip install 'kvtier[hf]'")
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.hints import HintReader
 from kvtier.integrations.hf.codec import BlockCodec, bind_model
 from kvtier.integrations.hf.prefix import KVTierPrefixCache, leading_ok, token_ids_1d
 from kvtier.integrations.hf.stream import KVTierStreamingCache, Observer
-from kvtier.model.keys import BlockKey, Namespace
+from kvtier.model.keys import BlockKey, Namespace, block_keys
 from kvtier.runtime import KVTier
 from kvtier.model.weights import WeightsSource, fingerprint_config, fingerprint_tensors, weights_fingerprint
 from kvtier.tiers.dram import host_rows
@@ -74,6 +75,7 @@ class HFKVTier:
         self.model, self.kv, self.namespace = model, kv, namespace
         _log_key_change(kv)
         self.device = model.device
+        self.hints = HintReader(kv.config.hints.limits.max_retain_s)  # counts the hints it refuses
 
     def prefix_cache(self) -> KVTierPrefixCache:
         """A new request's resident cache (a `DynamicCache`)."""
@@ -90,12 +92,16 @@ class HFKVTier:
         """
         return KVTierStreamingCache(self, observer)
 
-    def generate(self, input_ids: Any, *, streaming: bool = False, **generate_kwargs: Any) -> Generation:
+    def generate(self, input_ids: Any, *, streaming: bool = False, kv_hints: Mapping[str, Any] | None = None,
+                 **generate_kwargs: Any) -> Generation:
         """`model.generate` through a kvtier cache: prepare, generate, save (waited), close.
 
         Args:
             input_ids: the prompt, 1-D or `[1, T]`.
             streaming: use a `KVTierStreamingCache` instead of a `KVTierPrefixCache`.
+            kv_hints: the request's retention hint, `{"kvtier": {"retain_s": .., "session": .., "closed": ..}}`
+                as vLLM takes it in `kv_transfer_params`; applied to the sequence's blocks once
+                saved (`apply_hint`). A malformed one is refused and counted, never raised.
             generate_kwargs: passed to `model.generate` (not `past_key_values`).
 
         Raises:
@@ -114,7 +120,31 @@ class HFKVTier:
             handle.wait()
         finally:
             cache.close()
+        if kv_hints is not None:
+            self.apply_hint(sequences[0], kv_hints)
         return Generation(output, num_cached, len(handle.ok_keys))
+
+    def apply_hint(self, token_ids: Any, params: Any, *, session_id: str | None = None,
+                   tenant: str | None = None) -> bool:
+        """Applies the retention hint in `params` (`kvtier.integrations.hints`) to the full blocks of
+        `token_ids`, a sequence whose blocks were saved: a lease covers only the blocks kvtier holds.
+
+        Args:
+            token_ids: the sequence, 1-D or `[1, T]`.
+            params: `{"kvtier": {...}}`; None or a mapping without `kvtier`: no hint.
+            session_id: the caller's session for the request, used when the hint names none.
+            tenant: whose retention budget a lease is charged to (default: the kvtier config's).
+        Returns:
+            Whether a hint was applied. A malformed one is refused, counted in `self.hints.refused`
+            (by `HintRefusal`) and logged; one kvtier refuses is counted in its `snapshot()["hints"]`.
+        """
+        hint = self.hints.read(params, session_id)
+        if hint is None:
+            return False
+        ids = token_ids_1d(token_ids).tolist()
+        keys = block_keys(self.namespace, ids[: len(ids) // self.codec.block_tokens * self.codec.block_tokens])
+        return self.kv.apply_hint(keys, session=hint.session, retain_s=hint.retain_s, closed=hint.closed,
+                                  tenant=tenant)
 
     # ---- used by the caches --------------------------------------------------------------
 

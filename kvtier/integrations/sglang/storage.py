@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations.hints import HintReader
 from kvtier.integrations.sglang.options import (
     Options,
     log_key_change,
@@ -124,6 +125,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._page_keys: PageKeys | None = None  # set with the host pool; replaced by clear()
         self._lock = threading.Lock()
         self.errors: Counter = Counter()
+        self.hints: HintReader | None = None  # made with the runtime's `hints.max_retain_s` at the first hint
         self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
                                           "prefetch_bandwidth": [], "backup_bandwidth": []}
 
@@ -243,6 +245,36 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
         return self._sidecar_misses(transfers)
+
+    # ---- retention hints (SGLang passes none to its storage: a caller that knows the request's does) ----
+
+    def apply_hint(self, keys: list[str], params: Any, extra_info: Any = None, *, session_id: str | None = None,
+                   tenant: str | None = None) -> bool:
+        """Applies a request's retention hint (`kvtier.integrations.hints`) to its pages, once backed up.
+
+        Args:
+            keys: SGLang's page hashes of the request, head first, as `batch_set` took them.
+            params: `{"kvtier": {"retain_s": .., "session": .., "closed": ..}}`, as vLLM takes it in
+                `kv_transfer_params`; None or a mapping without `kvtier`: no hint.
+            extra_info: as the pages' `batch_set` had it (it is in their keys).
+            session_id: the caller's session for the request, used when the hint names none.
+            tenant: whose retention budget a lease is charged to (default: the kvtier config's).
+        Returns:
+            Whether a hint was applied. A malformed one is refused, counted in `self.hints.refused`
+            and logged; one kvtier refuses is counted in `snapshot()["hints"]`; never raised.
+        """
+        runtime, page_keys = self.runtime, self._page_keys
+        if runtime is None or page_keys is None:
+            self._count(Errors.NOT_ATTACHED, len(keys), "hint before register_mem_pool_host or after close")
+            return False
+        if self.hints is None:
+            self.hints = HintReader(runtime.config.hints.limits.max_retain_s)
+        hint = self.hints.read(params, session_id)
+        block_keys = self._keys_of(page_keys, keys, extra_info) if hint is not None else None
+        if block_keys is None:
+            return False
+        return runtime.apply_hint(block_keys, session=hint.session, retain_s=hint.retain_s, closed=hint.closed,
+                                  tenant=tenant)
 
     # ---- lifecycle and metrics ----------------------------------------------------------------
 

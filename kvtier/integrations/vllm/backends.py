@@ -48,6 +48,8 @@ class Backend(Protocol):
         reserve(keys) -> host memory slots the connector gathers new blocks into, then commits
             (`kvtier.resident.Reservation`), or None: store them instead.
         note_compute(num_tokens, seconds) -> the engine's measured compute time of one forward pass.
+        apply_hint(keys, session=, retain_s=, closed=, tenant=) -> whether a request's retention hint
+            was applied (`KVTier.apply_hint`); a bad hint is counted, never raised.
         close() -> waits for transfers in flight and releases everything.
     Any of them may raise when the backend is broken or unreachable: the connector turns that into
     misses (lookup), failed loads (load) or dropped stores (store).
@@ -66,6 +68,9 @@ class Backend(Protocol):
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation | None: ...
 
     def note_compute(self, num_tokens: int, seconds: float) -> None: ...
+
+    def apply_hint(self, keys: Sequence[BlockKey], *, session: str | None = None, retain_s: float | None = None,
+                   closed: bool = False, tenant: str | None = None) -> bool: ...
 
     def close(self) -> None: ...
 

@@ -9,7 +9,14 @@ vLLM finds it by name through kvtier's plugin entry point (`plugin`), or by modu
 `model_id`, `weights_id`, `load_timeout_s`, `lookup_timeout_s`, `metrics_port`, `metrics_addr`,
 `kv_events`; all optional, see `engine_config`); anything else is an error at start-up. With vLLM's
 `--kv-events-config` on, kvtier publishes its DRAM, SSD and pool blocks beside vLLM's GPU ones
-(`take_events`, `vllm_events`), unless `kv_events` is false. The model, block size
+(`take_events`, `vllm_events`), unless `kv_events` is false; and the blocks it writes to a kvtier
+pool are named there with vLLM's hashes, so the pool node publishes them to every subscriber of the
+tenant (`vllm_pool_names`). A request's retention hint rides in its `kv_transfer_params`
+(`{"kvtier": {"retain_s": 300, "session": "s-42"}}`, later `{"kvtier": {"session": "s-42", "closed":
+true}}`; `kvtier.integrations.hints`): the scheduler reads it once, sends it with the request's
+blocks (`HintSpec`), and every rank applies it to its own keys after the step's stores
+(`KVTier.apply_hint`, within the kvtier config's `hints` budgets); a malformed one is refused and
+counted (`kvtier_hints_refused_total{reason}`), and the request served. The model, block size
 and KV dtype are the engine's, whatever a kvtier YAML says; a YAML that names a model has its
 geometry checked against the engine's. vLLM's default
 `kv_load_failure_policy` (`fail`) is set to `recompute` by the scheduler-side connector. kvtier's
@@ -129,6 +136,7 @@ from kvtier.integrations.vllm.metrics import EngineCollector, rank_report, start
 from kvtier.integrations.vllm.pages import CPU_BACKENDS
 from kvtier.integrations.vllm.pool_names import PoolNames, names_pool_blocks, pool_names
 from kvtier.integrations.vllm.scheduler import (
+    HintSpec,
     KeyDirectory,
     LoadSpec,
     ScheduledRequest,
@@ -168,6 +176,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     num_tokens: int = 0  # tokens the step computes (vLLM's total_num_scheduled_tokens)
+    hints: list[HintSpec] = field(default_factory=list)  # requests' retention hints, applied after the stores
 
 
 @dataclass
@@ -233,7 +242,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if self.settings.metrics_port is not None:
                 collector = EngineCollector(self.settings.sharding.num_ranks, self._fetch_report,
                                             self._scheduler.prompt_blocks,
-                                            self._events.counts if self._events is not None else None)
+                                            self._events.counts if self._events is not None else None,
+                                            self._scheduler.hint_reader)
                 self._metrics_server = start_metrics(self.settings, collector)
 
     @classmethod
@@ -349,6 +359,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._note_compute(meta)
             self._failed_block_ids |= self._worker.end_step(meta.stores if meta is not None else ())
+            if meta is not None and meta.hints:
+                self._worker.apply_hints(meta.hints)
 
     def _note_compute(self, meta: KVTierConnectorMetadata | None) -> None:
         """Tells the backend how long this step's forward took for its tokens, kvtier's own time
@@ -430,7 +442,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         scheduled = [ScheduledRequest(req_id, n, len(spec_tokens.get(req_id, ())))
                      for req_id, n in scheduler_output.num_scheduled_tokens.items()]
         plan = self._scheduler.plan_step(scheduled, self._block_ids_of)
-        return KVTierConnectorMetadata(plan.loads, plan.stores, scheduler_output.total_num_scheduled_tokens)
+        return KVTierConnectorMetadata(plan.loads, plan.stores, scheduler_output.total_num_scheduled_tokens,
+                                       hints=plan.hints)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.hints import HintReader, HintRefusal
 from kvtier.integrations.vllm.events import EventCounts
 from kvtier.integrations.vllm.inputs import RefusalReason
 from kvtier.integrations.vllm.scheduler import PromptBlocks
@@ -61,12 +62,14 @@ class EngineCollector:
         fetch: returns rank r's `rank_report`, or None when it cannot be had.
         prompt_blocks: the scheduler's counts of where prompt blocks came from.
         event_counts: the counters of kvtier's KV events (`vllm_events`), where they are on.
+        hint_reader: the scheduler's reader of requests' retention hints, where they are on.
     """
 
     def __init__(self, num_ranks: int, fetch: Callable[[int], dict | None], prompt_blocks: PromptBlocks,
-                 event_counts: EventCounts | None = None) -> None:
+                 event_counts: EventCounts | None = None, hint_reader: HintReader | None = None) -> None:
         self._num_ranks, self._fetch, self._prompt_blocks = num_ranks, fetch, prompt_blocks
         self._event_counts = event_counts
+        self._hint_reader = hint_reader
 
     def collect(self) -> Iterator[Metric]:
         reports = {rank: self._fetch(rank) for rank in range(self._num_ranks)}
@@ -82,6 +85,8 @@ class EngineCollector:
         yield from self._unkeyable_families()
         if self._event_counts is not None:
             yield from event_families(self._event_counts)
+        if self._hint_reader is not None:
+            yield from hint_families(self._hint_reader)
         yield from merge_ranks((str(rank), _families(report)) for rank, report in reports.items() if report)
 
     def _prompt_block_family(self) -> CounterMetricFamily:
@@ -103,6 +108,18 @@ class EngineCollector:
         for reason in RefusalReason:
             requests.add_metric([reason.value], self._prompt_blocks.unkeyable_requests.get(reason.value, 0))
         yield requests
+
+
+def hint_families(reader: HintReader) -> Iterator[Metric]:
+    """Requests' retention hints as the scheduler read them (what each rank did with them: `kvtier_hints`)."""
+    read = CounterMetricFamily("kvtier_hints_read", "Requests whose retention hint was taken")
+    read.add_metric([], reader.num_read)
+    yield read
+    refused = CounterMetricFamily("kvtier_hints_refused", "Requests whose retention hint was refused (the request "
+                                  "was served without it), by reason", labels=["reason"])
+    for reason in HintRefusal:
+        refused.add_metric([reason.value], reader.refused.get(reason, 0))
+    yield refused
 
 
 def event_families(counts: EventCounts) -> Iterator[Metric]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.integrations.hints import HintReader, RetentionHint
 from kvtier.integrations.vllm.inputs import AdapterFingerprints, Refusal, RequestInputs, read_inputs
 from kvtier.integrations.vllm.lookup import RankLookup
 from kvtier.integrations.vllm.backends import SHARED, Backend
@@ -57,12 +58,27 @@ class StoreSpec:
     names: tuple[ExtBlock | None, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class HintSpec:
+    """Apply request `req_id`'s retention hint (`kvtier.integrations.hints`) to `keys`, its blocks
+    (of every KV cache group) that this step stores or that it hit, charged to `tenant`'s budget.
+    With no session, lease nor close it says a request without a hint used them: no close dooms them."""
+
+    req_id: str
+    keys: tuple[BlockKey, ...]
+    session: str | None = None
+    retain_s: float | None = None
+    closed: bool = False
+    tenant: str = ""
+
+
 @dataclass
 class StepPlan:
     """What the worker does in one engine step."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    hints: list[HintSpec] = field(default_factory=list)
 
 
 def per_group(block_ids: Sequence[Any]) -> list[Sequence[int]]:
@@ -197,6 +213,9 @@ class RequestTracker:
         self.num_local_tokens = 0  # vLLM's own (block-aligned) prefix-cache hit, at the last lookup
         self.num_hit_blocks = 0  # leading blocks kvtier can supply (every group) at the last lookup
         self.num_stored_blocks: list[int] = []  # per group: leading blocks kvtier holds or is being sent
+        self.hint: RetentionHint | None = None  # what the request's `kv_transfer_params` asked for
+        self.num_hinted_blocks = 0  # leading blocks a `HintSpec` was sent for
+        self.hint_closed = False  # its closing hint was sent: its later blocks belong to no session
 
     def keys_for(self, num_blocks: int) -> list[BlockKey]:
         """The first `num_blocks` keys, extending the chain as tokens arrive; none when refused."""
@@ -243,6 +262,13 @@ class SchedulerSide:
         self._loads: dict[str, list[LoadSpec]] = {}
         self._groups = settings.kv_groups
         self._adapters = AdapterFingerprints()
+        hints = settings.config.hints
+        # reads each request's retention hint once; None: hints are off in the kvtier config
+        self.hint_reader = HintReader(hints.limits.max_retain_s) if hints.enabled else None
+        # From the first hint on, every request's blocks go to the workers with its hint or with
+        # none (`HintSpec`), so that a close never dooms a prefix unhinted traffic uses; before it,
+        # nothing is sent and kvtier runs as without hints.
+        self._hints_on = False
 
     def track(self, request: Any) -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
@@ -252,6 +278,10 @@ class SchedulerSide:
                 self._refused(inputs)
             tracker = self._trackers[request.request_id] = RequestTracker(request, self.settings.namespace, inputs,
                                                                           self.hashes)
+            if self.hint_reader is not None:  # a refused hint is counted and logged, never raised
+                tracker.hint = self.hint_reader.read(getattr(request, "kv_transfer_params", None),
+                                                     getattr(request, "session_id", None), request.request_id)
+                self._hints_on |= tracker.hint is not None
         return tracker
 
     def _refused(self, refusal: Refusal) -> None:
@@ -336,6 +366,9 @@ class SchedulerSide:
         """The loads recorded since the last step, and the stores of blocks this step completes."""
         plan = StepPlan(loads=[spec for specs in self._loads.values() for spec in specs])
         self._loads.clear()
+        scheduled = list(scheduled)
+        if self._hints_on:
+            plan.hints = [spec for spec in map(self._hint_spec, scheduled) if spec is not None]
         if not self.settings.can_store:
             return plan
         queued: set[BlockKey] = set()
@@ -345,6 +378,30 @@ class SchedulerSide:
                 self.directory.expect(spec.keys)
         return plan
 
+    def _end_block(self, tracker: RequestTracker, item: ScheduledRequest) -> int:
+        """The request's full blocks once this step is computed (speculative tokens may be rejected:
+        left out)."""
+        end_tokens = tracker.request.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
+        return min(end_tokens, len(tracker.request.all_token_ids)) // self.settings.block_tokens
+
+    def _hint_spec(self, item: ScheduledRequest) -> HintSpec | None:
+        """The request's hint for its blocks not yet sent with one: those it hit and those this step
+        computes, in every group. A closing hint is sent once, even with no new block (a closing turn
+        may hit them all); the request's later blocks are then sent with none: its session is over.
+        The budget is its `cache_salt`'s where it has one (its keys are apart), else the engine's tenant."""
+        tracker = self._trackers.get(item.req_id)
+        if tracker is None or tracker.refusal is not None or tracker.hint_closed:
+            return None
+        hint = tracker.hint or RetentionHint()
+        first, end = tracker.num_hinted_blocks, self._end_block(tracker, item)
+        if end <= first and not hint.closed:
+            return None
+        tracker.num_hinted_blocks, tracker.hint_closed = max(first, end), hint.closed
+        keys = tracker.keys_for(end)[first:end]
+        salt = getattr(tracker.request, "cache_salt", None)
+        return HintSpec(item.req_id, tuple(k for g in self._groups for k in self.settings.group_keys(g.index, keys)),
+                        hint.session, hint.retain_s, hint.closed, salt or self.settings.config.tenant)
+
     def _store_specs(self, item: ScheduledRequest, block_ids_of: Callable[[str], Sequence[Any]],
                      queued: set[BlockKey]) -> list[StoreSpec]:
         """Per group, the blocks this step completes that the group still keeps (a sliding-window
@@ -352,9 +409,7 @@ class SchedulerSide:
         tracker = self._trackers.get(item.req_id)
         if tracker is None or tracker.refusal is not None:
             return []
-        # Speculative tokens may be rejected: their KV is never stored.
-        end_tokens = tracker.request.num_computed_tokens + item.num_scheduled_tokens - item.num_spec_tokens
-        end = min(end_tokens, len(tracker.request.all_token_ids)) // self.settings.block_tokens
+        end = self._end_block(tracker, item)  # speculative tokens may be rejected: their KV is never stored
         if not tracker.num_stored_blocks:
             tracker.num_stored_blocks = [0] * len(self._groups)
         if end <= min(tracker.num_stored_blocks):

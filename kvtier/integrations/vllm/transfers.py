@@ -40,7 +40,7 @@ from kvtier.errors import GeometryError, KVTierError
 from kvtier.moving.handle import TransferHandle
 from kvtier.integrations.vllm.backends import Backend
 from kvtier.integrations.vllm.events import WorkerResidency
-from kvtier.integrations.vllm.scheduler import LoadSpec, StoreSpec
+from kvtier.integrations.vllm.scheduler import HintSpec, LoadSpec, StoreSpec
 from kvtier.integrations.vllm.shards import Sharding
 from kvtier.model.keys import BlockKey
 from kvtier.model.layout import BlockLayout
@@ -328,6 +328,17 @@ class WorkerSide:
         self.reap()
         self.stats.forward_thread_s += time.perf_counter() - started
         return failed
+
+    def apply_hints(self, specs: Sequence[HintSpec]) -> None:
+        """Applies the step's retention hints to this rank's keys for their blocks; after `end_step`,
+        whose stores are then in kvtier's index (a lease covers only blocks it holds). Each rank's
+        budget is its own share of the last tier. A hint is advice: a backend that fails is logged."""
+        for spec in specs:
+            try:
+                self.backend.apply_hint(self.sharding.keys(spec.keys), session=spec.session, retain_s=spec.retain_s,
+                                        closed=spec.closed, tenant=spec.tenant)
+            except Exception as e:  # never worth failing a step for
+                log.warning("kvtier: the hint of request %s was not applied: %r", spec.req_id, e)
 
     # ---- between steps -------------------------------------------------------------------
 
