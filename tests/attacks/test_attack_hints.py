@@ -14,7 +14,6 @@ tier as the last tier) and the vLLM connector's real scheduler half. Cost: about
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -118,20 +117,6 @@ def test_hints_off_in_the_config_are_ignored_and_counted():
 
 # ---- the vLLM connector's scheduler half: malformed kv_transfer_params ----------------------------
 
-@dataclass
-class Request:
-    """The fields of vLLM's `Request` the scheduler half reads, hints included."""
-
-    request_id: str
-    all_token_ids: list[int]
-    kv_transfer_params: object = None
-    session_id: str | None = None
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 MALFORMED = [
@@ -151,7 +136,7 @@ MALFORMED = [
 def test_malformed_hints_are_refused_by_reason_and_the_requests_are_served_as_without_them(tmp_path, tiny_model):
     from kvtier.integrations.vllm.scheduler import KeyDirectory, ScheduledRequest, SchedulerSide
     from kvtier.integrations.vllm.settings import EngineFacts, read_settings
-    from support.vllm import BLOCK, LAYER_NAMES, PAGE_BYTES, _yaml
+    from support.vllm import FakeRequest, BLOCK, LAYER_NAMES, PAGE_BYTES, _yaml
 
     facts = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="float32", layer_names=LAYER_NAMES,
                         page_bytes=PAGE_BYTES, device_type="cpu", kv_role="kv_both")
@@ -160,7 +145,7 @@ def test_malformed_hints_are_refused_by_reason_and_the_requests_are_served_as_wi
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
     tokens = list(range(3 * BLOCK + 5))
     for i, (params, _) in enumerate(MALFORMED):
-        side.track(Request(f"r{i}", tokens, params))
+        side.track(FakeRequest(f"r{i}", tokens, params))
     assert side.hint_reader.refused == {r: sum(1 for _, why in MALFORMED if why is r) for _, r in MALFORMED}
     assert side.hint_reader.num_read == 0
     tables = {f"r{i}": list(range(100 + 10 * i, 104 + 10 * i)) for i in range(len(MALFORMED))}

@@ -7,7 +7,7 @@ hit (`HintSpec` in `KVTierConnectorMetadata`), applied by every rank to its own 
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,26 +20,12 @@ from kvtier.integrations.vllm.transfers import WorkerSide
 from kvtier.model.keys import block_keys
 from kvtier.runtime import KVTier
 
-from support.vllm import BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, NUM_LAYERS, P1, PAGE_BYTES, _tokens, _yaml
+from support.vllm import FakeRequest, BLOCK, HEAD_DIM, KV_HEADS, LAYER_NAMES, NUM_LAYERS, P1, PAGE_BYTES, _tokens, _yaml
 
 RETAIN = {"kvtier": {"retain_s": 300, "session": "s-42"}}
 CLOSE = {"kvtier": {"session": "s-42", "closed": True}}
 
 
-@dataclass
-class Request:
-    """The fields of vLLM's `Request` the scheduler half reads, hints included."""
-
-    request_id: str
-    all_token_ids: list[int]
-    kv_transfer_params: object = None
-    session_id: str | None = None
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 FACTS = EngineFacts(model_id="tiny", block_size=BLOCK, kv_dtype="float32", layer_names=LAYER_NAMES,
@@ -67,12 +53,12 @@ def _step(side, *items, tables=None):
 
 def test_nothing_is_sent_until_the_first_hint_then_every_requests_blocks_are(settings):
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    plain = Request("plain", list(P1))
+    plain = FakeRequest("plain", list(P1))
     side.track(plain)
     assert _step(side, ScheduledRequest("plain", 100)).hints == [], "kvtier runs as without hints"
     plain.num_computed_tokens = 100
-    side.track(Request("hinted", list(P1), RETAIN))
-    other = Request("other", _tokens(9, 70))
+    side.track(FakeRequest("hinted", list(P1), RETAIN))
+    other = FakeRequest("other", _tokens(9, 70))
     side.track(other)
     hints = _step(side, ScheduledRequest("plain", 50), ScheduledRequest("hinted", 150),
                   ScheduledRequest("other", 70)).hints
@@ -85,7 +71,7 @@ def test_nothing_is_sent_until_the_first_hint_then_every_requests_blocks_are(set
 
 def test_a_hint_goes_with_each_steps_new_blocks_once(settings):
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    request = Request("a", list(P1) + _tokens(5, 40), RETAIN)
+    request = FakeRequest("a", list(P1) + _tokens(5, 40), RETAIN)
     side.track(request)
     keys = block_keys(settings.namespace, request.all_token_ids)
     first = _step(side, ScheduledRequest("a", 100)).hints
@@ -99,12 +85,12 @@ def test_a_hint_goes_with_each_steps_new_blocks_once(settings):
 
 def test_a_closing_hint_is_sent_once_even_with_no_new_block_and_the_rest_of_the_request_with_none(settings):
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    short = Request("short", list(P1[:20]), CLOSE)  # no full block: the close still goes
+    short = FakeRequest("short", list(P1[:20]), CLOSE)  # no full block: the close still goes
     side.track(short)
     assert _step(side, ScheduledRequest("short", 20)).hints == [HintSpec("short", (), "s-42", None, True, "default")]
     short.num_computed_tokens = 20
     assert _step(side, ScheduledRequest("short", 1)).hints == []
-    hit_all = Request("hit", list(P1), CLOSE, num_computed_tokens=4 * BLOCK)  # every block a hit
+    hit_all = FakeRequest("hit", list(P1), CLOSE, num_computed_tokens=4 * BLOCK)  # every block a hit
     side.track(hit_all)
     keys = block_keys(settings.namespace, P1)
     assert _step(side, ScheduledRequest("hit", 150 - 4 * BLOCK)).hints == [
@@ -116,8 +102,8 @@ def test_a_closing_hint_is_sent_once_even_with_no_new_block_and_the_rest_of_the_
 
 def test_the_engines_session_id_and_cache_salt_name_session_and_tenant(settings):
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    side.track(Request("a", list(P1), {"kvtier": {"retain_s": 60}}, session_id="chat-7", cache_salt="acme"))
-    side.track(Request("b", list(P1), {"kvtier": {"retain_s": 60, "session": "own"}}, session_id="chat-7"))
+    side.track(FakeRequest("a", list(P1), {"kvtier": {"retain_s": 60}}, session_id="chat-7", cache_salt="acme"))
+    side.track(FakeRequest("b", list(P1), {"kvtier": {"retain_s": 60, "session": "own"}}, session_id="chat-7"))
     hints = _step(side, ScheduledRequest("a", 150), ScheduledRequest("b", 150)).hints
     assert [(h.session, h.tenant) for h in hints] == [("chat-7", "acme"), ("own", "default")]
 
@@ -125,14 +111,14 @@ def test_the_engines_session_id_and_cache_salt_name_session_and_tenant(settings)
 def test_hints_off_in_the_config_are_not_read(tmp_path, tiny_model):
     settings = _settings(tmp_path, tiny_model, {"enabled": False})
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    side.track(Request("a", list(P1), RETAIN))
+    side.track(FakeRequest("a", list(P1), RETAIN))
     assert side.hint_reader is None and _step(side, ScheduledRequest("a", 150)).hints == []
 
 
 def test_a_lease_longer_than_the_configs_is_refused_and_counted(tmp_path, tiny_model):
     settings = _settings(tmp_path, tiny_model, {"max_retain_s": 60})
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    side.track(Request("a", list(P1), RETAIN))
+    side.track(FakeRequest("a", list(P1), RETAIN))
     assert side.hint_reader.refused == {HintRefusal.BAD_RETAIN_S: 1}
     assert _step(side, ScheduledRequest("a", 150)).hints == []
 
@@ -141,7 +127,7 @@ def test_a_hybrid_engines_hint_names_every_groups_keys(tmp_path, tiny_model):
     groups = (KVGroup(0, LAYER_NAMES[0::2]), KVGroup(1, LAYER_NAMES[1::2], window_tokens=48))
     settings = _settings(tmp_path, tiny_model, groups=groups)
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
-    side.track(Request("a", list(P1), RETAIN))
+    side.track(FakeRequest("a", list(P1), RETAIN))
     keys = block_keys(settings.namespace, P1)
     (hint,) = _step(side, ScheduledRequest("a", 150), tables={"a": [list(range(10, 15)), list(range(20, 25))]}).hints
     assert hint.keys == settings.group_keys(0, keys) + settings.group_keys(1, keys)
@@ -199,7 +185,7 @@ def test_the_metrics_count_hints_read_refused_by_reason_and_what_each_rank_did(s
 
     side = SchedulerSide(settings, KeyDirectory(settings, 100))
     for i, params in enumerate([RETAIN, {"kvtier": {"retain_s": "long"}}, {"kvtier": {"closed": True}}, None]):
-        side.track(Request(f"r{i}", list(P1), params))
+        side.track(FakeRequest(f"r{i}", list(P1), params))
     with KVTier(settings.config, layout=settings.layout) as kvtier:
         kvtier.apply_hint([b"k" * 16], session="s", retain_s=1e9)
         report = rank_report(0, kvtier, WorkerStats(), 0)

@@ -100,6 +100,18 @@ def _spilled_and_evicted(events: list) -> bool:
     return bool(_kvtier(events, "BlockRemoved", "STORAGE")) and bool(_kvtier(events, "BlockRemoved", "CPU"))
 
 
+def _events_server(model: Path, config: Path, subscriber: Subscriber, topic: str, work: Path) -> Server:
+    """`vllm serve` with kvtier from `config` and KV events published to `subscriber` under `topic`."""
+    transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvtier_config": str(config), "metrics_port": 0}}
+    events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://127.0.0.1:{subscriber.port}", "topic": topic}
+    argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--enforce-eager",
+            "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events_config),
+            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
+    return Server(argv, work / "server.log", work, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict:
     import yaml
@@ -112,14 +124,7 @@ def served(tmp_path_factory) -> dict:
         "ssd": {"capacity": f"{8 * BLOCK_BYTES // 1024}KiB", "path": str(work / "ssd")}}}))
     topic = "kv@pod-a@tiny"
     subscriber = Subscriber(topic)
-    transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kvtier_config": str(config), "metrics_port": 0}}
-    events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
-                     "endpoint": f"tcp://127.0.0.1:{subscriber.port}", "topic": topic}
-    argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--enforce-eager",
-            "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events_config),
-            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
-    server = Server(argv, work / "server.log", work, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    server = _events_server(model, config, subscriber, topic, work)
     try:
         server.wait_healthy()
         for prompt in PROMPTS:
@@ -243,14 +248,7 @@ def served_pool(tmp_path_factory) -> dict:
             "pool": {"capacity": f"{32 * BLOCK_BYTES // 1024}KiB", "nodes": [node.address]}}}))
         topic = "kv@pod-b@tiny"
         subscriber = Subscriber(topic)
-        transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"kvtier_config": str(config), "metrics_port": 0}}
-        events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
-                         "endpoint": f"tcp://127.0.0.1:{subscriber.port}", "topic": topic}
-        argv = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--enforce-eager",
-                "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events_config),
-                "--host", "127.0.0.1", "--port", "0", "--max-model-len", "1024", "--num-gpu-blocks-override", "64"]
-        server = Server(argv, work / "server.log", work, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+        server = _events_server(model, config, subscriber, topic, work)
         try:
             server.wait_healthy()
             for prompt in prompts:

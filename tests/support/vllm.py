@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -98,17 +99,21 @@ def assert_same_as_reference(phase: dict, reference: dict[str, dict], logprob_ab
         assert out["finish_reason"] == "length"
         assert out["tokens"] == want["tokens"], f"prompt of {len(prompt)} tokens"
         assert out["logprobs"] == pytest.approx(want["logprobs"], abs=logprob_abs)
-from dataclasses import dataclass
+
+
 PAGE_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # one layer of one engine block, fp32
 LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
 
 
 @dataclass
 class FakeRequest:
-    """The fields of vLLM's `Request` the scheduler half reads."""
+    """The fields of vLLM's `Request` the scheduler half reads, hints included."""
 
     request_id: str
     all_token_ids: list[int]
+    kv_transfer_params: object = None
+    session_id: str | None = None
+    cache_salt: str | None = None
     num_computed_tokens: int = 0
 
     @property
