@@ -304,6 +304,8 @@ class KVTier:
             except HintError as e:  # counted by the manager
                 log.debug("kvtier: %s", e)
                 return False
+            if self._shared is not None:  # the pool's copies keep it too (queued, sent off this thread)
+                self._shared.forward_hint(keys, retain_s=retain_s, closed=closed)
         return True
 
     def num_retained(self, tenant: str | None = None) -> int:

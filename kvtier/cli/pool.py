@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.host_memory import allocation_failed, check_fits
-from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
+from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT, MAX_RETAIN_S, RETAIN_FRACTION
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,6 +44,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--hugepages", action="store_true", help="map the memory on 2 MiB hugepages (MAP_HUGETLB)")
     serve.add_argument("--lease-s", type=float, default=10.0, help="read lease granted per hit (default 10)")
     serve.add_argument("--max-lease-s", type=float, default=60.0, help="longest lease a client may ask for")
+    serve.add_argument("--max-retain-s", type=float, default=MAX_RETAIN_S,
+                       help=f"longest soft lease (RETAIN) a tenant may set on its blocks (default {MAX_RETAIN_S:g})")
+    serve.add_argument("--retain-fraction", type=float, default=RETAIN_FRACTION,
+                       help=f"share of its quota a tenant may retain, 0-1 (default {RETAIN_FRACTION:g})")
     serve.add_argument("--max-connections", type=int, default=1024,
                        help="connections at once, those still authenticating included (default 1024)")
     serve.add_argument("--max-handshakes", type=int, default=64,
@@ -107,7 +111,9 @@ def node_config(args: argparse.Namespace):
     if capacity < region:
         raise ConfigError(f"--capacity: {capacity} bytes is below one region of {region} bytes (--region-size)")
     check_fits(capacity, "--capacity")
-    for name in ("lease_s", "max_lease_s"):
+    if not 0 <= args.retain_fraction <= 1:
+        raise ConfigError(f"--retain-fraction: must be in [0, 1], got {args.retain_fraction}")
+    for name in ("lease_s", "max_lease_s", "max_retain_s"):
         if not 0 <= getattr(args, name) < 1e6:
             raise ConfigError(f"--{name.replace('_', '-')}: must be in [0, 1e6), got {getattr(args, name)}")
     if not 0 < args.handshake_timeout_s < 1e6:
@@ -122,7 +128,8 @@ def node_config(args: argparse.Namespace):
     tenants = load_tenants(args.tenants, capacity) if args.tenants else open_tenants(capacity)
     return NodeConfig(host, port, capacity, tenants, region_bytes=region, transport=transport.value, verbs=args.verbs,
                       transport_reason=reason, hugepages=args.hugepages, lease_s=args.lease_s,
-                      max_lease_s=args.max_lease_s, max_connections=args.max_connections,
+                      max_lease_s=args.max_lease_s, max_retain_s=args.max_retain_s,
+                      retain_fraction=args.retain_fraction, max_connections=args.max_connections,
                       max_handshakes=args.max_handshakes, handshake_timeout_s=args.handshake_timeout_s,
                       max_leases_per_connection=args.max_leases_per_connection,
                       max_leases_per_tenant=args.max_leases_per_tenant,
@@ -234,6 +241,9 @@ def _print_table(f: dict[str, Any]) -> None:
         ("duplicate puts", (f"{format_size(f.get('duplicate_put_bytes', 0))} sent for keys already stored "
                             f"(and dropped); {format_size(f.get('bytes_in', 0))} written")),
         ("leases", f"{f['active_leases']:,} active, {f['leases_expired']:,} expired"),
+        ("retention", (f"{f.get('retained_blocks', 0):,} blocks retained now; {f.get('retained', 0):,} retained, "
+                       f"{f.get('retain_ignored_over_budget', 0):,} over budget, {f.get('released', 0):,} released, "
+                       f"{f.get('retained_evicted', 0):,} evicted while retained")),
         ("KV events", (f"{f.get('events_published', 0):,} batches published, {f.get('events_dropped', 0):,} dropped "
                        f"for slow subscribers, {f.get('event_subscribers', 0):,} subscribers, "
                        f"{f.get('blocks_announced', 0):,} blocks announced ({f.get('announce_ignored', 0):,} ignored)")),

@@ -441,6 +441,23 @@ class TierManager:
         self.stats.hints["applied"] += 1
         book.prune(self._ids.__contains__, 4 * self.index.capacity)
 
+    def hinted_copies(self, tier: TierKind, keys: Iterable[Hashable]) -> tuple[list[Hashable], list[Hashable]]:
+        """Of `keys`, those with a copy in `tier` that are retained now, and those doomed now (what
+        a shared tier passes on to its store); ([], []) before the first hint."""
+        if self._hints is None:
+            return [], []
+        book, slots, get = self._hints, self._slot[tier], self._ids.get
+        retained, doomed = [], []
+        for key in keys:
+            block = get(key)
+            if block is None or slots[block] < 0:
+                continue
+            if book.retained(key):
+                retained.append(key)
+            elif book.doomed(key):
+                doomed.append(key)
+        return retained, doomed
+
     def num_retained(self, tenant: str | None = None) -> int:
         """Keys under a retention hint now, `tenant`'s or everyone's."""
         return self._hints.num_retained(tenant) if self._hints is not None else 0

@@ -122,7 +122,8 @@ class NodeCollector:
 
     GAUGES = frozenset({"capacity_bytes", "used_bytes", "region_bytes", "num_regions", "free_regions",
                         "num_blocks", "active_leases", "accesses_in_flight", "active_connections", "uptime_s",
-                        "announced_bytes", "event_subscribers"})  # the last two: shared-tier KV events
+                        "announced_bytes", "event_subscribers",  # shared-tier KV events
+                        "retained_blocks"})  # under a soft lease (RETAIN) now
 
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats

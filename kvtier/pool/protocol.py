@@ -69,6 +69,11 @@ class MsgType(enum.IntEnum):
     SUBSCRIBE = 19
     EVENTS = 20
     ANNOUNCE = 21  # the engine's hashes of blocks the tenant stored -> counts announced and ignored
+    # Retention hints (issue 32), probed as ANNOUNCE is (`NodeLink.serves`). RETAIN: a soft lease of
+    # ttl_s (capped by the node's max_retain_s, within the tenant's retain budget) on the tenant's
+    # blocks under keys; RELEASE_HINT: their session closed, they become the tenant's next victims.
+    RETAIN = 22
+    RELEASE_HINT = 23
     ERROR = 0xFF
 
 
@@ -147,6 +152,8 @@ REQUESTS: dict[MsgType, dict[str, Any]] = {
     # per key: its vLLM hash, the parent's (nil: none or unknown) and its tokens ([]: not told)
     MsgType.ANNOUNCE: {"keys": _KEYS, "hashes": _HASHES, "parents": ("list", "opt_hash"),
                        "tokens": ("list", _UINTS), "block_size": "uint"},
+    MsgType.RETAIN: {"keys": _KEYS, "ttl_s": "num"},
+    MsgType.RELEASE_HINT: {"keys": _KEYS},
 }
 REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"nonce": "nonce", "node": "name"},
@@ -170,6 +177,8 @@ REPLIES: dict[MsgType, dict[str, Any]] = {
     MsgType.SUBSCRIBE: {"next_seq": "uint", "oldest_seq": "uint"},
     MsgType.EVENTS: {"seq": "uint", "dropped": "uint"},  # dropped: batches lost to this subscriber since its last frame
     MsgType.ANNOUNCE: {"announced": "uint", "ignored": "uint"},
+    MsgType.RETAIN: {"retained": "uint", "over_budget": "uint", "missing": "uint"},
+    MsgType.RELEASE_HINT: {"released": "uint"},
     MsgType.ERROR: {"code": "uint", "message": "text"},
 }
 # Fields that must be lists of equal length.

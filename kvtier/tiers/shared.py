@@ -140,6 +140,13 @@ class SharedTier(Tier):
         whose transport can use it directly (the pool over RDMA registers it once, then moves
         blocks without a staging copy) does; the default ignores it."""
 
+    def hint(self, retain: list[bytes], retain_s: float, release: list[bytes]) -> None:
+        """Passes a retention hint the manager applied on to the store, for shared blocks this tier
+        holds a copy of (`SharedLookup.forward_hint`): `retain` kept `retain_s` seconds more,
+        `release` (their session closed) the first to go. Called under the runtime's lock: it must
+        be quick and must not raise; a store that does I/O queues it. The default: the store knows
+        no hints, nothing is sent."""
+
     def client_counters(self) -> dict[str, int] | None:
         """The store client's counters (hits, misses, stale, node errors...), for
         `KVTier.snapshot()["pool_client"]`; None (the default) where there are none."""

@@ -18,6 +18,7 @@ from kvtier.kinds import TierKind
 from kvtier.deciding.manager import Move, TierManager
 from kvtier.observing.stats import Stats
 from kvtier.tiers.base import Tier
+from kvtier.tiers.shared import SharedTier
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ class SharedLookup:
         adopted = self._adopt([keys[i] for i in wanted])
         # Adoption stops at the first key it cannot take (no slot, or indexed meanwhile): so does the run.
         return run if adopted == len(wanted) else wanted[adopted]
+
+    def forward_hint(self, keys: Sequence[Hashable], *, retain_s: float | None, closed: bool) -> None:
+        """Passes a hint the manager just applied on to the shared tier, for the keys it holds a
+        copy of: those retained now (with `retain_s`) and, on `closed`, those doomed now. Caller
+        holds the lock; the tier only queues (`SharedTier.hint`)."""
+        if (retain_s is None and not closed) or not isinstance(self.tier, SharedTier):
+            return
+        retained, doomed = self._manager.hinted_copies(self.kind, keys)
+        share = self.tier.can_share
+        retain = [bytes(k) for k in retained if share(k)] if retain_s is not None else []
+        release = [bytes(k) for k in doomed if share(k)] if closed else []
+        if retain or release:
+            self.tier.hint(retain, retain_s or 0.0, release)
 
     def _find(self, keys: list[Hashable]) -> list[bool] | None:
         """Whether the tier holds each key; None where it cannot be asked (out of service, closed,

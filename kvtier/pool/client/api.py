@@ -37,6 +37,7 @@ from kvtier.pool.base import Location, RemoteIO, Transport
 from kvtier.pool.buffers import byte_view
 from kvtier.pool.client.connection import AuthFailed, NodeLink, NodeUnavailable
 from kvtier.pool.client.events import EventStream, announce_by_home
+from kvtier.pool.client.hints import hint_by_home
 from kvtier.pool.client.node_calls import STORED, NodeCalls, grant_status
 from kvtier.pool.detect import TransportKind, choose_transport
 from kvtier.pool.protocol import MAX_BATCH, GrantStatus, MsgType
@@ -299,6 +300,29 @@ class PoolClient:
         return announce_by_home(self.links, self.home, keys, hashes, block_size,
                                 parents if parents is not None else [None] * len(keys),
                                 tokens if tokens is not None else [()] * len(keys))
+
+    def retain(self, keys: Sequence[bytes], ttl_s: float) -> dict[str, int]:
+        """Asks each key's home node to keep the block for `ttl_s` seconds (a soft lease: its node
+        caps the time and the tenant's retained bytes, and evicts retained blocks only when nothing
+        else of the tenant's is left). Deadlines only grow.
+
+        Returns:
+            {"retained", "over_budget", "missing", "not_served", "failed"}: blocks leased, refused
+            for the tenant's budget, not held; keys whose node predates RETAIN or was not reached
+            (see `kvtier.pool.client.hints`). Raises `AuthFailed` only.
+        """
+        return self._hint(MsgType.RETAIN, keys, {"ttl_s": ttl_s})
+
+    def release_hint(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Tells each key's home node that the block's session closed: its lease ends and it
+        becomes the tenant's next victim there. Returns {"released", "not_served", "failed"}."""
+        return self._hint(MsgType.RELEASE_HINT, keys, {})
+
+    def _hint(self, msg: MsgType, keys: Sequence[bytes], fields: dict) -> dict[str, int]:
+        out = hint_by_home(self.links, self.home, msg, keys, fields)
+        self._count_all({f"{msg.name.lower()}_{name}": n for name, n in out.items()
+                         if name in ("not_served", "failed") and n})
+        return out
 
     def subscribe(self, node: int = 0, from_seq: int | None = None) -> EventStream:
         """A stream of this tenant's shared-tier KV events on node `node` (an `events.EventStream`:

@@ -41,6 +41,7 @@ import torch
 from kvtier.errors import TierIOError, TierUnavailable, TransferError
 from kvtier.pool.client.api import PoolClient, Slot
 from kvtier.pool.client.connection import NodeUnavailable
+from kvtier.pool.client.hint_sender import HintSender
 from kvtier.pool.client.streamed import BlockFrame, StreamedRead, run_many
 from kvtier.pool.protocol import GrantStatus
 from kvtier.observing.stats import Stats
@@ -86,6 +87,7 @@ class PoolTier(SharedTier):
         # A streamed read may queue behind others on the fetch threads; each of its calls has the
         # client's timeout, so this only guards against a bug, never ends a slow read.
         self._fetch_timeout_s = 60 + 10 * client.timeout_s
+        self.hints = HintSender(client)  # RETAIN / RELEASE_HINT, sent off the caller's thread
 
     def register_host_memory(self, memory: torch.Tensor) -> None:
         """Host memory (the DRAM tier's slab) goes to the client: over RDMA, blocks then move
@@ -112,7 +114,15 @@ class PoolTier(SharedTier):
         return self._frame.stored_bytes if self.shared else self.slot_bytes
 
     def client_counters(self) -> dict[str, int]:
-        return self._client.counters
+        """The client's counters and, as `hint_*`, what became of the retention hints passed on."""
+        return {**self._client.counters, **{f"hint_{name}": n for name, n in self.hints.counts.items()}}
+
+    def hint(self, retain: list[bytes], retain_s: float, release: list[bytes]) -> None:
+        """Queued for the nodes (`HintSender`): RETAIN of `retain`, RELEASE_HINT of `release`. Where a
+        peer writes the shared blocks (`writes_shared` False) the peer, which applies the same hint
+        to the same keys, sends it: nothing is sent twice."""
+        if self.writes_shared:
+            self.hints.send(retain, retain_s, release)
 
     def announce(self, keys: list[bytes], hashes: list[int | bytes], *, block_size: int,
                  parents: list[int | bytes | None], tokens: list[Sequence[int]]) -> dict[str, int]:
@@ -328,6 +338,7 @@ class PoolTier(SharedTier):
             fetcher, self._fetcher = self._fetcher, None
         if fetcher is not None:  # each fetch ends within the client's timeouts
             fetcher.shutdown(wait=True)
+        self.hints.close(2 * self._client.timeout_s)  # what is queued goes first, within its calls' time
         try:
             self._client.free(held)
         finally:

@@ -213,6 +213,19 @@ class Recency:
         nxt[tail] = block
         self.tail = block
 
+    def move_to_front(self, block: int) -> None:
+        """Makes `block` (in this list) the least recent: the next one eviction meets."""
+        if block != self.head:
+            self.unlink(block)
+            head = self.head
+            self._prev[block], self._next[block] = -1, head
+            if head >= 0:
+                self._prev[head] = block
+            else:
+                self.tail = block
+            self.head = block
+            self.size += 1
+
     def __iter__(self) -> Iterator[int]:
         block, nxt = self.head, self._next
         while block >= 0:

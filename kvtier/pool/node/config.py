@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from kvtier.pool.node.events import EventLimits
-from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT
+from kvtier.pool.node.store import MAX_LEASES_PER_OWNER, MAX_LEASES_PER_TENANT, MAX_RETAIN_S, RETAIN_FRACTION
 from kvtier.pool.tenants import Tenant
 
 
@@ -34,5 +34,7 @@ class NodeConfig:
     max_leases_per_tenant: int = MAX_LEASES_PER_TENANT
     auth_free_failures: int = 5  # failed authentications a peer address may make before it is throttled
     auth_max_backoff_s: float = 60.0
+    max_retain_s: float = MAX_RETAIN_S  # the longest soft lease (RETAIN) a tenant may set
+    retain_fraction: float = RETAIN_FRACTION  # of each tenant's quota it may retain
     events: EventLimits = EventLimits()  # shared-tier KV events: subscribers, queues, replay ring
     node_id: str = field(default_factory=lambda: os.urandom(4).hex())

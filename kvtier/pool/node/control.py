@@ -56,9 +56,19 @@ def delete(store: BlockStore, s: Session, h: dict) -> dict:
     return {"deleted": store.delete(s.tenant, h["keys"])}
 
 
+def retain(store: BlockStore, s: Session, h: dict) -> dict:
+    out = store.retain(s.tenant, h["keys"], h["ttl_s"])
+    return {"retained": out.retained, "over_budget": out.over_budget, "missing": out.missing}
+
+
+def release_hint(store: BlockStore, s: Session, h: dict) -> dict:
+    return {"released": store.release_hint(s.tenant, h["keys"])}
+
+
 CONTROL: dict[MsgType, Callable[[BlockStore, Session, dict], dict]] = {
     MsgType.PUT_BEGIN: put_begin, MsgType.ALLOC: alloc, MsgType.PUT_COMMIT: commit, MsgType.PUT_ABORT: abort,
-    MsgType.RELEASE: release, MsgType.CONTAINS: contains, MsgType.DELETE: delete}
+    MsgType.RELEASE: release, MsgType.CONTAINS: contains, MsgType.DELETE: delete,
+    MsgType.RETAIN: retain, MsgType.RELEASE_HINT: release_hint}
 
 
 def _grant(g: Grant) -> list[int]:

@@ -65,7 +65,8 @@ class PoolNode:
                                 config.max_lease_s, id_base=int.from_bytes(os.urandom(5), "little") << 20,
                                 scrub=self._scrub, max_leases_per_owner=config.max_leases_per_connection,
                                 max_leases_per_tenant=config.max_leases_per_tenant,
-                                on_remove=self.events.on_remove)
+                                on_remove=self.events.on_remove, max_retain_s=config.max_retain_s,
+                                retain_fraction=config.retain_fraction)
         self.arena = Arena(self.store.capacity_bytes, config.hugepages)
         self.rdma = None
         if config.transport == "rdma":

@@ -29,11 +29,14 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from kvtier.pool.node.blocks import READY_CODE, WRITING_CODE, Access, AccessError, Block, BlockState, Grant, TenantState, cover
 from kvtier.pool.node.leases import Lease, LeaseTable
 from kvtier.pool.protocol import ErrorCode, GrantStatus
+from kvtier.pool.node.retention import RetainOutcome, Retention
 from kvtier.pool.node.slabs import TENANT_COUNTERS, Scrub, Slabs, no_memory
 
 _MISS = (False, 0, 0, 0, 0, 0, 0, False)  # a GET's row for a key not found (see `answer_get`)
 MAX_LEASES_PER_OWNER = 16384  # 4 full GET frames: a client's pipelined gets release theirs with the next
 MAX_LEASES_PER_TENANT = 131072  # ~5 MiB of bookkeeping at most per tenant (`leases.LeaseTable`)
+MAX_RETAIN_S = 3600.0  # the longest soft lease (RETAIN) by default, as the engine's `hints.max_retain_s`
+RETAIN_FRACTION = 0.5  # of a tenant's quota it may retain by default
 EXPIRE_BATCH = 1024  # leases one call ends at most: a flood's expiry is spread over many short holds of the lock
 
 
@@ -51,16 +54,22 @@ class BlockStore:
         scrub: zeroes node memory (`slabs.Scrub`); the default, for a store without memory, does nothing.
         max_leases_per_owner, max_leases_per_tenant: live leases one connection or tenant may hold.
         on_remove: called with the id of every block that leaves (see `Slabs`).
+        max_retain_s: the longest soft lease a RETAIN may set (`retention`).
+        retain_fraction: the share of its quota a tenant may retain, in [0, 1].
     Raises:
-        ValueError: as `Slabs`.
+        ValueError: as `Slabs`, or retain_fraction outside [0, 1].
     """
 
     def __init__(self, capacity_bytes: int, region_bytes: int, quotas: Mapping[str, int],
                  clock: Callable[[], float], max_lease_s: float = 60.0, id_base: int = 0, *,
                  scrub: Scrub = no_memory, max_leases_per_owner: int = MAX_LEASES_PER_OWNER,
                  max_leases_per_tenant: int = MAX_LEASES_PER_TENANT,
-                 on_remove: Callable[[int], None] | None = None) -> None:
-        self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base, on_remove)
+                 on_remove: Callable[[int], None] | None = None, max_retain_s: float = MAX_RETAIN_S,
+                 retain_fraction: float = RETAIN_FRACTION) -> None:
+        if not 0 <= retain_fraction <= 1:
+            raise ValueError(f"retain_fraction must be in [0, 1], got {retain_fraction}")
+        retention = Retention(clock, max_retain_s, {name: int(q * retain_fraction) for name, q in quotas.items()})
+        self._slabs = Slabs(capacity_bytes, region_bytes, quotas, scrub, id_base, on_remove, retention)
         self.region_bytes, self.regions = region_bytes, self._slabs.regions
         self._tenants, self._table = self._slabs.tenants, self._slabs.table
         self._num_inflight = 0
@@ -279,6 +288,16 @@ class BlockStore:
             found.append(hit)
         return found
 
+    def retain(self, tenant: str, keys: Sequence[bytes], ttl_s: float) -> RetainOutcome:
+        """RETAIN: a soft lease of `ttl_s` (capped) on the tenant's READY blocks under `keys`
+        (see `retention`); what it came to, counted in the tenant's stats."""
+        return self._slabs.retain(tenant, self.find(tenant, keys), ttl_s)
+
+    def release_hint(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """RELEASE_HINT: the tenant's READY blocks under `keys` lose their lease and become its
+        least recently used; returns how many."""
+        return self._slabs.release_hint(tenant, self.find(tenant, keys))
+
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Drops the tenant's blocks under `keys`; busy blocks are skipped (recency evicts them later)."""
         self.expire()
@@ -377,7 +396,7 @@ class BlockStore:
             "free_regions": len(self._slabs.free_regions), "num_blocks": sum(t.num_blocks for t in tenants),
             "active_leases": len(self._leases),
             "lease_heap_entries": self._leases.heap_entries, "lease_slots": self.lease_slots,
-            "accesses_in_flight": self._num_inflight, **self.counters}
+            "accesses_in_flight": self._num_inflight, "retained_blocks": self._num_retained(), **self.counters}
         if tenant is not None:
             out["tenant"] = self._tenant_facts(tenant)
         return out
@@ -387,7 +406,8 @@ class BlockStore:
         nothing of other tenants' activity (not even the node's free space, which they change)."""
         self.expire()
         own = self._tenant_facts(tenant)
-        return {**self.facts(), **{k: own[k] for k in ("used_bytes", "quota_bytes", "num_blocks", "active_leases")},
+        return {**self.facts(), **{k: own[k] for k in ("used_bytes", "quota_bytes", "num_blocks", "active_leases",
+                                                       "retained_blocks", "retained_bytes", "retain_quota_bytes")},
                 **self._tenants[tenant].counters, "tenant": own}
 
     def facts(self) -> dict[str, object]:
@@ -395,10 +415,16 @@ class BlockStore:
         return {"capacity_bytes": self.capacity_bytes, "region_bytes": self.region_bytes,
                 "num_regions": len(self.regions)}
 
+    def _num_retained(self) -> int:
+        """Blocks under a soft lease now, every tenant's."""
+        self._slabs.retention.lapse()
+        return len(self._slabs.retention)
+
     def _tenant_facts(self, tenant: str) -> dict[str, object]:
         t = self._tenants[tenant]
         return {"name": tenant, "used_bytes": t.used_bytes, "quota_bytes": t.quota_bytes,
-                "num_blocks": t.num_blocks, "active_leases": self._leases.count(t.code)}
+                "num_blocks": t.num_blocks, "active_leases": self._leases.count(t.code),
+                **self._slabs.retention.facts(tenant)}
 
     # ---- internals --------------------------------------------------------------------------
 
