@@ -10,6 +10,13 @@
  * manager takes only outside that set are left out. tests/simulate/test_native_engine.py checks
  * that both replays report the same numbers and leave the same LRU orders.
  *
+ * Retention hints (`hints`, kvtier/deciding/retention.py): after each request, what
+ * `TierManager.apply_hint` does (deadlines, budgets, doomed blocks queued per tier, pruning), and
+ * the victims `_bind_hinted_victims` chooses once hints are on: a queued doomed block first, and in
+ * the last tier a retained copy the LRU walk meets is set aside until its deadline lapses. The
+ * sessions' bookkeeping (`HintBook.use` / `close`) depends on the trace alone: the caller works it
+ * out (kvtier/simulate/native_replay.py, `hint_arrays`) and this applies its results per block.
+ *
  * The model, per the manager's index (kvtier/deciding/index.py), with two simplifications that decide
  * nothing:
  *   - blocks are the trace's hash ids interned to 0 .. num_blocks - 1 by the caller, so a block's
@@ -35,6 +42,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define MAX_TIERS 4
@@ -78,6 +86,40 @@ typedef struct {
     int8_t src, dst, kind;  /* kind: DEMOTE or PROMOTE */
 } Queued;
 
+/* One retention deadline (`HintBook._deadlines`' (deadline, seq, key)). */
+typedef struct {
+    double deadline;
+    int64_t seq;
+    int32_t block;
+} Deadline;
+
+/* A tier's doomed queue (`DoomedQueues`): a ring of block ids. */
+typedef struct {
+    int32_t *ids;
+    int64_t cap, head, len;
+} Ring;
+
+/* Retention hints: `HintBook` per block id, the doomed queues, and the trace's hints per request. */
+typedef struct {
+    int on;                 /* the trace has hints: `apply_hint` after every request */
+    double now;             /* `HintBook.now` */
+    /* per block */
+    int32_t *refs;          /* open sessions that list it (`_refs`) */
+    uint8_t *unhinted, *closed, *has_until;
+    double *until;          /* its deadline, where has_until */
+    int8_t *held;           /* the tier it is set aside in (`TierManager._held`), or -1 */
+    int64_t num_unhinted, num_closed, num_retained;
+    int64_t tenant_cap, total_cap, prune_keep;
+    Deadline *heap;
+    int64_t heap_len, heap_cap, num_pushed;
+    Ring doomed[MAX_TIERS];
+    int64_t over_budget, doomed_evicted;  /* `Stats.hints` counters the replay decides */
+    /* the trace's hints, private copies (see `read_hints`) */
+    double *now_s, *retain_s;  /* per request; retain_s 0: none */
+    int32_t *ids;
+    int64_t *offsets;       /* 3 per request + 1: unhinted, listed, ended blocks in `ids` */
+} Hints;
+
 typedef struct {
     int num_tiers;
     int inclusive;
@@ -98,6 +140,8 @@ typedef struct {
     int8_t *leased_tier, *source_tier;
     int32_t *placed_block;
     int8_t *placed_tier;
+    int64_t num_blocks;
+    Hints h;
 } Engine;
 
 /* The token and access sums. Every other counter counts steps the replay takes (a few per block
@@ -295,6 +339,271 @@ static void free_if_unread(Engine *e, int32_t b, int ti) {
         free_copy(e, b, ti);
 }
 
+/* ---- retention hints (kvtier/deciding/retention.py; `TierManager.apply_hint` and its victims) ---- */
+
+/* `HintBook.doomed`: every session that listed `b` closed, and no request without one used it. */
+static inline int is_doomed(const Hints *h, int32_t b) { return h->closed[b] && h->refs[b] == 0 && !h->unhinted[b]; }
+
+/* `HintBook.retained`. */
+static inline int is_retained(const Hints *h, int32_t b) { return h->has_until[b] && h->until[b] > h->now; }
+
+/* `DoomedQueues.push`: `b` at the back of `q`, which grows as needed. */
+static void ring_push(Engine *e, Ring *q, int32_t b) {
+    if (q->len == q->cap) {
+        int64_t cap = q->cap ? 2 * q->cap : 64;
+        int32_t *ids = PyMem_Malloc((size_t)cap * sizeof(int32_t));
+        if (ids == NULL) {
+            e->broken = "out of memory for a doomed queue";  /* RuntimeError, after the request */
+            return;
+        }
+        for (int64_t i = 0; i < q->len; i++)
+            ids[i] = q->ids[(q->head + i) % q->cap];
+        PyMem_Free(q->ids);
+        q->ids = ids;
+        q->cap = cap;
+        q->head = 0;
+    }
+    q->ids[(q->head + q->len) % q->cap] = b;
+    q->len++;
+}
+
+static int32_t ring_pop(Ring *q) {
+    int32_t b = q->ids[q->head];
+    q->head = (q->head + 1) % q->cap;
+    q->len--;
+    return b;
+}
+
+/* Whether (deadline, seq) of `a` comes before that of `b`: the heap's order, as Python's tuples. */
+static inline int earlier(const Deadline *a, const Deadline *b) {
+    return a->deadline < b->deadline || (a->deadline == b->deadline && a->seq < b->seq);
+}
+
+/* `heapq.heappush(HintBook._deadlines, (deadline, seq, key))`. */
+static void heap_push(Engine *e, double deadline, int32_t b) {
+    Hints *h = &e->h;
+    if (h->heap_len == h->heap_cap) {
+        int64_t cap = h->heap_cap ? 2 * h->heap_cap : 1024;
+        Deadline *heap = PyMem_Realloc(h->heap, (size_t)cap * sizeof(Deadline));
+        if (heap == NULL) {
+            e->broken = "out of memory for the retention deadlines";
+            return;
+        }
+        h->heap = heap;
+        h->heap_cap = cap;
+    }
+    Deadline item = {deadline, ++h->num_pushed, b};
+    int64_t i = h->heap_len++;
+    while (i > 0 && earlier(&item, &h->heap[(i - 1) / 2])) {
+        h->heap[i] = h->heap[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h->heap[i] = item;
+}
+
+/* `heapq.heappop`: the earliest entry (the heap is not empty). */
+static Deadline heap_pop(Hints *h) {
+    Deadline top = h->heap[0], last = h->heap[--h->heap_len];
+    int64_t i = 0, n = h->heap_len;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n)
+            break;
+        if (c + 1 < n && earlier(&h->heap[c + 1], &h->heap[c]))
+            c++;
+        if (!earlier(&h->heap[c], &last))
+            break;
+        h->heap[i] = h->heap[c];
+        i = c;
+    }
+    if (n > 0)
+        h->heap[i] = last;
+    return top;
+}
+
+/* `TierManager._release_held`: a block set aside in `ti` goes back into its LRU order, as a
+ * newcomer, where its copy there is still READY and out of the order. */
+static void release_held(Engine *e, int32_t b) {
+    int ti = e->h.held[b];
+    e->h.held[b] = -1;
+    Tier *t = &e->tier[ti];
+    if (t->state[b] == READY && !lru_tracked(t, b))
+        lru_insert(e, t, b);
+}
+
+/* `HintBook.release`: `b`'s retention ends now, if any. */
+static void release(Hints *h, int32_t b) {
+    if (h->has_until[b]) {
+        h->has_until[b] = 0;
+        h->num_retained--;
+    }
+}
+
+/* `HintBook.advance`, then `_release_held` for each lapsed block that was set aside. */
+static void advance(Engine *e, double now) {
+    Hints *h = &e->h;
+    if (now > h->now)
+        h->now = now;
+    while (h->heap_len > 0 && h->heap[0].deadline <= h->now) {
+        Deadline d = heap_pop(h);
+        if (h->has_until[d.block] && h->until[d.block] == d.deadline) {
+            release(h, d.block);
+            if (h->held[d.block] >= 0)
+                release_held(e, d.block);
+        }
+    }
+}
+
+/* `HintBook.retain` over the request's blocks in the index, for the one tenant ("") a replay has. */
+static void retain(Engine *e, const int32_t *keys, int64_t len, double retain_s) {
+    Hints *h = &e->h;
+    double deadline = h->now + retain_s;
+    for (int64_t i = 0; i < len; i++) {
+        int32_t b = keys[i];
+        if (e->num_copies[b] == 0)
+            continue;  /* not in the index: a budget is not spent on misses */
+        if (!h->has_until[b]) {
+            if (h->num_retained >= h->tenant_cap || h->num_retained >= h->total_cap) {
+                h->over_budget++;
+                continue;
+            }
+            h->has_until[b] = 1;
+            h->num_retained++;
+        } else if (h->until[b] >= deadline) {
+            continue;
+        }
+        h->until[b] = deadline;
+        heap_push(e, deadline, b);
+    }
+}
+
+/* `TierManager._doom`: queues doomed `b` in every tier holding a copy of it. */
+static void doom(Engine *e, int32_t b) {
+    if (e->num_copies[b] == 0)
+        return;
+    for (int i = 0; i < e->num_tiers; i++) {
+        if (e->tier[i].state[b] != FREE)
+            ring_push(e, &e->h.doomed[i], b);
+    }
+}
+
+/* `HintBook.prune(indexed, keep)`: forgets unhinted and closed marks of blocks with no copy. */
+static void prune(Engine *e) {
+    Hints *h = &e->h;
+    int64_t n = e->num_blocks;
+    if (h->num_unhinted > h->prune_keep) {
+        for (int64_t b = 0; b < n; b++) {
+            if (h->unhinted[b] && e->num_copies[b] == 0) {
+                h->unhinted[b] = 0;
+                h->num_unhinted--;
+            }
+        }
+    }
+    if (h->num_closed > h->prune_keep) {
+        for (int64_t b = 0; b < n; b++) {
+            if (h->closed[b] && e->num_copies[b] == 0) {
+                h->closed[b] = 0;
+                h->num_closed--;
+            }
+        }
+    }
+}
+
+/* `TierManager.apply_hint` for request `r`, after its store. The sessions' bookkeeping depends on
+ * the trace alone, so the caller worked it out (`native_replay.hint_arrays`): per request, the
+ * blocks used without a session, the blocks its session lists for the first time, and, where it
+ * closed its session, every block that session listed, in the order `HintBook.close` visits them. */
+static void apply_hint(Engine *e, Py_ssize_t r, const int32_t *keys, int64_t len) {
+    Hints *h = &e->h;
+    const int64_t *at = h->offsets + 3 * r;
+    advance(e, h->now_s[r]);
+    for (int64_t i = at[0]; i < at[1]; i++) {  /* `HintBook.use`: unhinted use */
+        int32_t b = h->ids[i];
+        if (!h->unhinted[b]) {
+            h->unhinted[b] = 1;
+            h->num_unhinted++;
+        }
+    }
+    for (int64_t i = at[1]; i < at[2]; i++)  /* `HintBook.use`: listed by an open session */
+        h->refs[h->ids[i]]++;
+    if (h->retain_s[r] > 0)
+        retain(e, keys, len, h->retain_s[r]);
+    for (int64_t i = at[2]; i < at[3]; i++) {  /* `HintBook.close`, then what `apply_hint` does per doomed key */
+        int32_t b = h->ids[i];
+        if (h->refs[b] <= 0) {
+            e->broken = "a closed session listed a block no open session holds";
+            return;
+        }
+        if (--h->refs[b] || h->unhinted[b])
+            continue;
+        if (!h->closed[b]) {
+            h->closed[b] = 1;
+            h->num_closed++;
+        }
+        release(h, b);
+        if (h->held[b] >= 0)
+            release_held(e, b);
+        doom(e, b);
+    }
+    prune(e);
+}
+
+/* `DoomedQueues.pop` through `TierManager._doomed_victim`: the first queued doomed block of `ti`
+ * that is not protected (nor retained, in the last tier), taken out of its LRU order and queued in
+ * the tiers below; or -1. One pass: entries passed over leave, but for copies still being written. */
+static int32_t doomed_victim(Engine *e, int ti) {
+    Hints *h = &e->h;
+    Tier *t = &e->tier[ti];
+    Ring *q = &h->doomed[ti];
+    int last = ti == e->num_tiers - 1;
+    for (int64_t n = q->len; n > 0; n--) {
+        int32_t b = ring_pop(q);
+        if (!is_doomed(h, b))
+            continue;
+        if (t->state[b] != FREE && !is_protected(t, b) && !(last && is_retained(h, b))) {
+            if (lru_tracked(t, b))
+                lru_unlink(t, b);
+            for (int lo = ti + 1; lo < e->num_tiers; lo++)
+                ring_push(e, &h->doomed[lo], b);
+            h->doomed_evicted++;
+            return b;
+        }
+        if (t->state[b] == WRITING)
+            ring_push(e, q, b);
+    }
+    return -1;
+}
+
+/* `TierManager._victim[ti]()`: without hints, the LRU's oldest unprotected copy; with them
+ * (`_bind_hinted_victims`), a doomed block first, and in the last tier every retained copy the
+ * LRU walk meets is set aside (out of the order, kept) until its deadline lapses. */
+static int32_t victim_one(Engine *e, int ti) {
+    Tier *t = &e->tier[ti];
+    Hints *h = &e->h;
+    if (!h->on)
+        return lru_evict_one(t);
+    if (h->doomed[ti].len > 0) {
+        int32_t b = doomed_victim(e, ti);
+        if (b >= 0)
+            return b;
+    }
+    if (ti != e->num_tiers - 1)
+        return lru_evict_one(t);
+    for (int32_t b = t->head, next; b != END; b = next) {
+        next = t->next[b];
+        if (is_protected(t, b))
+            continue;
+        lru_unlink(t, b);
+        if (!is_retained(h, b))
+            return b;
+        h->held[b] = (int8_t)ti;  /* `_set_aside` */
+    }
+    return -1;
+}
+
+/* Whether `_victims[ti](n)` may answer: with hints, not while doomed blocks are queued in `ti`. */
+static inline int batch_victims(const Engine *e, int ti) { return !e->h.on || e->h.doomed[ti].len == 0; }
+
 /* ---- decisions ------------------------------------------------------------------------------- */
 
 static void enqueue(Engine *e, int32_t b, int src, int dst, int kind) {
@@ -338,7 +647,7 @@ static void evict(Engine *e, int32_t b, int ti) {
             continue;
         }
         if (l->num_free == 0) {
-            int32_t victim = lru_evict_one(l);
+            int32_t victim = victim_one(e, lo);
             if (victim >= 0)
                 evict(e, victim, lo);
         }
@@ -362,7 +671,7 @@ static int take_slot(Engine *e, int ti, int demoted, int64_t hits) {
     if (!admits(t, demoted, hits))
         return 0;
     if (t->num_free == 0) {
-        int32_t victim = lru_evict_one(t);
+        int32_t victim = victim_one(e, ti);
         if (victim >= 0)
             evict(e, victim, ti);
     }
@@ -384,10 +693,10 @@ static void rebalance(Engine *e) {
             continue;
         while (used > t->low_slots) {
             int64_t want = used - t->low_slots, got = 0;
-            if (want > 1 && lru_evict_n(t, want))
+            if (want > 1 && batch_victims(e, ti) && lru_evict_n(t, want))
                 got = want;
             if (got == 0) {
-                int32_t one = lru_evict_one(t);
+                int32_t one = victim_one(e, ti);
                 if (one < 0) {
                     over_high |= used > t->high_slots;
                     break;
@@ -795,6 +1104,84 @@ static int write_ttfts(PyObject *ttft_obj, PyObject *ttft_no_cache_obj, const Tr
     return 0;
 }
 
+/* ---- the trace's hints ----------------------------------------------------------------------- */
+
+/* A private copy of array `obj` (checked as `get_array` checks it) of `count` items, or count < 0:
+ * any number, set into *count. 0 or -1 (raised). */
+static int copy_hint_array(PyObject *obj, const char *name, Py_ssize_t itemsize, const char *formats, void **copy,
+                           Py_ssize_t *count) {
+    Py_buffer view;
+    if (get_array(obj, &view, name, itemsize, formats, 0) < 0)
+        return -1;
+    Py_ssize_t n = view.len / itemsize;
+    if (*count >= 0 && n != *count) {
+        PyErr_Format(PyExc_ValueError, "replay_lru: hints: %s must have %zd items, got %zd", name, *count, n);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    *count = n;
+    *copy = PyMem_Malloc(view.len > 0 ? (size_t)view.len : 1);
+    if (*copy == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory(), -1;
+    }
+    if (view.len > 0)
+        memcpy(*copy, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* Reads `hints` (see `replay_lru`'s docstring) into `h`, checked against the trace: copies, so that
+ * `on_progress` cannot change what the replay reads. 0 or -1 (raised). */
+static int read_hints(PyObject *hints, Py_ssize_t num_requests, long long num_blocks, Hints *h) {
+    PyObject *now_obj, *retain_obj, *ids_obj, *offsets_obj;
+    long long tenant_cap, total_cap, prune_keep;
+    if (!PyTuple_Check(hints) || PyTuple_GET_SIZE(hints) != 7) {
+        PyErr_SetString(PyExc_TypeError, "replay_lru: hints must be None or a tuple (now_s, retain_s, ids, offsets, "
+                        "tenant_cap, total_cap, prune_keep)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(hints, "OOOOLLL", &now_obj, &retain_obj, &ids_obj, &offsets_obj, &tenant_cap, &total_cap,
+                          &prune_keep))
+        return -1;
+    Py_ssize_t n = num_requests, num_offsets = 3 * num_requests + 1, num_ids = -1;
+    if (copy_hint_array(now_obj, "now_s", 8, "d", (void **)&h->now_s, &n) < 0
+        || copy_hint_array(retain_obj, "retain_s", 8, "d", (void **)&h->retain_s, &n) < 0
+        || copy_hint_array(ids_obj, "ids", 4, "il", (void **)&h->ids, &num_ids) < 0
+        || copy_hint_array(offsets_obj, "offsets", 8, "lq", (void **)&h->offsets, &num_offsets) < 0)
+        return -1;
+    for (Py_ssize_t r = 0; r < num_requests; r++) {
+        if (!isfinite(h->now_s[r]) || !isfinite(h->retain_s[r]) || h->retain_s[r] < 0) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: hints: request %zd: now_s must be finite and retain_s finite "
+                         "and >= 0 (0: none)", r);
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < num_offsets; i++) {
+        if (h->offsets[i] < (i ? h->offsets[i - 1] : 0) || h->offsets[i] > num_ids
+            || (i == 0 && h->offsets[0] != 0)) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: hints: offsets must rise from 0 to at most the %zd ids, "
+                         "offsets[%zd] = %lld does not", num_ids, i, (long long)h->offsets[i]);
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < num_ids; i++) {
+        if (h->ids[i] < 0 || h->ids[i] >= num_blocks) {
+            PyErr_Format(PyExc_ValueError, "replay_lru: hints: ids[%zd] = %d is not a block id", i, (int)h->ids[i]);
+            return -1;
+        }
+    }
+    if (tenant_cap < 0 || total_cap < 0 || prune_keep < 0) {
+        PyErr_SetString(PyExc_ValueError, "replay_lru: hints: tenant_cap, total_cap and prune_keep must be >= 0");
+        return -1;
+    }
+    h->tenant_cap = tenant_cap;
+    h->total_cap = total_cap;
+    h->prune_keep = prune_keep;
+    h->on = 1;
+    return 0;
+}
+
 /* ---- the engine's memory --------------------------------------------------------------------- */
 
 static void engine_free(Engine *e) {
@@ -816,6 +1203,20 @@ static void engine_free(Engine *e) {
     PyMem_Free(e->source_tier);
     PyMem_Free(e->placed_block);
     PyMem_Free(e->placed_tier);
+    Hints *h = &e->h;
+    PyMem_Free(h->refs);
+    PyMem_Free(h->unhinted);
+    PyMem_Free(h->closed);
+    PyMem_Free(h->has_until);
+    PyMem_Free(h->until);
+    PyMem_Free(h->held);
+    PyMem_Free(h->heap);
+    for (int i = 0; i < MAX_TIERS; i++)
+        PyMem_Free(h->doomed[i].ids);
+    PyMem_Free(h->now_s);
+    PyMem_Free(h->retain_s);
+    PyMem_Free(h->ids);
+    PyMem_Free(h->offsets);
 }
 
 /* Allocates the per-block and scratch arrays of `e` (tiers parsed); 0 or -1 (MemoryError). */
@@ -851,6 +1252,20 @@ static int engine_alloc(Engine *e, int64_t num_blocks, int64_t max_len) {
         return PyErr_NoMemory(), -1;
     memset(e->ready, NO_TIER, n);
     memset(e->inbound, -1, n);
+    e->num_blocks = num_blocks;
+    Hints *h = &e->h;
+    if (!h->on)
+        return 0;
+    h->now = -INFINITY;
+    h->refs = PyMem_Calloc(n, sizeof(int32_t));
+    h->unhinted = PyMem_Calloc(n, 1);
+    h->closed = PyMem_Calloc(n, 1);
+    h->has_until = PyMem_Calloc(n, 1);
+    h->until = PyMem_Malloc(n * sizeof(double));
+    h->held = PyMem_Malloc(n);
+    if (!h->refs || !h->unhinted || !h->closed || !h->has_until || !h->until || !h->held)
+        return PyErr_NoMemory(), -1;
+    memset(h->held, -1, n);
     return 0;
 }
 
@@ -946,6 +1361,13 @@ static PyObject *results(const Engine *e, const Totals *totals, int with_orders)
             Py_CLEAR(out);
         Py_XDECREF(orders);
     }
+    if (out != NULL && e->h.on) {
+        PyObject *hints = Py_BuildValue("{s:L,s:L,s:L}", "over_budget", (long long)e->h.over_budget, "doomed_evicted",
+                                        (long long)e->h.doomed_evicted, "num_retained", (long long)e->h.num_retained);
+        if (hints == NULL || PyDict_SetItemString(out, "hints", hints) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(hints);
+    }
     return out;
 }
 
@@ -973,6 +1395,8 @@ static int serve(Engine *e, Trace *t, Py_ssize_t r, int64_t block_tokens, double
     }
     if (n < len)
         store(e, keys + n, len - n);
+    if (e->h.on && e->broken == NULL)
+        apply_hint(e, r, keys, len);
     if (e->broken != NULL) {
         PyErr_Format(PyExc_RuntimeError, "replay_lru: request %zd: %s (a bug in kvtier._replay)", r, e->broken);
         return -1;
@@ -1007,7 +1431,7 @@ static int run(Engine *e, Trace *t, int64_t block_tokens, double seconds_per_tok
 PyDoc_STRVAR(replay_lru_doc,
 "replay_lru(ids, starts, lengths, input_tokens, num_blocks, tiers, inclusive, promote_to, block_tokens,\n"
 "           seconds_per_token, ttft_s, ttft_no_cache_s, on_progress=None, progress_every=256,\n"
-"           lru_orders=False) -> dict\n"
+"           lru_orders=False, hints=None) -> dict\n"
 "\n"
 "Replays a trace through LRU tiers exactly as kvtier's TierManager decides (see the module source).\n"
 "\n"
@@ -1028,10 +1452,18 @@ PyDoc_STRVAR(replay_lru_doc,
 "    on_progress: called with progress_every after every progress_every requests; the replay\n"
 "        reads copies of the arrays taken when it began, whatever on_progress does to them.\n"
 "    lru_orders: also return each tier's final LRU order (block ids, oldest first).\n"
+"    hints: None, or retention hints applied after every request as TierManager.apply_hint does:\n"
+"        (now_s, retain_s, ids, offsets, tenant_cap, total_cap, prune_keep). now_s, retain_s:\n"
+"        float64 per request (retain_s 0: none); ids: int32 block ids; offsets: int64, 3 per\n"
+"        request + 1, rising from 0: request r's blocks used without a session are\n"
+"        ids[offsets[3r]:offsets[3r+1]], those its session lists for the first time the next\n"
+"        segment, and those of the session it closes (in HintBook.close's order) the third;\n"
+"        tenant_cap, total_cap: the retention budgets in blocks; prune_keep: HintBook.prune's keep.\n"
 "Returns:\n"
 "    A dict of lists per tier (hits, stores, evictions, engine_reads, used_slots), per route\n"
 "    (demotions, promotions: [src][dst]), dropped (evicted, admission, lower_full, no_space), and\n"
-"    num_accesses, cached_tokens, input_tokens (exact, however far past 2**63).\n"
+"    num_accesses, cached_tokens, input_tokens (exact, however far past 2**63); with hints, also\n"
+"    hints: {over_budget, doomed_evicted, num_retained}.\n"
 "Raises:\n"
 "    TypeError, ValueError: an argument is malformed (the message names it), an output shares\n"
 "        memory with another array, or an output changed size during the replay.\n"
@@ -1040,16 +1472,16 @@ PyDoc_STRVAR(replay_lru_doc,
 static PyObject *replay_lru(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"ids", "starts", "lengths", "input_tokens", "num_blocks", "tiers", "inclusive",
                              "promote_to", "block_tokens", "seconds_per_token", "ttft_s", "ttft_no_cache_s",
-                             "on_progress", "progress_every", "lru_orders", NULL};
+                             "on_progress", "progress_every", "lru_orders", "hints", NULL};
     PyObject *ids_obj, *starts_obj, *lengths_obj, *inputs_obj, *tiers, *ttft_obj, *ttft_nc_obj;
-    PyObject *on_progress = Py_None;
+    PyObject *on_progress = Py_None, *hints = Py_None;
     long long num_blocks, block_tokens, progress_every = 256;
     int inclusive, promote_to, with_orders = 0;
     double seconds_per_token;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOpiLdOO|OLp:replay_lru", kwlist, &ids_obj, &starts_obj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOLOpiLdOO|OLpO:replay_lru", kwlist, &ids_obj, &starts_obj,
                                      &lengths_obj, &inputs_obj, &num_blocks, &tiers, &inclusive, &promote_to,
                                      &block_tokens, &seconds_per_token, &ttft_obj, &ttft_nc_obj, &on_progress,
-                                     &progress_every, &with_orders))
+                                     &progress_every, &with_orders, &hints))
         return NULL;
     if (num_blocks < 0 || num_blocks > INT32_MAX - 1) {
         PyErr_Format(PyExc_ValueError, "replay_lru: num_blocks must be in [0, 2**31 - 2], got %lld", num_blocks);
@@ -1089,6 +1521,7 @@ static PyObject *replay_lru(PyObject *self, PyObject *args, PyObject *kwargs) {
     int64_t max_len;
     PyObject *out = NULL;
     if (read_trace(objs, &trace) == 0 && check_trace(&trace, num_blocks, &max_len) == 0
+        && (hints == Py_None || read_hints(hints, trace.num_requests, num_blocks, &e.h) == 0)
         && engine_alloc(&e, num_blocks, max_len) == 0
         && run(&e, &trace, block_tokens, seconds_per_token, on_progress, progress_every, &totals) == 0
         && write_ttfts(ttft_obj, ttft_nc_obj, &trace) == 0)

@@ -23,7 +23,7 @@ from kvtier.cli.simulate_tables import print_report
 from kvtier.config import CacheMode
 from kvtier.errors import ConfigError
 from kvtier.simulate.replay import (DEFAULT_BANDWIDTH_GBPS, DEFAULT_MODEL, DEFAULT_PREFILL_TOKENS_PER_S, SimConfig,
-                                    SimPolicy, VirtualTier, parse_capacity, simulate)
+                                    SimPolicy, VirtualTier, native_declines, parse_capacity, simulate)
 from kvtier.simulate.hints import compare_hints, derive_hints, parse_hints
 from kvtier.simulate.report import admission_notes
 from kvtier.simulate.servers import Route, check_num_servers, compare, planned_replays, plot_servers
@@ -159,8 +159,10 @@ def _run_hints(args: argparse.Namespace, trace: Trace, geometry: Any, block_byte
         raise ConfigError("hints: --hints needs --capacity and cannot be combined with --sweep")
     spec = parse_hints(args.hints)
     hinted = derive_hints(trace, spec)
-    print("kvtier simulate: --hints: the native engine (kvtier/_replay.c) does not replay hints; "
-          "the hinted runs use the manager", file=sys.stderr)
+    for config in configs:
+        declined = native_declines(config)
+        if declined is not None:
+            print(f"kvtier simulate: --hints: {declined}; the {config.label} runs use the manager", file=sys.stderr)
     with _progress(not args.no_progress) as bars:
         for config in configs:
             bars.add(config.label, 2 * len(trace.requests))

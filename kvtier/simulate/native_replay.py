@@ -7,6 +7,8 @@ turns a trace into the arrays the C entry point takes and calls it:
   * `intern_requests`: every request's hash ids, interned to dense block ids 0 .. num_blocks - 1
     (equal ids, equal block), back to back in one int32 array, with per-request offsets, lengths
     (the partial tail left out under `full_blocks_only`) and input tokens;
+  * `hint_arrays`: for a trace with retention hints, what `TierManager.apply_hint` would do with each
+    request's hint that depends on the trace alone (the sessions' bookkeeping), as flat arrays;
   * `run_native`: one replay over `NativeTier`s, returning the C engine's counters per tier index.
 
 Nothing here decides anything: the decisions are the C port's, of `TierManager.store_now` and
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier._replay import replay_lru
+from kvtier.deciding.retention import HintError, HintLimits, check_hint
 from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 
@@ -139,12 +142,109 @@ def _arrays(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, requests: 
 
 
 @dataclass(frozen=True, slots=True)
+class HintArrays:
+    """A trace's retention hints as the C engine applies them (`replay_lru`'s `hints`).
+
+    `HintBook.use` and `HintBook.close` (kvtier/deciding/retention.py) depend on the requests alone
+    (which sessions list which keys, which close, and the session bounds), not on what the tiers
+    hold, so they are worked out here, once, in the book's own order; the engine applies the rest
+    (unhinted marks, refs, doomed blocks, deadlines, budgets, pruning), which does depend on them.
+
+    Attributes:
+        now_s: float64, per request: the manager's clock for its hint (`timestamp_ms / 1000`).
+        retain_s: float64, per request: its `retain_s`, 0 for none.
+        ids: int32 block ids, per request three runs back to back: the blocks it used without a
+            session (`use` with none, a session refused, or past `max_session_blocks`), the blocks
+            its session lists for the first time, and, where it closes an open session, every
+            block that session listed, in the order `HintBook.close` visits them.
+        offsets: int64, 3 per request + 1: where those runs start in `ids`.
+        counts: the hint counters settled here ("applied", "closed", "refused:too_many_sessions",
+            "session_blocks_over"), nonzero ones only.
+    """
+
+    now_s: np.ndarray
+    retain_s: np.ndarray
+    ids: np.ndarray
+    offsets: np.ndarray
+    counts: dict[str, int]
+
+
+def hint_arrays(requests: Sequence, arrays: TraceArrays, limits: HintLimits) -> HintArrays:
+    """The hints of `requests` (interned as `arrays`), as the C engine takes them.
+
+    Mirrors `HintBook.use` and `HintBook.close` step by step over the requests' own keys, so that
+    a closed session's keys come out in the order of the book's set of them (a set's order
+    follows its keys' hashes and insertion order, both the same here).
+
+    Raises:
+        NotNative: a request's hint is one `TierManager.apply_hint` refuses (the manager replays
+            the trace, and refuses it as the runtime does).
+    """
+    sessions: dict[str, set] = {}
+    dense: dict = {}  # key -> its block id
+    counts: dict[str, int] = {"applied": len(requests)}
+    out: list[int] = []
+    offsets = [0]
+    ids, starts, lengths = arrays.ids, arrays.starts, arrays.lengths
+    for i, r in enumerate(requests):
+        try:
+            check_hint(r.session, r.retain_s, r.closed, limits)
+        except HintError as e:
+            raise NotNative(f"request {i}: {e}") from None
+        length = int(lengths[i])
+        keys, blocks = r.hash_ids[:length], ids[starts[i]:starts[i] + length].tolist()
+        dense.update(zip(keys, blocks))
+        unhinted, listed = _use(sessions, r.session, keys, limits, counts)
+        out.extend(dense[k] for k in unhinted)
+        offsets.append(len(out))
+        out.extend(dense[k] for k in listed)
+        offsets.append(len(out))
+        ended = sessions.pop(r.session, None) if r.closed else None
+        if ended is not None:
+            counts["closed"] = counts.get("closed", 0) + 1
+            out.extend(dense[k] for k in ended)
+        offsets.append(len(out))
+    now_s = np.fromiter((r.timestamp_ms / 1000 for r in requests), dtype=np.float64, count=len(requests))
+    if not np.isfinite(now_s).all():
+        raise NotNative("a request's timestamp is not a finite number of seconds")
+    retain_s = np.fromiter((r.retain_s or 0.0 for r in requests), dtype=np.float64, count=len(requests))
+    return HintArrays(now_s, retain_s, np.array(out, dtype=np.int32), np.array(offsets, dtype=np.int64),
+                      {name: n for name, n in counts.items() if n})
+
+
+def _use(sessions: dict[str, set], session: str | None, keys: Sequence, limits: HintLimits,
+         counts: dict[str, int]) -> tuple[Sequence, list]:
+    """`HintBook.use` of `keys` in `session`: returns the keys used without a session and those
+    the session lists for the first time, counting what the book counts."""
+    if session is None:
+        return keys, []
+    listed = sessions.get(session)
+    if listed is None:
+        if len(sessions) >= limits.max_sessions:
+            counts["refused:too_many_sessions"] = counts.get("refused:too_many_sessions", 0) + 1
+            return keys, []
+        listed = sessions[session] = set()
+    unhinted, fresh = [], []
+    for key in keys:
+        if key in listed:
+            continue
+        if len(listed) >= limits.max_session_blocks:
+            counts["session_blocks_over"] = counts.get("session_blocks_over", 0) + 1
+            unhinted.append(key)
+            continue
+        listed.add(key)
+        fresh.append(key)
+    return unhinted, fresh
+
+
+@dataclass(frozen=True, slots=True)
 class NativeResult:
     """One native replay's counters, by tier index (fastest first), as `replay_lru` returns them.
 
     Attributes:
         counts: `replay_lru`'s dict (hits, stores, evictions, engine_reads, used_slots per tier;
-            demotions, promotions per [src][dst]; dropped; num_accesses, cached_tokens, input_tokens).
+            demotions, promotions per [src][dst]; dropped; num_accesses, cached_tokens, input_tokens;
+            with hints, hints: over_budget, doomed_evicted, num_retained).
         ttft_s, ttft_no_cache_s: per request, the TTFT model's estimate with and without the cache.
         lru_orders: per tier, the hash ids of its LRU order, oldest first (only when asked for).
     """
@@ -157,7 +257,8 @@ class NativeResult:
 
 def run_native(arrays: TraceArrays, tiers: Sequence[NativeTier], *, inclusive: bool, promote_to: int | None,
                block_tokens: int, seconds_per_token: float, on_progress: Callable[[int], None] | None,
-               progress_every: int, lru_orders: bool = False) -> NativeResult:
+               progress_every: int, lru_orders: bool = False, hints: HintArrays | None = None,
+               hint_budgets: tuple[int, int, int] | None = None) -> NativeResult:
     """Replays `arrays` through LRU `tiers` (fastest first) in C.
 
     Args:
@@ -170,19 +271,27 @@ def run_native(arrays: TraceArrays, tiers: Sequence[NativeTier], *, inclusive: b
         on_progress: called with `progress_every` after every `progress_every` requests.
         progress_every: see `on_progress`.
         lru_orders: also return each tier's final LRU order (for tests).
+        hints: the trace's hints (`hint_arrays`), applied after every request; None: no hints.
+        hint_budgets: with `hints`, (tenant_cap, total_cap, prune_keep) in blocks: the last tier's
+            retention budgets and `HintBook.prune`'s keep, as the manager derives them.
     Returns:
         The counters and per-request TTFTs.
     Raises:
-        TypeError, ValueError: malformed arrays or tiers (the message names the argument).
+        TypeError, ValueError: malformed arrays or tiers (the message names the argument), or
+            `hints` without `hint_budgets`.
         RuntimeError: the engine found one of its invariants broken (a bug).
         Exception: whatever `on_progress` raises.
     """
+    if hints is not None and hint_budgets is None:
+        raise ValueError("run_native: hints need hint_budgets (tenant_cap, total_cap, prune_keep)")
     num_requests = len(arrays.starts)
     ttft_s, ttft_no_cache_s = np.empty(num_requests), np.empty(num_requests)
     counts = replay_lru(arrays.ids, arrays.starts, arrays.lengths, arrays.input_tokens, arrays.num_blocks,
                         tuple(t.as_tuple() for t in tiers), inclusive, -1 if promote_to is None else promote_to,
                         block_tokens, seconds_per_token, ttft_s, ttft_no_cache_s, on_progress=on_progress,
-                        progress_every=progress_every, lru_orders=lru_orders)
+                        progress_every=progress_every, lru_orders=lru_orders,
+                        hints=None if hints is None else (hints.now_s, hints.retain_s, hints.ids, hints.offsets,
+                                                          *hint_budgets))
     orders = counts.pop("lru_orders", None)
     if orders is not None:
         keys = arrays.keys

@@ -37,7 +37,11 @@ Retention hints. A trace whose requests carry hints (`session`, `closed`, `retai
 kvtier/simulate/trace.py, or derived by kvtier/simulate/hints.py) is replayed with one more verb per
 request, after `order_chain`: `apply_hint(keys, now=timestamp, ...)` (kvtier/deciding/retention.py),
 the trace's time being the manager's clock; a request without a hint in such a trace counts as
-unhinted use. The native engine does not replay hints: "auto" falls back to the manager, saying so.
+unhinted use. Both engines replay hints, with the manager's default bounds (`SIM_HINT_LIMITS`): the
+native engine ports the victims `_bind_hinted_victims` chooses (doomed first, retained blocks set
+aside in the last tier) and the book's deadlines, budgets and pruning; the sessions' bookkeeping,
+which depends on the trace alone, is worked out before the replay (`native_replay.hint_arrays`).
+tests/simulate/test_native_engine.py requires equal counts, hint counters included, on hinted traces.
 
 Accounting (what `block_hit_rate` means). Every hash id of a request is one block access, the
 partial tail block included: its id names the tail's tokens as exactly as a full block's id does, so
@@ -75,10 +79,12 @@ from dataclasses import dataclass
 from kvtier.config import CacheMode, parse_size
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.deciding.manager import TierManager, TierSlots
+from kvtier.deciding.retention import HintLimits
 from kvtier.policy import EvictionPolicy, PolicyKind, make_policy
 from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.simulate.belady import BeladyPolicy, FutureAccesses
-from kvtier.simulate.native_replay import MAX_BLOCKS, NativeTier, NotNative, intern_requests, run_native
+from kvtier.simulate.native_replay import (MAX_BLOCKS, HintArrays, NativeTier, NotNative, hint_arrays,
+                                           intern_requests, run_native)
 from kvtier.simulate.report import ADMISSION_MIN_HITS, ADMISSION_TIERS, ReplayCounts, make_report
 from kvtier.simulate.trace import Trace
 from kvtier.observing.stats import DropReason
@@ -98,6 +104,11 @@ DEFAULT_BANDWIDTH_GBPS: dict[TierKind, float] = {
 # With admission on, ADMISSION_TIERS (defined in report.py, whose notes describe them) admit only
 # blocks hit at least ADMISSION_MIN_HITS times, stored directly or demoted: blocks used once never reach them.
 PROGRESS_EVERY = 256  # requests between progress callbacks
+# The hints' bounds and budgets of a replay with hints, in either engine: the runtime's defaults.
+SIM_HINT_LIMITS = HintLimits()
+# `TierManager.apply_hint` prunes the book's marks past this many times the index's capacity (a
+# literal there; the hinted equality tests fail if the two differ: pruning changes which blocks are doomed).
+HINT_PRUNE_CAPACITIES = 4
 
 
 class SimPolicy(enum.Enum):
@@ -249,7 +260,9 @@ def build_manager(config: SimConfig, future: FutureAccesses | None = None) -> Ti
     """
     slots = [TierSlots(tier.kind, tier.num_slots, _policy(config.policy, tier.num_slots, future), admission, *marks)
              for tier, admission, marks in _tier_rules(config)]
-    return TierManager(slots, mode=config.mode, promote_to=config.promote_to)
+    manager = TierManager(slots, mode=config.mode, promote_to=config.promote_to)
+    manager.configure_hints(SIM_HINT_LIMITS)
+    return manager
 
 
 def _tier_rules(config: SimConfig) -> list[tuple[VirtualTier, AdmissionRule, tuple[float, float]]]:
@@ -322,30 +335,29 @@ def replay_counts(trace: Trace, config: SimConfig, *, engine: SimEngine | str = 
     except ValueError:
         raise ConfigError(f"engine: expected one of {[e.value for e in SimEngine]}, got {engine!r}") from None
     declined = native_declines(config) if engine is not SimEngine.MANAGER else None
-    if declined is None and engine is not SimEngine.MANAGER and has_hints(trace):
-        declined = "hints: the native engine (kvtier/_replay.c) does not replay retention hints"
-    arrays = None
+    arrays = hints = None
     if engine is not SimEngine.MANAGER and declined is None:
         try:
             arrays = intern_requests(trace.requests, config.full_blocks_only)
+            hints = hint_arrays(trace.requests, arrays, SIM_HINT_LIMITS) if has_hints(trace) else None
         except NotNative as e:
-            declined = str(e)
+            declined, arrays = str(e), None
     if engine is SimEngine.NATIVE and declined is not None:
         raise ConfigError(f"engine native: {declined}")
     collecting = gc.isenabled()
     gc.disable()  # see _Replay.run
     try:
         if arrays is not None:
-            return _replay_native(arrays, config, trace.block_tokens, on_progress, lru_orders)
+            return _replay_native(arrays, hints, config, trace.block_tokens, on_progress, lru_orders)
         return _replay_manager(trace, config, on_progress, lru_orders, declined)
     finally:
         if collecting:
             gc.enable()
 
 
-def _replay_native(arrays, config: SimConfig, block_tokens: int, on_progress: Callable[[int], None] | None,
-                   lru_orders: bool) -> ReplayCounts:
-    """`replay_counts` by the native engine, over the interned trace."""
+def _replay_native(arrays, hints: HintArrays | None, config: SimConfig, block_tokens: int,
+                   on_progress: Callable[[int], None] | None, lru_orders: bool) -> ReplayCounts:
+    """`replay_counts` by the native engine, over the interned trace (and its hints, if any)."""
     rules = _tier_rules(config)
     kinds = [tier.kind for tier, _, _ in rules]
     tiers = [NativeTier(tier.num_slots, admission, *marks, _seconds_per_block(config, tier))
@@ -354,7 +366,8 @@ def _replay_native(arrays, config: SimConfig, block_tokens: int, on_progress: Ca
     started = time.perf_counter()
     result = run_native(arrays, tiers, inclusive=config.mode is CacheMode.INCLUSIVE, promote_to=promote_to,
                         block_tokens=block_tokens, seconds_per_token=1 / config.prefill_tokens_per_s,
-                        on_progress=on_progress, progress_every=PROGRESS_EVERY, lru_orders=lru_orders)
+                        on_progress=on_progress, progress_every=PROGRESS_EVERY, lru_orders=lru_orders,
+                        hints=hints, hint_budgets=_hint_budgets(config))
     replay_s = time.perf_counter() - started
     if on_progress is not None:
         on_progress(len(arrays.starts) % PROGRESS_EVERY)
@@ -372,7 +385,25 @@ def _replay_native(arrays, config: SimConfig, block_tokens: int, on_progress: Ca
         per_tier("engine_reads"), per_tier("used_slots"), per_route("demotions"), per_route("promotions"),
         {reason: n for reason, n in zip(reasons, c["dropped"]) if n}, c["num_accesses"], c["cached_tokens"],
         c["input_tokens"], result.ttft_s, result.ttft_no_cache_s,
-        dict(zip(kinds, result.lru_orders)) if result.lru_orders is not None else None)
+        dict(zip(kinds, result.lru_orders)) if result.lru_orders is not None else None,
+        _hint_counts(hints, c.get("hints")))
+
+
+def _hint_budgets(config: SimConfig) -> tuple[int, int, int]:
+    """(tenant_cap, total_cap, prune_keep) in blocks, as `HintBook` and `apply_hint` derive them."""
+    last_slots = config.tiers[-1].num_slots
+    limits = SIM_HINT_LIMITS
+    return (math.floor(limits.retain_fraction_per_tenant * last_slots), math.floor(limits.retain_fraction * last_slots),
+            HINT_PRUNE_CAPACITIES * sum(t.num_slots for t in config.tiers))
+
+
+def _hint_counts(hints: HintArrays | None, decided: dict | None) -> dict[str, int] | None:
+    """The manager's `Stats.hints` for a native replay: those settled before it and those it decided."""
+    if hints is None or decided is None:
+        return None
+    counts = dict(hints.counts)
+    counts.update((name, decided[name]) for name in ("over_budget", "doomed_evicted") if decided[name])
+    return counts if counts or decided["num_retained"] else None
 
 
 def _replay_manager(trace: Trace, config: SimConfig, on_progress: Callable[[int], None] | None, lru_orders: bool,

@@ -79,13 +79,16 @@ def test_bad_trace_hint_fields_name_the_line_and_field(tmp_path, fields, match):
         load_trace(path)
 
 
-def test_the_native_engine_refuses_hints_and_auto_falls_back(tmp_path):
+def test_the_native_engine_replays_hints_and_other_policies_fall_back(tmp_path):
     hinted = derive_hints(hand_trace(tmp_path), parse_hints("session-end"))
-    with pytest.raises(ConfigError, match="native.*hints"):
-        simulate(hinted, dram(3), engine=SimEngine.NATIVE)
     report = simulate(hinted, dram(3))
-    assert report["engine"] == "manager" and "hints" in report["engine_fallback"]
+    assert (report["engine"], report["engine_fallback"]) == ("native", None)
+    assert report["hints"] == simulate(hinted, dram(3), engine=SimEngine.MANAGER)["hints"]
     assert report["hints"]["closed"] == 3 and report["hints"]["applied"] == 4
+    chain = simulate(hinted, dram(3, SimPolicy.CHAIN_ARC))
+    assert chain["engine"] == "manager" and "policy chain-arc" in chain["engine_fallback"]
+    with pytest.raises(ConfigError, match="engine native: policy chain-arc"):
+        simulate(hinted, dram(3, SimPolicy.CHAIN_ARC), engine=SimEngine.NATIVE)
 
 
 def test_hints_on_the_hand_trace_keep_the_live_conversation(tmp_path):
@@ -95,7 +98,8 @@ def test_hints_on_the_hand_trace_keep_the_live_conversation(tmp_path):
     trace = hand_trace(tmp_path)
     hinted = derive_hints(trace, parse_hints("session-end"))
     assert simulate(trace, dram(4))["num_hits"] == 0
-    assert simulate(hinted, dram(4))["num_hits"] == 2
+    for engine in (SimEngine.NATIVE, SimEngine.MANAGER):
+        assert simulate(hinted, dram(4), engine=engine)["num_hits"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +127,17 @@ def test_cli_hints_report(capsys):
     report = json.loads(out)
     [row] = report["hints"]["rows"]
     assert report["hints"]["spec"] == "session-end" and row["label"] == "lru"
-    assert "native engine" in err and "does not replay hints" in err
+    assert row["engine_hinted"] == "native" and "--hints" not in err
+
+
+def test_cli_hints_say_which_policies_use_the_manager(capsys):
+    assert cli_main(["simulate", "--trace", "conversation", "--limit", "200", "--capacity", "dram=5%",
+                     "--policy", "lru,arc", "--hints", "session-end", "--json", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    engines = {row["label"]: row["engine_hinted"] for row in json.loads(out)["hints"]["rows"]}
+    assert engines == {"lru": "native", "arc": "manager"}
+    assert "policy arc: the native engine replays LRU only; the arc runs use the manager" in err
+    assert "policy lru" not in err
 
 
 def test_cli_hints_refuse_sweep_and_servers(capsys):

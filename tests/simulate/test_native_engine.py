@@ -8,27 +8,35 @@ of keys. The traces: random ones from hypothesis, prefix-chained as real ones ar
 (repeats inside a request included), on tiers of a few blocks so that eviction, admission and the
 watermarks act all the time; then the shared Mooncake traces. The configurations: every one
 `native_declines` accepts (LRU; one to four tiers; either mode; admission on or off; any
-`promote_to`; any watermarks; full blocks only or not). Also: what it does not accept falls back
-to the manager and says so, and malformed input to the C entry point raises, naming the argument.
+`promote_to`; any watermarks; full blocks only or not). The same with retention hints: random
+sessions, closes, reopenings, unhinted requests, retentions that lapse and a clock that stalls or
+goes back, under the default bounds and tiny ones; and Mooncake slices with derived hints
+(session-end, ttl, wrong ends), the hint counters compared as well. Also: what it does not accept
+falls back to the manager and says so, and malformed input to the C entry point raises, naming the
+argument.
 
-Cost: ~15 s on two CPU cores without the `slow` whole-trace comparisons (~10 s more).
+Cost: ~45 s on two CPU cores without the `slow` whole-trace comparisons (~40 s more).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvtier._replay import replay_lru
 from kvtier.config import CacheMode
+from kvtier.deciding.retention import HintError, HintLimits
 from kvtier.errors import ConfigError
 from kvtier.kinds import TierKind
-from kvtier.simulate.replay import (SimConfig, SimEngine, SimPolicy, VirtualTier, native_declines, replay_counts,
-                                    simulate)
+from kvtier.simulate import replay
+from kvtier.simulate.hints import derive_hints, parse_hints
+from kvtier.simulate.replay import (SimConfig, SimEngine, SimPolicy, VirtualTier, blocks_of_share, native_declines,
+                                    replay_counts, simulate)
 from kvtier.simulate.trace import Trace, TraceRequest
 from support.traces import needs_traces
 
@@ -154,6 +162,92 @@ def test_a_copy_released_while_still_read_is_freed_when_the_read_ends():
     assert_same_decisions(trace, SimConfig(tiers, 1, promote_to=H))
 
 
+# ---- retention hints (kvtier/deciding/retention.py) -------------------------------------------------
+
+# Bounds small enough that a trace of a few dozen requests reaches them (sessions refused, blocks
+# past a session's cap), beside the runtime's defaults.
+TINY_LIMITS = HintLimits(max_sessions=2, max_session_blocks=3)
+
+
+@st.composite
+def hinted_traces(draw, traces) -> Trace:
+    """A trace from `traces` with random hints: a few sessions (some closing, some coming back after
+    closing), unhinted requests among them, short retentions that lapse, and a clock that may stall
+    or go back (the manager's never does)."""
+    trace = draw(traces)
+    sessions = st.one_of(st.none(), st.sampled_from(["a", "b", "c", "d"]))
+    now_ms, requests = 0.0, []
+    for r in trace.requests:
+        now_ms = max(now_ms + draw(st.sampled_from([0.0, 1.0, 400.0, 1500.0, -300.0])), -1000.0)
+        session = draw(sessions)
+        closed = session is not None and draw(st.booleans())
+        retain_s = draw(st.sampled_from([None, None, 0.001, 0.5, 1.0, 3.0]))
+        requests.append(dataclasses.replace(r, timestamp_ms=now_ms, session=session, closed=closed, retain_s=retain_s))
+    assume(any(r.hinted for r in requests))
+    return dataclasses.replace(trace, requests=tuple(requests))
+
+
+def assert_same_hinted_decisions(trace: Trace, config: SimConfig, limits: HintLimits) -> dict:
+    """`assert_same_decisions` with both engines under `limits`, and the hint counters compared too."""
+    with mock.patch.object(replay, "SIM_HINT_LIMITS", limits):
+        report = assert_same_decisions(trace, config)
+    assert report["hints"]["applied"] == len(trace.requests)
+    return report
+
+
+@HYPOTHESIS
+@given(trace=hinted_traces(prefix_chained_traces()), config=accepted_configs(),
+       limits=st.sampled_from([HintLimits(), TINY_LIMITS]))
+def test_hinted_prefix_chained_traces_same_decisions(trace, config, limits):
+    assert_same_hinted_decisions(trace, config, limits)
+
+
+@HYPOTHESIS
+@given(trace=hinted_traces(any_id_traces()), config=accepted_configs(),
+       limits=st.sampled_from([HintLimits(), TINY_LIMITS]))
+def test_hinted_any_id_traces_same_decisions(trace, config, limits):
+    assert_same_hinted_decisions(trace, config, limits)
+
+
+def test_hints_change_the_native_replay_as_the_manager_says():
+    """One tier of four slots: with hints, session "x" has closed when request 2 needs a victim, so
+    its block 5 goes rather than block 1, the oldest, and request 3 hits blocks 1 and 2."""
+    plain = make_trace([([1, 2], 8, False), ([5, 6], 8, False), ([8], 4, False), ([1, 2, 3], 12, False)])
+    hints = [("y", False), ("x", True), ("z", True), ("y", True)]
+    hinted = dataclasses.replace(plain, requests=tuple(dataclasses.replace(r, session=s, closed=c)
+                                                       for r, (s, c) in zip(plain.requests, hints)))
+    config = SimConfig((VirtualTier(D, 4, 25.0),), 1000)
+    assert assert_same_decisions(plain, config)["num_hits"] == 0
+    report = assert_same_hinted_decisions(hinted, config, HintLimits())
+    assert report["num_hits"] == 2 and report["hints"]["doomed_evicted"] >= 1
+
+
+def test_a_hint_the_manager_refuses_is_replayed_by_the_manager():
+    """A `retain_s` past `max_retain_s` is refused by `apply_hint` (HintError); the native engine
+    declines the trace, so "auto" fails as the manager does and "native" says why."""
+    trace = make_trace([([1, 2], 8, False)])
+    bad = dataclasses.replace(trace, requests=(dataclasses.replace(trace.requests[0], retain_s=7200.0),))
+    with pytest.raises(HintError, match="bad_retain_s"):
+        simulate(bad, one_tier())
+    with pytest.raises(ConfigError, match="engine native: request 0: .*bad_retain_s"):
+        simulate(bad, one_tier(), engine=SimEngine.NATIVE)
+
+
+@needs_traces
+@pytest.mark.parametrize("spec", ["session-end", "ttl=60s", "session-end,wrong=0.3", "session-end,ttl=300s,wrong=0.2"])
+@pytest.mark.parametrize("kw", [{}, {"mode": CacheMode.INCLUSIVE, "admission": True, "promote_to": TierKind.HBM}],
+                         ids=["bench", "inclusive-admission-promote-hbm"])
+def test_hinted_conversation_slice_same_decisions(conversation, spec, kw):
+    """The first 1,500 requests with derived hints, on three small tiers and on one of 5 % of the blocks."""
+    trace = derive_hints(dataclasses.replace(conversation, requests=conversation.requests[:1500]), parse_hints(spec))
+    tiers = (VirtualTier(H, 100, 1000.0), VirtualTier(D, 500, 25.0), VirtualTier(S, 2000, 6.0))
+    report = assert_same_hinted_decisions(trace, SimConfig(tiers, 160 * 2**20, **kw), HintLimits())
+    assert report["hints"].get("doomed_evicted" if "session-end" in spec else "over_budget", 0) > 0
+    if not kw:
+        one = SimConfig((VirtualTier(D, blocks_of_share(0.05, trace.num_unique_blocks), 25.0),), 160 * 2**20)
+        assert_same_hinted_decisions(trace, one, HintLimits())
+
+
 # ---- the shared Mooncake traces --------------------------------------------------------------------
 
 def three_tiers(**kw) -> SimConfig:
@@ -185,6 +279,16 @@ def test_whole_conversation_trace_same_decisions(conversation, config):
     report = assert_same_decisions(conversation, config)
     if len(config.tiers) == 1:
         assert report["num_hits"] == 80_323  # the independent reference (see test_simulate.py)
+
+
+@pytest.mark.slow
+@needs_traces
+@pytest.mark.parametrize(("spec", "share"), [("session-end", 0.05), ("session-end,ttl=300s,wrong=0.2", 0.10)])
+def test_whole_conversation_trace_with_hints_same_decisions(conversation, spec, share):
+    """`kvtier simulate --capacity dram=5% --hints session-end`'s hinted replay, and a harder one at 10 %."""
+    trace = derive_hints(conversation, parse_hints(spec))
+    one = SimConfig((VirtualTier(D, blocks_of_share(share, trace.num_unique_blocks), 25.0),), 160 * 2**20)
+    assert assert_same_hinted_decisions(trace, one, HintLimits())["hints"]["doomed_evicted"] > 0
 
 
 @pytest.mark.slow
@@ -285,6 +389,35 @@ def test_replay_lru_accepts_good_args():
     ({"on_progress": 5}, TypeError, "on_progress must be callable"),
 ])
 def test_replay_lru_rejects_malformed_input(change, error, message):
+    with pytest.raises(error, match=message):
+        replay_lru(**{**good_args(), **change})
+
+
+def good_hints(**change) -> tuple:
+    """`replay_lru`'s `hints` for `good_args`: request 0 in a session, request 1 closes it, retaining."""
+    fields = dict(now_s=np.array([0.0, 1.0]), retain_s=np.array([0.0, 5.0]), ids=np.array([0, 1, 0, 1], dtype=np.int32),
+                  offsets=np.array([0, 0, 2, 2, 2, 2, 4], dtype=np.int64), tenant_cap=0, total_cap=1, prune_keep=8)
+    return tuple({**fields, **change}.values())
+
+
+def test_replay_lru_applies_good_hints():
+    counts = replay_lru(**good_args(), hints=good_hints())
+    assert counts["hints"] == {"over_budget": 2, "doomed_evicted": 0, "num_retained": 0}
+    assert "hints" not in replay_lru(**good_args())
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"hints": (1, 2)}, TypeError, "hints must be None or a tuple"),
+    ({"hints": good_hints(now_s=np.array([0.0]))}, ValueError, "now_s must have 2 items"),
+    ({"hints": good_hints(retain_s=np.array([0.0, -1.0]))}, ValueError, "request 1: .*retain_s finite and >= 0"),
+    ({"hints": good_hints(now_s=np.array([0.0, np.inf]))}, ValueError, "request 1: now_s must be finite"),
+    ({"hints": good_hints(ids=np.array([0, 1, 0, 3], dtype=np.int32))}, ValueError, r"hints: ids\[3\] = 3"),
+    ({"hints": good_hints(offsets=np.array([0, 0, 2, 1, 2, 2, 4], dtype=np.int64))}, ValueError, r"offsets\[3\]"),
+    ({"hints": good_hints(offsets=np.array([0, 0, 2, 2, 2, 2, 5], dtype=np.int64))}, ValueError, r"offsets\[6\]"),
+    ({"hints": good_hints(offsets=np.array([0, 2, 2], dtype=np.int64))}, ValueError, "offsets must have 7 items"),
+    ({"hints": good_hints(prune_keep=-1)}, ValueError, "prune_keep must be >= 0"),
+])
+def test_replay_lru_rejects_malformed_hints(change, error, message):
     with pytest.raises(error, match=message):
         replay_lru(**{**good_args(), **change})
 
