@@ -12,6 +12,8 @@ one configuration at a time:
     dram+ssd       kvtier, DRAM + SSD (`persist: true`)
     dram+pool      kvtier, DRAM + a `kvtier pool serve` node (a real process)
     dram+pool+ssd  kvtier, DRAM + pool node + SSD (`persist: true`)
+    dram+hints     kvtier, DRAM, with a client that sends session hints (the chat-hints workload only:
+                   elsewhere it is `dram` again)
 
 Every server keeps vLLM's prefix caching on, with vLLM's own cache cut to `--gpu-blocks` blocks
 (160: 5,120 tokens) so that it evicts; kvtier's DRAM is `--dram` (128 MiB: ~2x vLLM's cache), its
@@ -36,6 +38,18 @@ configuration sees what another computed. Against each server, in order:
      while; an empty kvtier would flatter it), and so that workloads 1-4 run exactly as before it
      existed and stay comparable with earlier runs (run first, its ~20 MB per prompt would have
      filled kvtier's DRAM before the prefix workload).
+  6. chat-hints (only when `--workloads` names it): a rolling population of conversations, some
+     ending at every step while new ones start (`serve_rolling`); the `dram+hints` configuration's
+     client sends `kv_transfer_params.kvtier.session` on every turn and `closed: true` on a
+     conversation's last, every other configuration's sends none. kvtier's hit and hint counters
+     are read before and after it. Size `--dram` between its live peak and all it has seen (the
+     bench logs both, in blocks) for the hints to have something to decide. kvtier's
+     `transfer.skip_slow_loads` (on by default) turns held blocks into misses when its load-cost
+     estimate says recomputing is faster, which on a busy machine can outweigh what the hints kept
+     (`loads skipped` in the table); `--skip-slow-loads off` measures the hints without it.
+
+`--workloads` picks which of prefix, chat, misses, random, chat-hints run (default: the first four,
+as before chat-hints existed), in the order above.
 
 A round runs every configuration once, in an order rotated by one each round, so that drift in the
 machine's load spreads over all of them; every configuration sees the same prompts in a round, and
@@ -55,12 +69,14 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
+from kvtier.units import parse_size  # noqa: E402
 from serve_procs import (  # noqa: E402
     HOST,
     ModelSpec,
@@ -83,16 +99,22 @@ from serve_workloads import (  # noqa: E402
     complete,
     distinct_random_seed,
     engine_counters,
+    kvtier_counters_of,
     miss_prompts,
+    percentile,
     random_tokens,
     run_chat,
     run_miss_probes,
 )
+from serve_rolling import RollingSpec, footprint_blocks, run_rolling_chat  # noqa: E402
 from serve_report import machine_info, print_table, random_hit_tokens, summarize_all, write_png  # noqa: E402
 
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 CONFIGS = {"plain": "plain vLLM", "dram": "kvtier DRAM", "dram+ssd": "DRAM + SSD (persist)",
-           "dram+pool": "DRAM + pool node", "dram+pool+ssd": "DRAM + pool + SSD"}
+           "dram+pool": "DRAM + pool node", "dram+pool+ssd": "DRAM + pool + SSD",
+           "dram+hints": "kvtier DRAM, session hints"}
+WORKLOADS = ("prefix", "chat", "misses", "random", "chat-hints")
+DEFAULT_WORKLOADS = ("prefix", "chat", "misses", "random")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +135,9 @@ class Params:
     ssd: str
     pool: str
     configs: tuple[str, ...]
+    rolling: RollingSpec | None = None  # the chat-hints workload; None: not run
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
+    skip_slow_loads: bool = True  # kvtier's transfer.skip_slow_loads
     model: ModelSpec = field(default_factory=ModelSpec)
     start_timeout_s: float = 300.0
 
@@ -145,6 +170,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dram", default="128MiB", help="kvtier's DRAM tier")
     p.add_argument("--ssd", default="1GiB", help="kvtier's SSD tier")
     p.add_argument("--pool", default="1GiB", help="the pool node's capacity")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated subset of {', '.join(WORKLOADS)} (default: {','.join(DEFAULT_WORKLOADS)})")
+    p.add_argument("--hints-live", type=int, default=8, help="chat-hints: conversations live at every step")
+    p.add_argument("--hints-turns", type=int, default=4, help="chat-hints: turns of a whole conversation")
+    p.add_argument("--hints-steps", type=int, default=16, help="chat-hints: steps (a turn of every live conversation)")
+    p.add_argument("--hints-context-tokens", type=int, default=1024, help="chat-hints: a conversation's first context")
+    p.add_argument("--hints-user-tokens", type=int, default=64, help="chat-hints: user tokens per turn")
+    p.add_argument("--skip-slow-loads", choices=("on", "off"), default="on",
+                   help="kvtier's transfer.skip_slow_loads (default on, as kvtier's own default): off loads every "
+                        "held block, whatever the load-cost estimate says (to tell its effect from the hints')")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (model, configs, logs)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -152,6 +187,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     args.configs = tuple(n for n in CONFIGS if n in names or n == "plain")
+    wanted = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in WORKLOADS]
+    if unknown or not wanted:
+        p.error(f"--workloads: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = tuple(w for w in WORKLOADS if w in wanted)
     if args.num_prompts is None:
         args.num_prompts = 18 if args.quick else 36
     if args.random_prompts < 0:
@@ -178,7 +218,15 @@ def params_from(args: argparse.Namespace) -> Params:
                   num_miss_probes=pick(args.miss_probes, 8, 4), num_random_prompts=args.random_prompts,
                   gpu_blocks=args.gpu_blocks,
                   max_model_len=args.max_model_len,
-                  dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs)
+                  dram=args.dram, ssd=args.ssd, pool=args.pool, configs=args.configs,
+                  rolling=rolling_spec(args) if "chat-hints" in args.workloads else None, workloads=args.workloads,
+                  skip_slow_loads=args.skip_slow_loads == "on")
+
+
+def rolling_spec(args: argparse.Namespace) -> RollingSpec:
+    return RollingSpec(num_live=args.hints_live, num_turns=args.hints_turns, num_steps=args.hints_steps,
+                       context_tokens=args.hints_context_tokens, user_tokens=args.hints_user_tokens,
+                       output_tokens=args.output_tokens, concurrency=args.concurrency)
 
 
 class Log:
@@ -278,7 +326,9 @@ class Bench:
             kvtier_yaml = None
             if name != "plain":
                 kvtier_yaml = write_kvtier_config(run_dir / "kvtier.yaml", self.model, BLOCK_TOKENS,
-                                                  self.tiers(name, run_dir, pool_address))
+                                                  self.tiers(name, run_dir, pool_address),
+                                                  transfer=None if self.params.skip_slow_loads
+                                                  else {"skip_slow_loads": False})
             server = self.server = self.procs.start(f"vllm serve ({name})", self.serve_cmd(kvtier_yaml),
                                                     run_dir / "server.log", child_env())
             port, record["startup_s"] = wait_http_ready(server, "/health", self.params.start_timeout_s)
@@ -301,25 +351,48 @@ class Bench:
         return record
 
     def workloads(self, record: dict, port: int, round_index: int, run_dir: Path, server) -> None:
-        p, model = self.params, str(self.model)
+        p, model, wanted = self.params, str(self.model), self.params.workloads
         seed = 1000 + round_index
         complete(HOST, port, model, random_tokens(random.Random(f"warm-{seed}"), 64, self.vocab_size), 2)
         probes = miss_prompts(seed, p.num_miss_probes, p.prefix_tokens + p.suffix_tokens, self.vocab_size)
-        half = len(probes) // 2
+        half = len(probes) // 2 if "misses" in wanted else 0
         misses = run_miss_probes(HOST, port, model, probes[:half], p.output_tokens)
-        record["prefix"] = self.bench_serve(port, seed, run_dir, "prefix", self.prefix_dataset())
-        self.log(f"  prefix_repetition: {record['prefix']['req_per_s']:.2f} req/s, "
-                 f"TTFT p50 {record['prefix']['ttft_p50_ms']:.0f} ms")
-        chat = run_chat(HOST, port, model, p.chat, seed, self.vocab_size)
-        record["chat"] = {"duration_s": chat.duration_s, "num_requests": len(chat.completions),
-                          "ttfts_ms": chat.ttfts_ms(), "later_turn_ttfts_ms": chat.ttfts_ms(first_turn=False)}
-        record["chat_tokens"] = {k: list(c.token_ids) for k, c in chat.completions.items()}
-        self.log(f"  chat: {len(chat.completions) / chat.duration_s:.2f} req/s")
-        misses += run_miss_probes(HOST, port, model, probes[half:], p.output_tokens)
-        record["miss_ttfts_ms"] = [m.ttft_s * 1e3 for m in misses]
-        record["miss_tokens"] = [list(m.token_ids) for m in misses]
-        if p.num_random_prompts:
+        if "prefix" in wanted:
+            record["prefix"] = self.bench_serve(port, seed, run_dir, "prefix", self.prefix_dataset())
+            self.log(f"  prefix_repetition: {record['prefix']['req_per_s']:.2f} req/s, "
+                     f"TTFT p50 {record['prefix']['ttft_p50_ms']:.0f} ms")
+        if "chat" in wanted:
+            chat = run_chat(HOST, port, model, p.chat, seed, self.vocab_size)
+            record["chat"] = {"duration_s": chat.duration_s, "num_requests": len(chat.completions),
+                              "ttfts_ms": chat.ttfts_ms(), "later_turn_ttfts_ms": chat.ttfts_ms(first_turn=False)}
+            record["chat_tokens"] = {k: list(c.token_ids) for k, c in chat.completions.items()}
+            self.log(f"  chat: {len(chat.completions) / chat.duration_s:.2f} req/s")
+        if "misses" in wanted:
+            misses += run_miss_probes(HOST, port, model, probes[half:], p.output_tokens)
+            record["miss_ttfts_ms"] = [m.ttft_s * 1e3 for m in misses]
+            record["miss_tokens"] = [list(m.token_ids) for m in misses]
+        if "random" in wanted and p.num_random_prompts:
             self.random_workload(record, port, round_index, run_dir)
+        if p.rolling is not None:
+            self.hints_workload(record, port, seed, record["config"].endswith("+hints"))
+
+    def hints_workload(self, record: dict, port: int, seed: int, hints: bool) -> None:
+        """Workload 6 (chat-hints), with vLLM's and kvtier's counters over it."""
+        metrics = kvtier_metrics_port(self.server)
+        before = {**engine_counters(HOST, port), **kvtier_hint_counters(metrics)}
+        chat = run_rolling_chat(HOST, port, str(self.model), self.params.rolling, seed, self.vocab_size, hints)
+        after = {**engine_counters(HOST, port), **kvtier_hint_counters(metrics)}
+        record["hints_chat"] = {"hints": hints, "duration_s": chat.duration_s, "num_requests": len(chat.completions),
+                                "ttfts_ms": chat.ttfts_ms(), "later_turn_ttfts_ms": chat.ttfts_ms(first_turn=False),
+                                "counters": {k: v - before.get(k, 0.0) for k, v in after.items()
+                                             if v - before.get(k, 0.0)}}
+        record["hints_chat_tokens"] = {k: list(c.token_ids) for k, c in chat.completions.items()}
+        counters = record["hints_chat"]["counters"]
+        self.log(f"  chat-hints ({'hints' if hints else 'no hints'}): {len(chat.completions) / chat.duration_s:.2f} "
+                 f"req/s, later-turn TTFT p50 {percentile(chat.ttfts_ms(first_turn=False), 50) or 0:.0f} ms, "
+                 f"kvtier hit {counters.get('kvtier_hits_total[dram]', 0):.0f} blocks, "
+                 f"hints applied {counters.get('kvtier_hints_total[applied]', 0):.0f}, "
+                 f"doomed evicted {counters.get('kvtier_hints_total[doomed_evicted]', 0):.0f}")
 
     def random_workload(self, record: dict, port: int, round_index: int, run_dir: Path) -> None:
         """Workload 5 (nothing can hit), with what both prefix caches counted during it."""
@@ -349,10 +422,22 @@ def kvtier_counters(port: int | None) -> dict[str, float]:
         return {}
 
 
+def kvtier_hint_counters(port: int | None) -> dict[str, float]:
+    """`kvtier_counters_of` kvtier's metrics endpoint (hits, stores, evictions, hints); empty where
+    there is none (plain vLLM) or it does not answer."""
+    if port is None:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+            return kvtier_counters_of(r.read().decode())
+    except OSError:
+        return {}
+
+
 def random_seeds(model: Path, params: Params) -> tuple[int, ...]:
     """A seed per round for the random workload whose prompts share no block; each round's differs
     (each round gets prompts of its own). Loads vLLM's benchmark code (a few seconds)."""
-    if not params.num_random_prompts:
+    if not params.num_random_prompts or "random" not in params.workloads:
         return ()
     from vllm.tokenizers import get_tokenizer
 
@@ -389,6 +474,13 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
         vocab_size = len(AutoTokenizer.from_pretrained(model))
         seeds = random_seeds(model, params)
+        if params.rolling is not None:
+            need = footprint_blocks(params.rolling, BLOCK_TOKENS)
+            dram_blocks = parse_size(params.dram, "--dram") // (BLOCK_TOKENS * params.model.kv_bytes_per_token)
+            info["chat_hints_blocks"] = {**need, "dram_blocks": dram_blocks, "gpu_blocks": params.gpu_blocks}
+            log(f"chat-hints: {need['num_conversations']} conversations ({need['num_closed']} close); live "
+                f"prompts peak at {need['live_peak_blocks']} blocks, all seen {need['seen_blocks']}; kvtier DRAM "
+                f"{dram_blocks} blocks, vLLM's own {params.gpu_blocks}")
         if seeds:
             log(f"random workload: seeds {', '.join(map(str, seeds))} (their prompts share no block)")
         with Procs() as procs:
@@ -419,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def strip(runs: list[dict]) -> list[dict]:
     """The runs without their generated outputs (the comparison is in the summary)."""
-    drop = {"chat_tokens", "miss_tokens"}
+    drop = {"chat_tokens", "miss_tokens", "hints_chat_tokens"}
     return [{k: ({kk: vv for kk, vv in v.items() if kk != "texts"} if k in ("prefix", "random") else v)
              for k, v in r.items() if k not in drop} for r in runs]
 

@@ -271,11 +271,15 @@ def build_model(path: Path, spec: ModelSpec) -> tuple[Path, int]:
     return path, sum(p.numel() for p in model.parameters())
 
 
-def write_kvtier_config(path: Path, model: Path, block_tokens: int, tiers: dict) -> Path:
+def write_kvtier_config(path: Path, model: Path, block_tokens: int, tiers: dict,
+                        transfer: dict | None = None) -> Path:
+    """kvtier's YAML for the served model; `transfer`: its `transfer:` section where given."""
     import yaml
 
-    path.write_text(yaml.safe_dump({"model": str(model), "kv_dtype": "fp32",
-                                    "block_tokens": block_tokens, "tiers": tiers}, sort_keys=False))
+    config = {"model": str(model), "kv_dtype": "fp32", "block_tokens": block_tokens, "tiers": tiers}
+    if transfer:
+        config["transfer"] = transfer
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 

@@ -4,7 +4,10 @@ Figures pool every round: req/s is all completed requests over all benchmark dur
 percentiles are over every request of every round. A configuration's outputs are identical when
 every output of every round equals plain vLLM's of that round. The random workload (nothing can
 hit) has figures of its own (`random_*`), and `random_hit_tokens` says whether it kept its word:
-the prompt tokens that vLLM's cache or kvtier served during it, 0 when nothing hit.
+the prompt tokens that vLLM's cache or kvtier served during it, 0 when nothing hit. The chat-hints
+workload has figures of its own too (`hints_*`): req/s, TTFT of all turns and of later turns only
+(those that can hit), kvtier's hit blocks and hint counters over it, as ratios to plain vLLM and,
+for a configuration whose client sent hints (`+hints`), to the same tiers without them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def random_hit_tokens(counters: dict[str, float]) -> float:
 def summarize(runs: list[dict]) -> dict:
     """One configuration's figures over its runs (those of a failed run count as far as it got)."""
     out = {"num_runs": len(runs), "num_failed_runs": sum(1 for r in runs if r.get("error")),
-           **_summarize_prefix_chat_misses(runs), **_summarize_random(runs),
+           **_summarize_prefix_chat_misses(runs), **_summarize_random(runs), **_summarize_hints(runs),
            "startup_s": [round(r["startup_s"], 1) for r in runs if "startup_s" in r],
            "engine": _sum_counters(r.get("engine", {}) for r in runs)}
     errors = [{"round": r["round"], "error": r["error"], "log_tail": r.get("log_tail", "")}
@@ -71,6 +74,47 @@ def _summarize_random(runs: list[dict]) -> dict:
             "random_cpu_ms_per_request": _cpu_per_request(done)}
 
 
+HINT_FIGURES = {"hit_blocks": "kvtier_hits_total", "applied": "kvtier_hints_total[applied]",
+                "closed": "kvtier_hints_total[closed]", "doomed_evicted": "kvtier_hints_total[doomed_evicted]",
+                "read": "kvtier_hints_read_total", "refused": "kvtier_hints_refused_total",
+                "evicted_blocks": "kvtier_evictions_total", "stored_blocks": "kvtier_stores_total",
+                "load_skipped_blocks": "kvtier_load_skipped_blocks_total"}
+
+
+def _summarize_hints(runs: list[dict]) -> dict:
+    """The chat-hints workload's figures (None where no run measured it); `hints_counts`: kvtier's
+    counters over it summed over runs, each `HINT_FIGURES` entry summing the series it prefixes."""
+    done = [r["hints_chat"] for r in runs if "hints_chat" in r]
+    ttfts = [t for c in done for t in c["ttfts_ms"]]
+    later = [t for c in done for t in c["later_turn_ttfts_ms"]]
+    duration = sum(c["duration_s"] for c in done)
+    counters = _sum_counters(c.get("counters", {}) for c in done)
+    counts = _hint_counts(counters) if done else None
+    return {"hints_req_per_s": sum(c["num_requests"] for c in done) / duration if duration else None,
+            "hints_ttft_p50_ms": percentile(ttfts, 50), "hints_ttft_p99_ms": percentile(ttfts, 99),
+            "hints_later_ttft_p50_ms": percentile(later, 50), "hints_later_ttft_p99_ms": percentile(later, 99),
+            "hints_counts": counts,
+            "hints_per_round": [{"round": r["round"], "req_per_s": r["hints_chat"]["num_requests"]
+                                 / r["hints_chat"]["duration_s"],
+                                 **_hint_counts(r["hints_chat"].get("counters", {}))}
+                                for r in sorted(runs, key=lambda r: r["round"]) if "hints_chat" in r],
+            "hints_engine_hit_tokens": counters.get("external_prefix_cache_hits_total") if done else None}
+
+
+def _hint_counts(counters: dict[str, float]) -> dict[str, float]:
+    return {name: sum(v for k, v in counters.items() if k == series or k.startswith(series + "["))
+            for name, series in HINT_FIGURES.items()}
+
+
+HINT_RATIOS = ("hints_req_per_s", "hints_ttft_p50_ms", "hints_ttft_p99_ms", "hints_later_ttft_p50_ms",
+               "hints_later_ttft_p99_ms")
+
+
+def hint_ratios(figures: dict, reference: dict, suffix: str) -> dict:
+    """Each `HINT_RATIOS` figure over `reference`'s, as `<figure>_ratio<suffix>`."""
+    return {f"{key}_ratio{suffix}": ratio(figures.get(key), reference.get(key)) for key in HINT_RATIOS}
+
+
 def _cpu_per_request(runs: list[dict]) -> dict[str, float] | None:
     """CPU milliseconds per completed random request, by where it was spent (`cpu_seconds`'s
     readings): the main threads of the server's processes (vLLM's API server, engine core and
@@ -108,6 +152,7 @@ def with_ratios(figures: dict, plain: dict) -> dict:
     figures["ttft_p50_ratio"] = ratio(figures["ttft_p50_ms"], plain.get("ttft_p50_ms"))
     figures["random_throughput_ratio"] = ratio(figures["random_req_per_s"], plain.get("random_req_per_s"))
     figures["random_ttft_ratio"] = ratio(figures["random_ttft_p50_ms"], plain.get("random_ttft_p50_ms"))
+    figures.update(hint_ratios(figures, plain, ""))
     return figures
 
 
@@ -153,6 +198,10 @@ def summarize_all(runs: list[dict], names: tuple[str, ...]) -> dict[str, dict]:
             figures["random_throughput_ratio_per_round"] = _random_ratio_per_round(mine, plain_runs)
             figures["goals_met"] = goals_met(name, figures)
         out[name] = figures
+    for name in names:
+        base = name.removesuffix("+hints")
+        if name.endswith("+hints") and base in out:  # the same tiers, a client without hints
+            out[name].update(hint_ratios(out[name], out[base], f"_to_{base}"))
     return out
 
 
@@ -184,8 +233,57 @@ def _fmt(value, spec: str = ".0f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+MAIN_FIGURES = ("req_per_s", "chat_req_per_s", "miss_ttft_p50_ms", "random_req_per_s")
+
+
 def print_table(result: dict, labels: dict[str, str]) -> None:
+    """The main table (where a workload of it ran), then the chat-hints table (where that ran)."""
+    configs = result["configs"].values()
+    if any(f.get(k) is not None for f in configs for k in MAIN_FIGURES):
+        _print(_main_table(result, labels))
+    if any(f.get("hints_req_per_s") is not None for f in configs):
+        _print(_hints_table(result, labels))
+
+
+def _print(table) -> None:
     from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=320)  # a file or a pipe: no wrapping of the columns
+    console.print(table)
+
+
+def _hints_table(result: dict, labels: dict[str, str]):
+    from rich.table import Table
+
+    table = Table(title="chat-hints: a rolling population of conversations (ratios to plain vLLM, same run)")
+    for col in ("configuration", "req/s", "x plain", "TTFT p50 / p99 ms", "x plain", "later turns TTFT p50 / p99 ms",
+                "x plain", "x no hints", "kvtier hit blocks", "hints applied / closed / refused", "doomed evicted",
+                "loads skipped", "req/s, hit blocks per round", "identical"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for name, f in result["configs"].items():
+        counts = f.get("hints_counts") or {}
+        base = name.removesuffix("+hints")
+
+        def pair(p50: str, p99: str, spec: str = ".0f") -> str:
+            return f"{_fmt(f.get(p50), spec)} / {_fmt(f.get(p99), spec)}"
+        table.add_row(labels[name], _fmt(f.get("hints_req_per_s"), ".2f"), _fmt(f.get("hints_req_per_s_ratio"), ".2f"),
+                      pair("hints_ttft_p50_ms", "hints_ttft_p99_ms"),
+                      pair("hints_ttft_p50_ms_ratio", "hints_ttft_p99_ms_ratio", ".2f"),
+                      pair("hints_later_ttft_p50_ms", "hints_later_ttft_p99_ms"),
+                      pair("hints_later_ttft_p50_ms_ratio", "hints_later_ttft_p99_ms_ratio", ".2f"),
+                      pair(f"hints_later_ttft_p50_ms_ratio_to_{base}",
+                           f"hints_later_ttft_p99_ms_ratio_to_{base}", ".2f") if base != name else "-",
+                      _fmt(counts.get("hit_blocks")),
+                      " / ".join(_fmt(counts.get(k)) for k in ("applied", "closed", "refused")) if counts else "-",
+                      _fmt(counts.get("doomed_evicted")), _fmt(counts.get("load_skipped_blocks")),
+                      " ".join(f"{r['req_per_s']:.2f}/{r['hit_blocks']:.0f}" for r in f.get("hints_per_round", [])),
+                      {True: "yes", False: "NO", None: "-"}[f["outputs_identical"]])
+    return table
+
+
+def _main_table(result: dict, labels: dict[str, str]):
     from rich.table import Table
 
     table = Table(title="vllm serve with and without kvtier (ratios to plain vLLM, same run)")
@@ -211,10 +309,7 @@ def print_table(result: dict, labels: dict[str, str]) -> None:
                       _fmt(ratio(hits, queries) if queries else None, ".0%"),
                       {True: "yes", False: "NO", None: "-"}[f["outputs_identical"]],
                       "; ".join(notes))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=320)  # a file or a pipe: no wrapping of the columns
-    console.print(table)
+    return table
 
 
 def _cpu_cell(cpu: dict[str, float] | None) -> str:
@@ -228,15 +323,46 @@ def _cpu_cell(cpu: dict[str, float] | None) -> str:
             + (f" + node {cpu['pool node']:.0f}" if cpu["pool node"] else ""))
 
 
+def _plot_hints(axes, figs: list[dict]) -> None:
+    """The chat-hints row: req/s; TTFT of all turns and of later turns (p50 bars, p99 ticks)."""
+    x = range(len(figs))
+    axes[0].bar(x, [f.get("hints_req_per_s") or 0 for f in figs], 0.6)
+    axes[0].set_title("chat-hints throughput (req/s, higher is better)")
+    panels = (("hints_ttft_p50_ms", "hints_ttft_p99_ms", "chat-hints TTFT, all turns"),
+              ("hints_later_ttft_p50_ms", "hints_later_ttft_p99_ms", "chat-hints TTFT, later turns"))
+    for ax, (p50, p99, title) in zip(axes[1:], panels):
+        ax.bar(x, [f.get(p50) or 0 for f in figs], 0.6, label="p50")
+        ax.scatter(x, [f.get(p99) or 0 for f in figs], color="black", marker="_", s=400, label="p99", zorder=3)
+        ax.set_title(f"{title} (ms), lower is better")
+        ax.legend()
+
+
 def write_png(result: dict, labels: dict[str, str], path: Path) -> None:
+    """A row of the main workloads (where one ran), a row of chat-hints (where it ran)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(result["configs"])
     figs = [result["configs"][n] for n in names]
-    x = range(len(names))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    rows = [draw for draw, ran in ((_plot_main, any(f.get(k) is not None for f in figs for k in MAIN_FIGURES)),
+                                   (_plot_hints, any(f.get("hints_req_per_s") is not None for f in figs))) if ran]
+    rows = rows or [_plot_main]
+    fig, grid = plt.subplots(len(rows), 3, figsize=(15, 4.5 * len(rows)), squeeze=False)
+    for draw, axes in zip(rows, grid):
+        draw(axes, figs)
+    for ax in grid.flat:
+        ax.set_xticks(list(range(len(names))), [labels[n] for n in names], rotation=25, ha="right", fontsize=8)
+    fig.suptitle(f"vllm serve {result['machine'].get('vllm')} + kvtier {result['machine'].get('kvtier_commit')}, "
+                 f"{result['machine'].get('num_cpus')} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_main(axes, figs: list[dict]) -> None:
+    """prefix_repetition, chat and random req/s; TTFT of prefix_repetition and of misses."""
+    x = range(len(figs))
     for offset, key, title in ((-0.27, "req_per_s", "prefix_repetition"), (0.0, "chat_req_per_s", "chat"),
                                (0.27, "random_req_per_s", "random (nothing hits)")):
         axes[0].bar([i + offset for i in x], [f.get(key) or 0 for f in figs], 0.27, label=title)
@@ -248,10 +374,3 @@ def write_png(result: dict, labels: dict[str, str], path: Path) -> None:
         ax.scatter(x, [f[p99] or 0 for f in figs], color="black", marker="_", s=400, label="p99", zorder=3)
         ax.set_title(f"{title}, lower is better")
         ax.legend()
-    for ax in axes:
-        ax.set_xticks(list(x), [labels[n] for n in names], rotation=25, ha="right", fontsize=8)
-    fig.suptitle(f"vllm serve {result['machine'].get('vllm')} + kvtier {result['machine'].get('kvtier_commit')}, "
-                 f"{result['machine'].get('num_cpus')} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

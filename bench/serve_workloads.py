@@ -67,10 +67,21 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
 
-def complete(host: str, port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300) -> Completion:
-    """One streamed greedy completion of exactly `max_tokens` tokens. Raises OSError/RuntimeError."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "return_token_ids": True})
+def completion_body(model: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
+    """The `/v1/completions` body `complete` sends; `kv_transfer_params` (e.g. kvtier's retention
+    hint, `session_hint`) goes in as the OpenAI body's field of that name when given."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def complete(host: str, port: int, model: str, prompt: list[int], max_tokens: int, timeout_s: float = 300,
+             kv_transfer_params: dict | None = None) -> Completion:
+    """One streamed greedy completion of exactly `max_tokens` tokens (`completion_body`).
+    Raises OSError/RuntimeError."""
+    body = json.dumps(completion_body(model, prompt, max_tokens, kv_transfer_params))
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         start = time.perf_counter()
@@ -160,6 +171,28 @@ def prefix_counters(text: str) -> dict[str, float]:
                 continue
             source = sample.labels.get("source")
             key = base + (f"[{source}]" if source else "")
+            counters[key] = counters.get(key, 0.0) + float(sample.value)
+    return counters
+
+
+KVTIER_FAMILIES = ("kvtier_hits", "kvtier_stores", "kvtier_evictions", "kvtier_hints", "kvtier_hints_read",
+                   "kvtier_hints_refused", "kvtier_vllm_prompt_blocks", "kvtier_load_skipped_blocks")
+
+
+def kvtier_counters_of(text: str) -> dict[str, float]:
+    """The `KVTIER_FAMILIES` counters of kvtier's metrics page, summed over ranks, each other label
+    kept as `name_total[value]` (`kvtier_hints_total[applied]`, `kvtier_hits_total[dram]`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in KVTIER_FAMILIES:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            labels = [v for k, v in sorted(sample.labels.items()) if k != "rank"]
+            key = sample.name + (f"[{','.join(labels)}]" if labels else "")
             counters[key] = counters.get(key, 0.0) + float(sample.value)
     return counters
 
@@ -261,6 +294,8 @@ def outputs_of(run: dict) -> dict[str, object]:
         out[f"prefix{i}"] = text
     for key, tokens in run.get("chat_tokens", {}).items():
         out[f"chat-{key}"] = tokens
+    for key, tokens in run.get("hints_chat_tokens", {}).items():
+        out[f"chat-hints-{key}"] = tokens
     for i, tokens in enumerate(run.get("miss_tokens", [])):
         out[f"miss{i}"] = tokens
     for i, text in enumerate(run.get("random", {}).get("texts", [])):
