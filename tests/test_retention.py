@@ -136,13 +136,30 @@ def test_session_bounds_are_counted():
     m.apply_hint([1, 2, 3], session="a", now=0)
     assert m.stats.hints["session_blocks_over"] == 1
     m.apply_hint([1], session="b", now=0)
-    m.apply_hint([2], session="c", now=0)
-    assert m.stats.hints["refused:too_many_sessions"] == 1
-    m.apply_hint([1, 2, 3], session="a", closed=True, now=1)
-    m.apply_hint([1], session="b", closed=True, now=1)
+    m.apply_hint([1], session="a", now=1)  # a is now the more recently used of the two
+    m.apply_hint([2], session="c", now=2)  # a third: b, the least recently used, is forgotten
+    assert m.stats.hints["sessions_forgotten"] == 1 and m._hints.num_sessions == 2
+    m.apply_hint([1, 2, 3], session="a", closed=True, now=3)
+    m.apply_hint([2], session="c", closed=True, now=3)
+    m.apply_hint([1], session="b", closed=True, now=3)  # b comes back, forgotten: a new session that closes
+    assert m.stats.hints["closed"] == 3
     m.store_now([4, 5, 6, 7, 8, 9])
-    # 1 is doomed (a and b closed); 2 was used by the refused session c (unhinted), 3 was over a's bound
-    assert m.stats.hints["doomed_evicted"] == 1 and m.where(1) is None
+    # 2 is doomed (a and c closed); 1 was listed by the forgotten b (unhinted from then on), 3 was
+    # over a's bound
+    assert m.stats.hints["doomed_evicted"] == 1 and m.where(2) is None and m.where(1) is not None
+
+
+def test_clients_that_never_close_cannot_shut_hints_off_for_new_sessions():
+    m = manager(8, limits=HintLimits(max_sessions=100))
+    m.store_now(range(8))
+    for i in range(100_000):  # sessions opened and abandoned
+        m.apply_hint([i % 4], session=f"abandoned-{i}", now=i)
+    assert m._hints.num_sessions == 100 and m.stats.hints["sessions_forgotten"] == 100_000 - 100
+    m.apply_hint([6], session="new", now=100_000)
+    m.apply_hint([6], session="new", closed=True, now=100_001)
+    m.store_now([8])
+    assert m.where(6) is None, "a new session's close still dooms its block first"
+    assert all(m.where(k) is not None for k in range(4)), "what forgotten sessions used is not doomed"
 
 
 @pytest.mark.parametrize(("fields", "reason"), [

@@ -23,8 +23,9 @@ Two rules follow, both applied by the manager's eviction and nothing else:
   (`over_budget`), and the last tier always has victims. Only blocks in the index are retained.
 
 Bookkeeping is per key (`HintBook`), not per block id: a session must remember blocks that have left
-the index and may come back. It is bounded: `max_sessions` open sessions (a new one past that is
-refused and counted) and `max_session_blocks` per session (excess blocks are counted and treated as
+the index and may come back. It is bounded: `max_sessions` open sessions (past that, the least recently
+used session is forgotten and counted, its blocks treated as unhinted: clients that never close
+cannot shut hints off for new sessions) and `max_session_blocks` per session (excess blocks are counted and treated as
 unhinted, so that no close can doom them while that request may still need them).
 
 Clock: the manager's `now` is whatever the caller passes (seconds; trace time in the simulator);
@@ -57,7 +58,7 @@ class HintLimits:
     """Bounds on what hints may hold (config: `hints.*`).
 
     Attributes:
-        max_sessions: open sessions tracked at once; a new one past that is refused.
+        max_sessions: open sessions tracked at once; past that the least recently used is forgotten.
         max_session_blocks: blocks one session may list; more are treated as unhinted.
         retain_fraction_per_tenant: a tenant's retained blocks, as a share of the last tier's slots.
         retain_fraction: all tenants' retained blocks together, as a share of the last tier's slots.
@@ -145,13 +146,12 @@ class HintBook:
         if session is None:
             self._unhinted.update(keys)
             return
-        listed = self._sessions.get(session)
+        listed = self._sessions.pop(session, None)  # back in last: sessions in order of last use
         if listed is None:
+            listed = set()
             if len(self._sessions) >= self.limits.max_sessions:
-                self._counts["refused:too_many_sessions"] += 1
-                self._unhinted.update(keys)
-                return
-            listed = self._sessions[session] = set()
+                self._forget_oldest_session()
+        self._sessions[session] = listed
         refs, cap = self._refs, self.limits.max_session_blocks
         for key in keys:
             if key in listed:
@@ -162,6 +162,22 @@ class HintBook:
                 continue
             listed.add(key)
             refs[key] = refs.get(key, 0) + 1
+
+    def _forget_oldest_session(self) -> None:
+        """Makes room for a new session: the least recently used one is forgotten (a client that
+        never said it closed), its keys counted as used without a session, so that no later close
+        can doom what it may still come back for. A table full of abandoned sessions thus never
+        shuts hints off for new ones."""
+        listed = self._sessions.pop(next(iter(self._sessions)))
+        refs = self._refs
+        for key in listed:
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+        self._unhinted.update(listed)
+        self._counts["sessions_forgotten"] += 1
 
     def close(self, session: str) -> list[Hashable]:
         """Ends `session`; returns its keys that are doomed now (no open session, no unhinted use)."""

@@ -154,11 +154,12 @@ class HintArrays:
         now_s: float64, per request: the manager's clock for its hint (`timestamp_ms / 1000`).
         retain_s: float64, per request: its `retain_s`, 0 for none.
         ids: int32 block ids, per request three runs back to back: the blocks it used without a
-            session (`use` with none, a session refused, or past `max_session_blocks`), the blocks
-            its session lists for the first time, and, where it closes an open session, every
-            block that session listed, in the order `HintBook.close` visits them.
+            session (`use` with none, past `max_session_blocks`, or of a session forgotten), the blocks
+            its session lists for the first time, and the blocks no session lists any more: those
+            of a session forgotten to make room for its own, then, where it closes an open
+            session, every block that session listed, in the order `HintBook.close` visits them.
         offsets: int64, 3 per request + 1: where those runs start in `ids`.
-        counts: the hint counters settled here ("applied", "closed", "refused:too_many_sessions",
+        counts: the hint counters settled here ("applied", "closed", "sessions_forgotten",
             "session_blocks_over"), nonzero ones only.
     """
 
@@ -194,11 +195,13 @@ def hint_arrays(requests: Sequence, arrays: TraceArrays, limits: HintLimits) -> 
         length = int(lengths[i])
         keys, blocks = r.hash_ids[:length], ids[starts[i]:starts[i] + length].tolist()
         dense.update(zip(keys, blocks))
-        unhinted, listed = _use(sessions, r.session, keys, limits, counts)
+        unhinted, listed, forgotten = _use(sessions, r.session, keys, limits, counts)
+        out.extend(dense[k] for k in forgotten)  # a forgotten session's keys: unhinted from now on
         out.extend(dense[k] for k in unhinted)
         offsets.append(len(out))
         out.extend(dense[k] for k in listed)
         offsets.append(len(out))
+        out.extend(dense[k] for k in forgotten)  # ... and no longer listed (never doomed: unhinted)
         ended = sessions.pop(r.session, None) if r.closed else None
         if ended is not None:
             counts["closed"] = counts.get("closed", 0) + 1
@@ -213,17 +216,20 @@ def hint_arrays(requests: Sequence, arrays: TraceArrays, limits: HintLimits) -> 
 
 
 def _use(sessions: dict[str, set], session: str | None, keys: Sequence, limits: HintLimits,
-         counts: dict[str, int]) -> tuple[Sequence, list]:
-    """`HintBook.use` of `keys` in `session`: returns the keys used without a session and those
-    the session lists for the first time, counting what the book counts."""
+         counts: dict[str, int]) -> tuple[Sequence, list, Sequence]:
+    """`HintBook.use` of `keys` in `session`: returns the keys used without a session, those the
+    session lists for the first time, and those of a session forgotten to make room for it (in
+    the order the book's set of them gives), counting what the book counts."""
     if session is None:
-        return keys, []
-    listed = sessions.get(session)
+        return keys, [], ()
+    forgotten: Sequence = ()
+    listed = sessions.pop(session, None)  # back in last: sessions in order of last use
     if listed is None:
+        listed = set()
         if len(sessions) >= limits.max_sessions:
-            counts["refused:too_many_sessions"] = counts.get("refused:too_many_sessions", 0) + 1
-            return keys, []
-        listed = sessions[session] = set()
+            forgotten = sessions.pop(next(iter(sessions)))
+            counts["sessions_forgotten"] = counts.get("sessions_forgotten", 0) + 1
+    sessions[session] = listed
     unhinted, fresh = [], []
     for key in keys:
         if key in listed:
@@ -234,7 +240,7 @@ def _use(sessions: dict[str, set], session: str | None, keys: Sequence, limits: 
             continue
         listed.add(key)
         fresh.append(key)
-    return unhinted, fresh
+    return unhinted, fresh, forgotten
 
 
 @dataclass(frozen=True, slots=True)
