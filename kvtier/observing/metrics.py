@@ -63,7 +63,7 @@ class RuntimeCollector:
         yield _by_label("kvtier_prefetch", "Prefetched blocks by outcome", "outcome", snap["prefetch"])
         yield _by_label("kvtier_hints", "Retention hints by outcome: applied, refused:<reason>, disabled; and "
                         "blocks over_budget (not retained: the tenant's budget was spent), session_blocks_over, "
-                        "doomed_evicted; sessions closed", "outcome", snap.get("hints", {}))
+                        "doomed_evicted; sessions closed and sessions_forgotten", "outcome", snap.get("hints", {}))
         yield _by_label("kvtier_tier_failures", "Times a tier was taken out of service", "tier", snap["tier_failures"])
         yield _by_label("kvtier_tier_recoveries", "Times a tier came back after a probe", "tier",
                         snap["tier_recoveries"])

@@ -87,7 +87,8 @@ class Stats:
     shared: Counter = field(default_factory=Counter)
     # Retention hints (`TierManager.apply_hint`): "applied", "refused:<reason>", "over_budget"
     # (blocks a retain_s left unprotected: the tenant's budget was spent), "session_blocks_over"
-    # (blocks past a session's bound), "closed" (sessions closed), "doomed_evicted" (victims taken
+    # (blocks past a session's bound), "closed" (sessions closed), "sessions_forgotten" (least
+    # recently used sessions dropped to make room for new ones), "doomed_evicted" (victims taken
     # first because every session that used them had closed)
     hints: Counter = field(default_factory=Counter)
     # (src, dst) -> [count per bucket of TRANSFER_BUCKETS_S, +inf], per block, submit to landed
