@@ -59,6 +59,7 @@ class Subscriber:
         self.port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self.batches: list[tuple[int, object]] = []  # (seq, KVEventBatch), in arrival order
+        self.payloads: list[bytes] = []  # the same batches as published (what a router reads)
         self.changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -71,6 +72,7 @@ class Subscriber:
             _, seq, payload = self._sock.recv_multipart()
             with self.changed:
                 self.batches.append((int.from_bytes(seq, "big"), self._decode(payload)))
+                self.payloads.append(payload)
                 self.changed.notify_all()
 
     def events(self) -> list:
@@ -142,8 +144,8 @@ def served(tmp_path_factory) -> dict:
     finally:
         server.stop()
         subscriber.close()
-    return {"events": subscriber.events(), "batches": subscriber.batches, "metrics": metrics,
-            "log": server.log(), "spilled": spilled}
+    return {"events": subscriber.events(), "batches": subscriber.batches, "payloads": subscriber.payloads,
+            "metrics": metrics, "log": server.log(), "spilled": spilled}
 
 
 def test_kvtier_publishes_stores_in_dram_then_ssd_under_vllms_own_hashes(served):
@@ -218,6 +220,28 @@ def test_every_batch_arrives_in_sequence_and_the_counters_match_what_was_publish
             assert 0 < len(_hashes(_kvtier(events, kind, medium))) <= published
     assert _summed(metrics, "kvtier_kv_events_dropped_total") == 0
     assert any("kvtier: publishing its blocks as vLLM KV events" in line for line in served["log"].splitlines())
+
+
+def test_a_router_reading_the_stream_still_finds_prefixes_when_the_gpu_cache_is_gone(served):
+    """What the events are for: fed the published batches, a router's index (kvtier.integrations.router)
+    matches prompts block by block; once vLLM's GPU cache is cleared, the prefixes kvtier still
+    holds are found through kvtier's own events, at its tiers' weights."""
+    from kvtier.integrations.router import DEFAULT_WEIGHTS, PrefixIndex
+
+    index = PrefixIndex()
+    for payload in served["payloads"]:
+        index.apply("pod-a", payload)
+    assert all(index.score("pod-a", p, BLOCK_TOKENS) > 0 for p in PROMPTS[-1:]), "the last prompt is on the GPU"
+    index.apply_events("pod-a", [{"type": "AllBlocksCleared"}])
+    found = {i: index.prefix_hashes("pod-a", p, BLOCK_TOKENS) for i, p in enumerate(PROMPTS)}
+    assert any(found.values()), "kvtier holds some prompt's first blocks after the GPU let them go"
+    held = {m: set(_hashes(_kvtier(served["events"], "BlockStored", m))) for m in ("CPU", "STORAGE")}
+    for i, hashes in found.items():
+        for h in hashes:
+            media = index.media("pod-a", h)
+            assert media and media <= {"CPU", "STORAGE"} and all(h in held[m] for m in media)
+        assert index.score("pod-a", PROMPTS[i], BLOCK_TOKENS) == pytest.approx(
+            sum(max(DEFAULT_WEIGHTS[m] for m in index.media("pod-a", h)) for h in hashes))
 
 
 # ---- the pool tier: the node publishes the blocks the engine wrote, under vLLM's hashes -----------
