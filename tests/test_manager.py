@@ -40,14 +40,18 @@ def make_manager(sizes=(2, 3, 4), policy=PolicyKind.LRU, mode=CacheMode.EXCLUSIV
     return TierManager(tiers, mode=mode, promote_to=promote_to)
 
 
+# The machine's set-up draws (a subclass that extends `setup` repeats its decorator with these).
+MACHINE_SETUP = dict(policy=st.sampled_from(list(PolicyKind)), mode=st.sampled_from(list(CacheMode)),
+                     sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5)),
+                     marks=st.sampled_from([(1.0, 1.0), (0.75, 0.5), (0.5, 0.25)]),
+                     admission=st.sampled_from(list(AdmissionKind)),
+                     pool=st.sampled_from([None, (2, False), (3, True)]))
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Random stores, loads, prefetches, pins and out-of-order completions (some failing)."""
 
-    @initialize(policy=st.sampled_from(list(PolicyKind)), mode=st.sampled_from(list(CacheMode)),
-                sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5)),
-                marks=st.sampled_from([(1.0, 1.0), (0.75, 0.5), (0.5, 0.25)]),
-                admission=st.sampled_from(list(AdmissionKind)),
-                pool=st.sampled_from([None, (2, False), (3, True)]))
+    @initialize(**MACHINE_SETUP)
     def setup(self, policy, mode, sizes, marks, admission, pool):
         self.m = make_manager(sizes, policy, mode, *marks, admission=AdmissionRule(admission), pool=pool)
         self.data: dict[tuple[TierKind, int], int] = {}

@@ -17,11 +17,9 @@ from kvtier.deciding.index import CopyState
 from kvtier.deciding.residency import REMOVED, STORED, ResidencyLog
 from kvtier.errors import ConfigError
 from kvtier.observing.stats import DropReason
-from kvtier.policy import PolicyKind
-from kvtier.policy.admission import AdmissionKind, AdmissionRule
 from kvtier.tiers.base import TierKind
 
-from test_manager import KEYS, ManagerMachine, make_manager
+from test_manager import KEYS, MACHINE_SETUP, ManagerMachine, make_manager
 from test_resident import _load, _store
 
 H, D, P, S = TierKind.HBM, TierKind.DRAM, TierKind.POOL, TierKind.SSD
@@ -57,11 +55,7 @@ class Replay:
 class ResidencyMachine(ManagerMachine):
     """ManagerMachine with a residency log set from the start, and the shared tier's verbs."""
 
-    @initialize(policy=st.sampled_from(list(PolicyKind)), mode=st.sampled_from(list(CacheMode)),
-                sizes=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5)),
-                marks=st.sampled_from([(1.0, 1.0), (0.75, 0.5), (0.5, 0.25)]),
-                admission=st.sampled_from(list(AdmissionKind)),
-                pool=st.sampled_from([None, (2, False), (3, True)]))
+    @initialize(**MACHINE_SETUP)
     def setup(self, policy, mode, sizes, marks, admission, pool):
         super().setup(policy, mode, sizes, marks, admission, pool)
         self.log = ResidencyLog(1 << 20)
