@@ -90,11 +90,11 @@ def check_hint(session: object, retain_s: object, closed: object, limits: HintLi
     if session is not None and (not isinstance(session, str) or not 1 <= len(session) <= MAX_SESSION_CHARS
                                 or not session.isascii() or not session.isprintable()):
         raise HintError("bad_session", f"session must be 1-{MAX_SESSION_CHARS} printable ASCII characters, "
-                                       f"got {session!r}")
+                                       f"got {session!r:.60}")  # a client's string: bounded in logs
     if retain_s is not None and (not _is_number(retain_s) or not 0 < retain_s <= limits.max_retain_s):
-        raise HintError("bad_retain_s", f"retain_s must be a number in (0, {limits.max_retain_s:g}], got {retain_s!r}")
+        raise HintError("bad_retain_s", f"retain_s must be a number in (0, {limits.max_retain_s:g}], got {retain_s!r:.60}")
     if not isinstance(closed, bool):
-        raise HintError("bad_closed", f"closed must be true or false, got {closed!r}")
+        raise HintError("bad_closed", f"closed must be true or false, got {closed!r:.60}")
     if closed and session is None:
         raise HintError("closed_without_session", "closed needs the session it closes")
 

@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from kvtier.deciding.retention import HintError, HintLimits, check_hint
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "kvtier"
-MAX_SESSION_CHARS = 128
 
 
 class HintRefusal(str, Enum):
@@ -84,37 +85,14 @@ def parse_hint(params: object, *, max_retain_s: float, session_id: str | None = 
                           "known: 'retain_s', 'session', 'closed'")
     if not body:
         raise HintRefused(HintRefusal.EMPTY, f"the {NAMESPACE!r} hint is empty")
-    session = _session(body.get("session", session_id), "session" in body)
-    retain_s = _retain_s(body.get("retain_s"), max_retain_s)
-    closed = body.get("closed", False)
-    if not isinstance(closed, bool):
-        raise HintRefused(HintRefusal.BAD_CLOSED, f"hint field 'closed' must be true or false, not {closed!r}")
-    if closed and session is None:
-        raise HintRefused(HintRefusal.CLOSED_WITHOUT_SESSION, "hint 'closed' needs a 'session' to close")
-    return RetentionHint(session, retain_s, closed)
-
-
-def _session(value: object, given: bool) -> str | None:
-    if value is None:
-        if given:
-            raise HintRefused(HintRefusal.BAD_SESSION, "hint field 'session' is null")
-        return None
-    if (not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS
-            or not value.isascii() or not value.isprintable()):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise HintRefused(HintRefusal.BAD_SESSION,
-                          f"hint field 'session' must be 1-{MAX_SESSION_CHARS} printable ASCII characters, not {shown}")
-    return value
-
-
-def _retain_s(value: object, max_retain_s: float) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 < value <= max_retain_s:
-        raise HintRefused(HintRefusal.BAD_RETAIN_S,
-                          f"hint field 'retain_s' must be a number of seconds in (0, {max_retain_s:g}], not {value!r}")
-    return float(value)
+    if "session" in body and body["session"] is None:
+        raise HintRefused(HintRefusal.BAD_SESSION, "hint field 'session' is null")
+    session, retain_s, closed = body.get("session", session_id), body.get("retain_s"), body.get("closed", False)
+    try:  # the manager's own check of the values (`retention.check_hint`), its reasons ours
+        check_hint(session, retain_s, closed, HintLimits(max_retain_s=max_retain_s))
+    except HintError as e:
+        raise HintRefused(HintRefusal(e.reason), str(e)) from None
+    return RetentionHint(session, None if retain_s is None else float(retain_s), closed)
 
 
 class HintReader:
